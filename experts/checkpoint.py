@@ -1,0 +1,97 @@
+"""Read tensors from a Hugging Face checkpoint folder by their on-disk names.
+
+Only `safetensors` is supported: it lets an expert actor open the files lazily and read exactly the tensors of
+the shards it hosts (memory-mapped, one tensor at a time), never the whole file.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from .config import MoEModelConfig, load_model_config
+from .errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointReader:
+    """Maps tensor names to the `.safetensors` file that holds them, and reads them one by one."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise CheckpointError(f"{self.model_dir}: model folder does not exist")
+        self.config: MoEModelConfig = load_model_config(self.model_dir)
+        self._where: dict[str, Path] = self._index()
+
+    def _index(self) -> dict[str, Path]:
+        index = self.model_dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a valid safetensors index (key 'weight_map')") from exc
+            where = {key: self.model_dir / name for key, name in weight_map.items()}
+            for path in set(where.values()):
+                if not path.is_file():
+                    raise CheckpointError(f"{index}: shard file {path.name} listed in 'weight_map' is missing")
+            return where
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.model_dir}: no *.safetensors files (and no {INDEX_FILE})")
+        where: dict[str, Path] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    where[key] = path
+        return where
+
+    def has(self, key: str) -> bool:
+        return key in self._where
+
+    def file_of(self, key: str) -> Path:
+        if key not in self._where:
+            files = sorted({p.name for p in self._where.values()})
+            raise CheckpointError(f"{self.model_dir}: tensor '{key}' is missing (searched {', '.join(files)})")
+        return self._where[key]
+
+    def read(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One tensor by name; `shape`, when given, is checked so a wrong config fails here, naming file and key."""
+        return self.read_many({key: shape})[key]
+
+    def read_many(
+        self, wanted: dict[str, tuple[int, ...] | None], progress: str | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Tensors by name, grouped per file so each file is opened once. Shows a progress bar on a terminal."""
+        by_file: dict[Path, list[str]] = {}
+        for key in wanted:
+            by_file.setdefault(self.file_of(key), []).append(key)
+        out: dict[str, torch.Tensor] = {}
+        bar = tqdm(
+            total=len(wanted), desc=progress or "loading weights", unit="tensor",
+            disable=progress is None or not sys.stderr.isatty(), leave=False,
+        )
+        with bar:
+            for path, keys in by_file.items():
+                with safe_open(str(path), framework="pt") as handle:
+                    for key in keys:
+                        tensor = handle.get_tensor(key)
+                        expected = wanted[key]
+                        if expected is not None and tuple(tensor.shape) != tuple(expected):
+                            raise CheckpointError(
+                                f"{path}: tensor '{key}' has shape {tuple(tensor.shape)}, "
+                                f"expected {tuple(expected)} from config.json"
+                            )
+                        out[key] = tensor
+                        bar.update(1)
+        return out
+
+    def keys(self) -> Iterable[str]:
+        return self._where.keys()

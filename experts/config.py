@@ -1,0 +1,199 @@
+"""One validated description of an MoE checkpoint, read from its Hugging Face `config.json`.
+
+Three families share one decoder shape (RMSNorm, RoPE attention with GQA, SwiGLU experts) and differ in a
+handful of switches, so one dataclass with those switches is clearer than three model classes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CheckpointError
+
+# HF architecture name -> our family name.
+ARCHITECTURES = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "OlmoeForCausalLM": "olmoe",
+}
+MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe"}
+SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
+
+
+@dataclass(frozen=True)
+class MoEModelConfig:
+    family: str  # "mixtral" | "qwen2_moe" | "olmoe"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool  # renormalise the top-k gate weights to sum to 1
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2-MoE: q/k/v projections carry a bias
+    qk_norm: bool = False  # OLMoE: RMSNorm over the projected q and k
+    clip_qkv: float | None = None  # OLMoE
+    sliding_window: int | None = None  # Mixtral / Qwen2-MoE layers marked "sliding_attention"
+    sliding_layers: tuple[int, ...] = ()
+    # Qwen2-MoE only
+    dense_intermediate_size: int = 0  # MLP size of the non-sparse layers
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = field(default=())  # layers with a sparse MoE block; others are dense MLP
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.family == "qwen2_moe" and self.shared_expert_intermediate_size > 0
+
+    def expert_param_count(self) -> int:
+        """Parameters of one expert FFN (gate, up, down)."""
+        return 3 * self.hidden_size * self.expert_intermediate_size
+
+
+def load_model_config(model_dir: str | Path) -> MoEModelConfig:
+    """Read and validate `config.json`; the error names the file and the offending key."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no config.json in the model folder")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    return config_from_dict(raw, source=str(path))
+
+
+def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
+    family = _family(raw, source)
+
+    def need(key: str, kind: type = int):
+        if key not in raw or raw[key] is None:
+            raise CheckpointError(f"{source}: missing key '{key}' required for {family}")
+        value = raw[key]
+        if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise CheckpointError(f"{source}: key '{key}' must be a positive integer, got {value!r}")
+        return value
+
+    hidden = need("hidden_size")
+    heads = need("num_attention_heads")
+    layers = need("num_hidden_layers")
+    kv_heads = raw.get("num_key_value_heads") or heads
+    head_dim = raw.get("head_dim") or hidden // heads
+    if heads % kv_heads:
+        raise CheckpointError(
+            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise CheckpointError(
+            f"{source}: key 'hidden_act'={act!r} is not supported (use one of {SUPPORTED_ACTIVATIONS})"
+        )
+
+    common = dict(
+        family=family,
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        top_k=need("num_experts_per_tok"),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(raw, source),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        hidden_act=act,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=_single_id(raw.get("bos_token_id")),
+        eos_token_id=_single_id(raw.get("eos_token_id")),
+    )
+    all_layers = tuple(range(layers))
+    if family == "mixtral":
+        cfg = MoEModelConfig(
+            **common,
+            num_experts=need("num_local_experts"),
+            expert_intermediate_size=need("intermediate_size"),
+            norm_topk_prob=True,
+            sliding_window=raw.get("sliding_window"),
+            sliding_layers=all_layers if raw.get("sliding_window") else (),
+            moe_layers=all_layers,
+        )
+    elif family == "qwen2_moe":
+        step = raw.get("decoder_sparse_step", 1) or 1
+        mlp_only = set(raw.get("mlp_only_layers") or [])
+        experts = need("num_experts")
+        moe_layers = tuple(i for i in all_layers if i not in mlp_only and experts > 0 and (i + 1) % step == 0)
+        layer_types = raw.get("layer_types") or []
+        sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        cfg = MoEModelConfig(
+            **common,
+            num_experts=experts,
+            expert_intermediate_size=need("moe_intermediate_size"),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            attention_bias=bool(raw.get("qkv_bias", True)),
+            sliding_window=raw.get("sliding_window") if sliding else None,
+            sliding_layers=sliding,
+            dense_intermediate_size=int(raw.get("intermediate_size") or 0),
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+            moe_layers=moe_layers,
+        )
+    else:  # olmoe
+        cfg = MoEModelConfig(
+            **common,
+            num_experts=need("num_experts"),
+            expert_intermediate_size=need("intermediate_size"),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            qk_norm=True,
+            clip_qkv=raw.get("clip_qkv"),
+            moe_layers=all_layers,
+        )
+    if cfg.top_k > cfg.num_experts:
+        raise CheckpointError(
+            f"{source}: num_experts_per_tok={cfg.top_k} exceeds the number of experts ({cfg.num_experts})"
+        )
+    if cfg.family == "qwen2_moe" and len(cfg.moe_layers) < cfg.num_layers and cfg.dense_intermediate_size <= 0:
+        raise CheckpointError(f"{source}: key 'intermediate_size' is needed for the dense (mlp_only) layers")
+    return cfg
+
+
+def _family(raw: dict, source: str) -> str:
+    archs = raw.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    model_type = raw.get("model_type")
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    raise CheckpointError(
+        f"{source}: unsupported architecture {archs or model_type!r} (key 'architectures'); "
+        f"supported: {sorted(ARCHITECTURES)}"
+    )
+
+
+def _rope_theta(raw: dict, source: str) -> float:
+    # transformers >= 5 nests RoPE settings under `rope_parameters`; older checkpoints use `rope_theta`/`rope_scaling`.
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise CheckpointError(f"{source}: key 'rope_parameters.rope_type'={rope_type!r} is not supported yet")
+    return float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+
+
+def _single_id(value) -> int | None:
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value

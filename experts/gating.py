@@ -1,0 +1,95 @@
+"""Top-k gating: softmax over the router logits, top-k with deterministic tie-breaking, optional renormalisation,
+and an optional per-expert capacity that moves overflow to each token's next-best expert with room.
+
+Pure torch; no Ray. The router and the in-process reference share it, so they route identically.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DROPPED = -1  # expert id of a slot that found no expert with room (capacity on, every candidate full)
+
+
+@dataclass(frozen=True)
+class Routing:
+    experts: torch.Tensor  # [T, k] int64 expert ids; DROPPED where a slot was dropped
+    weights: torch.Tensor  # [T, k] float32 combine weights; 0 for dropped slots
+    rerouted: int = 0  # slots sent to a lower-ranked expert because their choice was full
+    dropped: int = 0  # slots with no expert left
+
+    @property
+    def num_tokens(self) -> int:
+        return self.experts.shape[0]
+
+    def tokens_per_expert(self, num_experts: int) -> torch.Tensor:
+        """[E] int64: how many (token, slot) assignments each expert received."""
+        ids = self.experts[self.experts != DROPPED]
+        return torch.bincount(ids, minlength=num_experts)
+
+
+def preference_order(probs: torch.Tensor) -> torch.Tensor:
+    """[T, E] probs -> [T, E] expert ids, best first. Equal probabilities keep the lower expert id first.
+
+    A stable descending sort gives that tie-break; torch.topk promises no order among ties.
+    """
+    return torch.sort(probs, dim=-1, descending=True, stable=True).indices
+
+
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    capacity_factor: float | None = None,
+) -> Routing:
+    """router_logits: [T, E] -> Routing over k slots per token.
+
+    capacity_factor None (default) never drops or moves a token. Otherwise each expert takes at most
+    ceil(capacity_factor * T * k / E) slots per call; slots are filled rank by rank (every token's first choice before
+    any second choice), tokens in order, so the result does not depend on anything but the logits.
+    """
+    assert router_logits.dim() == 2, "router_logits must be [T, E]"
+    num_tokens, num_experts = router_logits.shape
+    assert 0 < top_k <= num_experts, f"top_k={top_k} must be in 1..{num_experts}"
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    order = preference_order(probs)  # [T, E]
+    if capacity_factor is None:
+        experts = order[:, :top_k].contiguous()  # [T, k]
+        rerouted = dropped = 0
+    else:
+        if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+            raise ValueError(f"capacity_factor must be a positive finite number, got {capacity_factor}")
+        capacity = max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+        experts, rerouted, dropped = _fill_with_capacity(order, top_k, capacity)
+    weights = torch.gather(probs, 1, experts.clamp(min=0))  # [T, k]
+    weights = torch.where(experts == DROPPED, torch.zeros_like(weights), weights)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
+    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped)
+
+
+def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, int, int]:
+    num_tokens, num_experts = order.shape
+    prefs = order.tolist()
+    load = [0] * num_experts
+    chosen: list[list[int]] = [[] for _ in range(num_tokens)]
+    dropped = 0
+    for _rank in range(top_k):
+        for t in range(num_tokens):
+            taken = chosen[t]
+            pick = DROPPED
+            for e in prefs[t]:
+                if e not in taken and load[e] < capacity:
+                    pick = e
+                    break
+            if pick == DROPPED:
+                dropped += 1
+            else:
+                load[pick] += 1
+            taken.append(pick)
+    # A slot is rerouted when its expert is outside the token's uncapped top-k.
+    rerouted = sum(e != DROPPED and e not in prefs[t][:top_k] for t in range(num_tokens) for e in chosen[t])
+    return torch.tensor(chosen, dtype=torch.int64).reshape(num_tokens, top_k), rerouted, dropped

@@ -1,0 +1,184 @@
+"""The decoder of the supported MoE families, in one readable file, with the routed experts behind an interface.
+
+`MoEDecoder` runs embeddings, attention (RoPE, GQA, optional q/k norm, sliding window) with a per-sequence KV cache,
+norms, gates and the dense/shared MLPs. The routed experts of each MoE layer are an `ExpertBackend`: in process for
+the reference model, Ray actors for the router. Same dense code on both paths, so a difference between them can
+only come from the experts' dispatch.
+
+Sequences are flattened into one token axis ([T, H]) for every matmul and every expert call; only the attention core
+runs per sequence, so sequences of different lengths (and positions) share a step without padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .config import MoEModelConfig
+from .ffn import activation, gated_mlp
+from .gating import Routing, route
+from .weights import AttentionWeights, DenseWeights
+
+
+class ExpertBackend(Protocol):
+    def run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """hidden: [T, H], routing over k slots -> sum_k weight * expert_k(hidden): [T, H]."""
+        ...
+
+
+@dataclass
+class KVCache:
+    """Keys and values of one sequence, per layer: [kvh, S, D]."""
+
+    keys: list[torch.Tensor | None]
+    values: list[torch.Tensor | None]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, num_layers: int) -> KVCache:
+        return cls(keys=[None] * num_layers, values=[None] * num_layers)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+
+
+@dataclass
+class StepTrace:
+    """What one forward routed, per MoE layer: kept for stats and tests (e.g. 'calls == experts hit')."""
+
+    routings: dict[int, Routing] = field(default_factory=dict)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MoEDecoder:
+    def __init__(
+        self,
+        cfg: MoEModelConfig,
+        weights: DenseWeights,
+        experts: ExpertBackend,
+        capacity_factor: float | None = None,
+    ):
+        self.cfg = cfg
+        self.w = weights
+        self.experts = experts
+        self.capacity_factor = capacity_factor
+        self.act = activation(cfg.hidden_act)
+        dim = cfg.head_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [D/2]
+        self.last_trace = StepTrace()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w.embed.dtype
+
+    def new_cache(self) -> KVCache:
+        return KVCache.empty(self.cfg.num_layers)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[torch.Tensor], caches: list[KVCache] | None = None) -> list[torch.Tensor]:
+        """tokens: per sequence, its new token ids [S_i]; caches (updated in place) hold what came before.
+        Returns per sequence logits [S_i, V] (float32)."""
+        cfg = self.cfg
+        if caches is None:
+            caches = [self.new_cache() for _ in tokens]
+        lengths = [int(t.numel()) for t in tokens]
+        starts = [c.length for c in caches]
+        ids = torch.cat([t.reshape(-1) for t in tokens])  # [T]
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])  # [T]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos, sin = emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]  # [T, 1, D]
+
+        trace = StepTrace()
+        x = F.embedding(ids, self.w.embed)  # [T, H]
+        for i, layer in enumerate(self.w.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            x = x + self._attention(i, layer.attention, h, cos, sin, lengths, starts, caches)
+            h = rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps)
+            if layer.router is not None:
+                routing = route(F.linear(h, layer.router), cfg.top_k, cfg.norm_topk_prob, self.capacity_factor)
+                trace.routings[i] = routing
+                mlp = self.experts.run(i, h, routing)
+                if layer.shared_expert is not None:
+                    gate = torch.sigmoid(F.linear(h, layer.shared_expert_gate))  # [T, 1]
+                    mlp = mlp + gate * gated_mlp(h, layer.shared_expert, self.act)
+            else:
+                mlp = gated_mlp(h, layer.dense_mlp, self.act)
+            x = x + mlp
+        for cache, n in zip(caches, lengths):
+            cache.length += n
+        self.last_trace = trace
+        x = rms_norm(x, self.w.final_norm, cfg.rms_norm_eps)
+        logits = F.linear(x, self.w.lm_head).float()  # [T, V]
+        return list(logits.split(lengths))
+
+    def _attention(
+        self,
+        layer: int,
+        w: AttentionWeights,
+        h: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lengths: list[int],
+        starts: list[int],
+        caches: list[KVCache],
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        q = F.linear(h, w.q, w.q_bias)  # [T, nh*D]
+        k = F.linear(h, w.k, w.k_bias)  # [T, kvh*D]
+        v = F.linear(h, w.v, w.v_bias)  # [T, kvh*D]
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, nh, D]
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, kvh, D]
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        window = cfg.sliding_window if layer in cfg.sliding_layers else None
+
+        outs = []
+        for q_s, k_s, v_s, start, cache in zip(
+            q.split(lengths), k.split(lengths), v.split(lengths), starts, caches
+        ):
+            k_new, v_new = k_s.transpose(0, 1), v_s.transpose(0, 1)  # [kvh, S, D]
+            if cache.keys[layer] is not None:
+                k_new = torch.cat([cache.keys[layer], k_new], dim=1)
+                v_new = torch.cat([cache.values[layer], v_new], dim=1)
+            cache.keys[layer], cache.values[layer] = k_new, v_new
+            mask = _attention_mask(q_s.shape[0], start, window)
+            out = F.scaled_dot_product_attention(
+                q_s.transpose(0, 1), k_new, v_new,  # [nh, S, D], [kvh, S+start, D]
+                attn_mask=mask, is_causal=mask is None and start == 0 and q_s.shape[0] > 1,
+                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+            )  # [nh, S, D]
+            outs.append(out.transpose(0, 1).reshape(q_s.shape[0], -1))
+        return F.linear(torch.cat(outs), w.o)  # [T, H]
+
+
+def _attention_mask(num_new: int, start: int, window: int | None) -> torch.Tensor | None:
+    """Boolean [S, start+S] mask (True = attend), or None when plain causal (or no) masking is exact."""
+    if window is None and (start == 0 or num_new == 1):
+        return None  # is_causal covers a fresh prefill; a single new token attends to everything before it
+    q_pos = torch.arange(start, start + num_new)[:, None]
+    k_pos = torch.arange(start + num_new)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= (q_pos - k_pos) < window
+    return mask

@@ -1,0 +1,1 @@
+"""Command line, benchmarks and the demo-model training script."""

@@ -1,0 +1,1 @@
+"""Protocol definitions and the generated gRPC package."""

@@ -1,0 +1,1 @@
+"""Router: dense model, gating, dispatch of tokens to expert actors, and the Python serving API."""
