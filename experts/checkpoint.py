@@ -93,5 +93,23 @@ class CheckpointReader:
                         bar.update(1)
         return out
 
+    def check_shapes(self, wanted: dict[str, tuple[int, ...]]) -> None:
+        """Check that every tensor exists with its expected shape, reading headers only (no tensor data).
+
+        The router runs this before it starts any actor, so a bad checkpoint fails in one clear error here
+        rather than in many actors.
+        """
+        by_file: dict[Path, list[str]] = {}
+        for key in wanted:
+            by_file.setdefault(self.file_of(key), []).append(key)
+        for path, keys in by_file.items():
+            with safe_open(str(path), framework="pt") as handle:
+                for key in keys:
+                    shape = tuple(handle.get_slice(key).get_shape())
+                    if shape != tuple(wanted[key]):
+                        raise CheckpointError(
+                            f"{path}: tensor '{key}' has shape {shape}, expected {tuple(wanted[key])} from config.json"
+                        )
+
     def keys(self) -> Iterable[str]:
         return self._where.keys()

@@ -31,6 +31,24 @@ def expert_tensor_names(cfg: MoEModelConfig, layer: int, expert: int) -> dict[st
     return {role: (prefix + name, shapes[role]) for role, name in names.items()}
 
 
+def expert_shard_names(cfg: MoEModelConfig, shards: list[Shard]) -> dict[str, tuple[int, ...]]:
+    """Every tensor name (-> expected shape) of `shards`."""
+    wanted: dict[str, tuple[int, ...]] = {}
+    for layer, expert in shards:
+        if not cfg.is_moe_layer(layer) or not 0 <= expert < cfg.num_experts:
+            raise ValueError(f"shard (layer={layer}, expert={expert}) does not exist in this model")
+        for name, shape in expert_tensor_names(cfg, layer, expert).values():
+            wanted[name] = shape
+    return wanted
+
+
+def check_checkpoint(reader: CheckpointReader) -> None:
+    """Every tensor the model needs exists with the right shape (headers only; no data is read)."""
+    cfg = reader.config
+    shards = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+    reader.check_shapes(dense_tensor_names(cfg) | expert_shard_names(cfg, shards))
+
+
 def load_expert_shards(
     reader: CheckpointReader,
     shards: list[Shard],
@@ -40,13 +58,7 @@ def load_expert_shards(
 ) -> dict[Shard, GatedMLPWeights]:
     """Read exactly the tensors of `shards` (nothing else is touched) and fuse each into GatedMLPWeights."""
     cfg = reader.config
-    wanted: dict[str, tuple[int, ...]] = {}
-    for layer, expert in shards:
-        if not cfg.is_moe_layer(layer) or not 0 <= expert < cfg.num_experts:
-            raise ValueError(f"shard (layer={layer}, expert={expert}) does not exist in this model")
-        for name, shape in expert_tensor_names(cfg, layer, expert).values():
-            wanted[name] = shape
-    tensors = reader.read_many(wanted, progress=progress)
+    tensors = reader.read_many(expert_shard_names(cfg, shards), progress=progress)
     out: dict[Shard, GatedMLPWeights] = {}
     for layer, expert in shards:
         names = expert_tensor_names(cfg, layer, expert)

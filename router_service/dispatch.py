@@ -7,6 +7,7 @@ uses, wiring the plan to a Transport.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -70,8 +71,10 @@ class RemoteExperts:
         self.table = table
         self.transport = transport
         self.calls_per_layer: dict[int, int] = {}  # of the most recent forward; tests check calls == actors hit
+        self.round_seconds = 0.0  # wall time spent in expert rounds since creation (benchmarks read it)
 
     def run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+        started = time.perf_counter()
         calls = plan_calls(layer, routing, self.table)
         handles = []
         for call in calls:
@@ -80,4 +83,6 @@ class RemoteExperts:
             handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, x))
         outputs = self.transport.gather(handles) if handles else []
         self.calls_per_layer[layer] = len(calls)
-        return combine(hidden, routing, calls, outputs)
+        result = combine(hidden, routing, calls, outputs)
+        self.round_seconds += time.perf_counter() - started
+        return result

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tqdm import tqdm
 
 from ..cluster.naming import NAMESPACE, expert_actor_name
 from ..cluster.placement import ActorSlot, NodeResources, plan_actor_slots
@@ -26,7 +28,7 @@ from ..experts.actor import ExpertActor
 from ..experts.checkpoint import CheckpointReader
 from ..experts.modeling import KVCache, MoEDecoder
 from ..experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
-from ..experts.weights import Shard, load_dense_weights
+from ..experts.weights import Shard, check_checkpoint, load_dense_weights
 from .dispatch import RemoteExperts
 from .transport import RayRefTransport
 
@@ -88,6 +90,7 @@ class ExpertMesh:
         self.reader = CheckpointReader(model_dir)
         self.model_config = self.reader.config
         self.tokenizer = load_tokenizer(model_dir)
+        check_checkpoint(self.reader)  # fail here, naming file and key, before any actor starts
         self._owns_ray = False
         self._connect()
         self.actor_shards = self._actor_groups()
@@ -147,12 +150,15 @@ class ExpertMesh:
             ).remote(slot.name, model_dir, self.actor_shards[slot.name], self.config.dtype)
         pending = {handles[s.name].ready.remote(): s.name for s in slots}
         deadline = time.monotonic() + self.config.actor_start_timeout_s
+        bar = tqdm(total=len(pending), desc="expert actors ready", unit="actor", leave=False,
+                   disable=not sys.stderr.isatty())
         while pending:
             done, _ = ray.wait(list(pending), num_returns=len(pending),
                                timeout=max(0.0, deadline - time.monotonic()))
             for ref in done:
-                ray.get(ref)  # raises the actor's own error (e.g. a CheckpointError naming file and key)
+                ray.get(ref)  # raises the actor's own error
                 pending.pop(ref)
+                bar.update(1)
             if pending and time.monotonic() >= deadline:
                 for handle in handles.values():
                     ray.kill(handle)
@@ -160,6 +166,7 @@ class ExpertMesh:
                     f"expert actors not ready after {self.config.actor_start_timeout_s:.0f}s: "
                     f"{sorted(pending.values())} (not enough CPU/GPU in the cluster?)"
                 )
+        bar.close()
         return handles
 
     def shutdown(self) -> None:

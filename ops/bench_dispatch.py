@@ -1,0 +1,180 @@
+"""`expertmesh bench dispatch`: tokens/s of the distributed forward against `transformers` in one process.
+
+Both run in one process run on the same weights and the same batch, measured alternately (one transformers
+forward, one expertmesh forward, repeat) so machine noise hits both alike; the result is their ratio η.
+
+Workloads (fp32, random Mixtral weights written to a temporary folder):
+  prefill  hidden 1024, ffn 2816, 8 experts top-2, 4 layers; 4 sequences x 256 tokens per forward
+  decode   same model; 32 sequences with 64 tokens of context, one new token each per forward
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODEL = dict(hidden=1024, inter=2816, experts=8, top_k=2, layers=4, heads=16, kv_heads=4, vocab=4096)
+PREFILL = dict(sequences=4, tokens=256)
+DECODE = dict(sequences=32, context=64)
+
+
+def write_bench_checkpoint(out: Path, seed: int = 0) -> Path:
+    """Random Mixtral weights at the benchmark's size, written shard-free with safetensors (fast, ~1.1 GB)."""
+    from safetensors.torch import save_file
+
+    m = MODEL
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = m["hidden"] // m["heads"]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    tensors = {"model.embed_tokens.weight": rand(m["vocab"], m["hidden"]),
+               "model.norm.weight": torch.ones(m["hidden"]), "lm_head.weight": rand(m["vocab"], m["hidden"])}
+    for i in range(m["layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(m["hidden"]),
+            p + "post_attention_layernorm.weight": torch.ones(m["hidden"]),
+            p + "self_attn.q_proj.weight": rand(m["heads"] * head_dim, m["hidden"]),
+            p + "self_attn.k_proj.weight": rand(m["kv_heads"] * head_dim, m["hidden"]),
+            p + "self_attn.v_proj.weight": rand(m["kv_heads"] * head_dim, m["hidden"]),
+            p + "self_attn.o_proj.weight": rand(m["hidden"], m["heads"] * head_dim),
+            p + "block_sparse_moe.gate.weight": rand(m["experts"], m["hidden"]) * 5,  # visibly uneven routing
+        }
+        for e in range(m["experts"]):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            tensors |= {q + "w1.weight": rand(m["inter"], m["hidden"]), q + "w3.weight": rand(m["inter"], m["hidden"]),
+                        q + "w2.weight": rand(m["hidden"], m["inter"])}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": m["vocab"],
+        "hidden_size": m["hidden"], "intermediate_size": m["inter"], "num_hidden_layers": m["layers"],
+        "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"], "num_local_experts": m["experts"],
+        "num_experts_per_tok": m["top_k"], "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 1024,
+        "hidden_act": "silu", "tie_word_embeddings": False, "sliding_window": None, "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool = True) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from ..router_service.engine import ExpertMesh, MeshConfig
+
+    def say(msg: str) -> None:
+        if verbose:
+            print(msg, file=sys.stderr, flush=True)
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    result: dict = {"benchmark": "dispatch", "model": MODEL, "transport": "refs", "repeats": repeats,
+                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
+    with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
+        say("writing benchmark checkpoint ...")
+        model_dir = write_bench_checkpoint(Path(tmp) / "model")
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        say("starting expert actors ...")
+        with ExpertMesh(MeshConfig(model_dir=str(model_dir))) as mesh:
+            result["noop_round_ms"] = _noop_round_ms(mesh)
+            if workload in ("prefill", "both"):
+                say("prefill ...")
+                result["prefill"] = _bench_prefill(hf, mesh, repeats)
+            if workload in ("decode", "both"):
+                say("decode ...")
+                result["decode"] = _bench_decode(hf, mesh, repeats)
+    return result
+
+
+def _noop_round_ms(mesh, rounds: int = 20) -> float:
+    """Ray's floor for one layer round: one no-op call to every expert actor, all in flight, then wait."""
+    import ray
+
+    handles = list(mesh.actors.values())
+    ray.get([h.ready.remote() for h in handles])
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        ray.get([h.ready.remote() for h in handles])
+        times.append(time.perf_counter() - started)
+    return round(1000 * statistics.median(times), 3)
+
+
+def _summary(tokens: int, hf_times: list[float], mesh_times: list[float], rounds: list[float], delta: float) -> dict:
+    hf_s, mesh_s, round_s = statistics.median(hf_times), statistics.median(mesh_times), statistics.median(rounds)
+    return {
+        "tokens_per_forward": tokens,
+        "transformers_tokens_per_s": round(tokens / hf_s, 2),
+        "expertmesh_tokens_per_s": round(tokens / mesh_s, 2),
+        "eta": round(hf_s / mesh_s, 4),
+        "transformers_forward_s": round(hf_s, 5),
+        "expertmesh_forward_s": round(mesh_s, 5),
+        "expertmesh_expert_rounds_s": round(round_s, 5),  # wall time in the per-layer expert rounds
+        "expertmesh_dense_s": round(mesh_s - round_s, 5),
+        "max_abs_logit_diff": delta,
+    }
+
+
+def _timed_mesh(mesh, fn):
+    before = mesh.backend.round_seconds
+    started = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - started, mesh.backend.round_seconds - before
+
+
+def _bench_prefill(hf, mesh, repeats: int) -> dict:
+    ids = torch.randint(0, MODEL["vocab"], (PREFILL["sequences"], PREFILL["tokens"]))
+    rows = [r for r in ids]
+    with torch.inference_mode():
+        hf(ids)  # warm-up both
+    mesh.model.forward(rows)
+    hf_times, mesh_times, rounds, delta = [], [], [], 0.0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        with torch.inference_mode():
+            hf_logits = hf(ids).logits
+        hf_times.append(time.perf_counter() - started)
+        out, elapsed, round_s = _timed_mesh(mesh, lambda: mesh.model.forward(rows))
+        mesh_times.append(elapsed)
+        rounds.append(round_s)
+        delta = max(delta, float((torch.stack(out) - hf_logits).abs().max()))
+    return _summary(ids.numel(), hf_times, mesh_times, rounds, delta)
+
+
+def _bench_decode(hf, mesh, repeats: int) -> dict:
+    from transformers import DynamicCache
+
+    n, ctx = DECODE["sequences"], DECODE["context"]
+    ids = torch.randint(0, MODEL["vocab"], (n, ctx))
+    hf_cache = DynamicCache(config=hf.config)
+    with torch.inference_mode():
+        hf_logits = hf(ids, past_key_values=hf_cache, use_cache=True).logits[:, -1]
+    caches = [mesh.model.new_cache() for _ in range(n)]
+    mesh_logits = torch.stack([x[-1] for x in mesh.model.forward(list(ids), caches)])
+    delta = float((mesh_logits - hf_logits).abs().max())
+    next_ids = hf_logits.argmax(-1)  # [n]; both continue with the same tokens
+    hf_times, mesh_times, rounds = [], [], []
+    for step in range(repeats + 1):  # step 0 warms up
+        started = time.perf_counter()
+        with torch.inference_mode():
+            hf_step = hf(next_ids[:, None], past_key_values=hf_cache, use_cache=True).logits[:, -1]
+        hf_elapsed = time.perf_counter() - started
+        step_tokens = [t.view(1) for t in next_ids]
+        out, elapsed, round_s = _timed_mesh(mesh, lambda: mesh.model.forward(step_tokens, caches))  # noqa: B023
+        if step:
+            hf_times.append(hf_elapsed)
+            mesh_times.append(elapsed)
+            rounds.append(round_s)
+        delta = max(delta, float((torch.stack([x[-1] for x in out]) - hf_step).abs().max()))
+        next_ids = hf_step.argmax(-1)
+    return _summary(n, hf_times, mesh_times, rounds, delta)

@@ -1,0 +1,19 @@
+"""Session-wide tiny checkpoints (built once, shared by unit and integration tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_checkpoints import write_direct_mixtral, write_hf_checkpoint
+
+FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict:
+    """name -> folder: one per family, a sharded Mixtral, and one written with safetensors alone."""
+    root = tmp_path_factory.mktemp("ckpt")
+    dirs = {family: write_hf_checkpoint(family, root / family, seed=i) for i, family in enumerate(FAMILIES)}
+    dirs["mixtral_sharded"] = write_hf_checkpoint("mixtral", root / "mixtral_sharded", seed=7, max_shard_size="40KB")
+    dirs["direct"] = write_direct_mixtral(root / "direct", seed=3)
+    return dirs

@@ -1,0 +1,88 @@
+"""Tiny MoE checkpoints for tests, in the three supported families, written the way users get them.
+
+`transformers` writes them with `save_pretrained` (one file or sharded); `write_direct_mixtral` writes one with
+`safetensors` alone, so the format test does not depend on a `transformers` version. Weights are drawn with a larger
+spread than the default init so logits differ by more than the 1e-4 tolerance the tests assert.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 96
+
+
+def hf_config(family: str, **overrides):
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128, initializer_range=0.15, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=None, tie_word_embeddings=False)
+    if family == "mixtral":
+        cfg = MixtralConfig(**(common | dict(intermediate_size=48, num_key_value_heads=2, num_local_experts=4,
+                                             num_experts_per_tok=2) | overrides))
+    elif family == "qwen2_moe":
+        cfg = Qwen2MoeConfig(**(common | dict(num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=24,
+                                              shared_expert_intermediate_size=40, num_key_value_heads=2, num_experts=4,
+                                              num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+                                | overrides))
+    elif family == "olmoe":
+        cfg = OlmoeConfig(**(common | dict(intermediate_size=24, num_key_value_heads=4, num_experts=8,
+                                           num_experts_per_tok=3, norm_topk_prob=False) | overrides))
+    else:
+        raise ValueError(family)
+    return cfg
+
+
+def write_hf_checkpoint(family: str, out: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+    """save_pretrained a randomly initialised model of `family` into `out`; returns `out`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **overrides))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    return out
+
+
+def write_direct_mixtral(out: Path, seed: int = 0, layers: int = 2, experts: int = 4, hidden: int = 32,
+                         inter: int = 48, heads: int = 4, kv_heads: int = 2) -> Path:
+    """A Mixtral checkpoint written with `safetensors` alone (HF on-disk names), plus its config.json."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.15
+
+    head_dim = hidden // heads
+    tensors = {"model.embed_tokens.weight": rand(VOCAB, hidden), "model.norm.weight": 1 + rand(hidden),
+               "lm_head.weight": rand(VOCAB, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": 1 + rand(hidden), p + "post_attention_layernorm.weight": 1 + rand(hidden),
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "block_sparse_moe.gate.weight": rand(experts, hidden),
+        }
+        for e in range(experts):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            tensors |= {q + "w1.weight": rand(inter, hidden), q + "w3.weight": rand(inter, hidden),
+                        q + "w2.weight": rand(hidden, inter)}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": VOCAB,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_local_experts": experts,
+        "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 128,
+        "hidden_act": "silu", "tie_word_embeddings": False, "sliding_window": None,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
