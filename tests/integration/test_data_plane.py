@@ -1,0 +1,140 @@
+"""The distributed data plane against `transformers` and the in-process reference, on one local Ray."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file, save_file
+
+from expertmesh.cluster.naming import NAMESPACE
+from expertmesh.experts.errors import CheckpointError
+from expertmesh.experts.reference import load_reference_model
+from expertmesh.router_service.engine import ExpertMesh, MeshConfig, RequestError
+from tests.tiny_checkpoints import VOCAB
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def sequences(seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (17, 5)]
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "mixtral_sharded", "direct"])
+def test_logits_equal_transformers(checkpoints, name):
+    hf = hf_model(checkpoints[name])
+    seqs = sequences()
+    with ExpertMesh(MeshConfig(model_dir=str(checkpoints[name]))) as mesh:
+        got = mesh.score_batch(seqs)  # both sequences share every expert call
+        hit = {layer: int(torch.unique(r.experts).numel()) for layer, r in mesh.model.last_trace.routings.items()}
+        calls = dict(mesh.backend.calls_per_layer)
+    for ids, logits in zip(seqs, got):
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0]
+        assert (logits - want).abs().max().item() <= TOL
+    # One call per expert actor per layer (one actor per expert here): calls == experts hit, never per token.
+    assert calls == hit
+    assert all(0 < n <= hf.config.num_experts_per_tok * len(seqs[0]) for n in calls.values())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
+def test_greedy_generation_equals_transformers_generate(checkpoints, name):
+    hf = hf_model(checkpoints[name])
+    prompt = sequences(seed=1)[0][:6]
+    with ExpertMesh(MeshConfig(model_dir=str(checkpoints[name]))) as mesh:
+        result = mesh.generate(token_ids=prompt, max_tokens=12)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(prompt):].tolist()
+    assert result.token_ids == want
+    assert result.finish_reason == "length"
+    assert sum(result.tokens_per_expert[0]) == (len(prompt) + 11) * hf.config.num_experts_per_tok
+
+
+def test_replicas_share_load_and_stay_exact(checkpoints):
+    path = checkpoints["mixtral"]
+    seqs = sequences(seed=2)
+    reference = load_reference_model(path).forward([torch.tensor(s) for s in seqs])
+    with ExpertMesh(MeshConfig(model_dir=str(path), replicas_per_expert=2)) as mesh:
+        got = mesh.score_batch(seqs)
+        # Operators find actors by name from any driver.
+        other = ray.get_actor("expert-e1-r1", namespace=NAMESPACE)
+        info = ray.get(other.info.remote())
+        routed = mesh.model.last_trace.routings
+        infos = {i["name"]: i for i in mesh.actor_info()}
+    for a, b in zip(got, reference):
+        assert (a - b).abs().max().item() <= TOL
+    assert info["name"] == "expert-e1-r1" and info["shards"] == [(0, 1), (1, 1)]
+    # Both replicas of an expert that got ≥ 2 tokens took part.
+    for expert in range(4):
+        slots = sum(int((r.experts == expert).sum()) for r in routed.values())
+        if slots >= 4:
+            assert infos[f"expert-e{expert}-r0"]["tokens"] > 0 and infos[f"expert-e{expert}-r1"]["tokens"] > 0
+    with pytest.raises(ValueError):
+        ray.get_actor("expert-e1-r1", namespace=NAMESPACE)  # gone after shutdown
+
+
+def test_capacity_factor_matches_reference_with_the_same_cap(checkpoints):
+    path = checkpoints["olmoe"]
+    ids = [torch.tensor(s) for s in sequences(seed=3)]
+    capped_ref = load_reference_model(path, capacity_factor=1.0).forward(ids)
+    free_ref = load_reference_model(path).forward(ids)
+    with ExpertMesh(MeshConfig(model_dir=str(path), capacity_factor=1.0)) as mesh:
+        got = mesh.score_batch([i.tolist() for i in ids])
+        rerouted = sum(r.rerouted for r in mesh.model.last_trace.routings.values())
+    for a, b in zip(got, capped_ref):
+        assert (a - b).abs().max().item() <= TOL
+    assert rerouted > 0  # the cap did bite on this input, so the comparison means something
+    assert max((a - b).abs().max().item() for a, b in zip(got, free_ref)) > TOL
+
+
+def test_bad_requests_name_the_field(checkpoints):
+    with ExpertMesh(MeshConfig(model_dir=str(checkpoints["mixtral"]))) as mesh:
+        cases = [
+            (lambda: mesh.score([]), "token_ids"),
+            (lambda: mesh.score([1, VOCAB]), "token_ids"),
+            (lambda: mesh.score([-1]), "token_ids"),
+            (lambda: mesh.generate(token_ids=[1, 2], max_tokens=0), "max_tokens"),
+            (lambda: mesh.generate(token_ids=[1, 2], max_tokens=200), "max_tokens"),
+            (lambda: mesh.generate(prompt="hello"), "prompt"),
+        ]
+        for call, field in cases:
+            with pytest.raises(RequestError) as err:
+                call()
+            assert err.value.field == field
+        assert mesh.score([1, 2, 3]).shape == (3, VOCAB)  # still serving
+
+
+def test_broken_checkpoint_fails_before_actors_start(checkpoints, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints["mixtral"], broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight"):
+        ExpertMesh(MeshConfig(model_dir=str(broken)))
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+
+
+def test_config_is_validated_at_the_boundary():
+    for kwargs, field in [({"replicas_per_expert": 0}, "replicas_per_expert"), ({"dtype": "int8"}, "dtype"),
+                          ({"capacity_factor": float("nan")}, "capacity_factor"),
+                          ({"model_dir": "/nonexistent"}, "model_dir")]:
+        with pytest.raises(RequestError) as err:
+            MeshConfig(**kwargs).validate()
+        assert err.value.field == field
