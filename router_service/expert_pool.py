@@ -1,0 +1,109 @@
+"""The expert pool: plans where expert actors go, starts them, waits until every one has loaded, stops them.
+
+A pool is described by a picklable `PoolSpec` (model folder, dtype, actor name -> shards), so routers in other
+processes (Serve replicas) can reach the same actors by name with `connect_actors`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tqdm import tqdm
+
+from ..cluster.naming import NAMESPACE, expert_actor_name
+from ..cluster.placement import ActorSlot, NodeResources, plan_actor_slots
+from ..experts.actor import ExpertActor
+from ..experts.config import MoEModelConfig
+from ..experts.weights import Shard
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    model_dir: str
+    dtype: str
+    actor_shards: dict[str, list[Shard]]  # actor name -> shards it hosts
+
+
+def default_actor_groups(cfg: MoEModelConfig, replicas_per_expert: int) -> dict[str, list[Shard]]:
+    """Group g = logical expert g, hosting that expert in every MoE layer; replicas listed consecutively so the
+    placement spreads them over different GPUs and nodes."""
+    return {
+        expert_actor_name(expert, replica): [(layer, expert) for layer in cfg.moe_layers]
+        for expert in range(cfg.num_experts)
+        for replica in range(replicas_per_expert)
+    }
+
+
+def cluster_nodes() -> list[NodeResources]:
+    return [
+        NodeResources(n["NodeID"], n["Resources"].get("CPU", 0.0), int(n["Resources"].get("GPU", 0)))
+        for n in ray.nodes() if n["Alive"]
+    ]
+
+
+def connect_actors(spec: PoolSpec) -> dict[str, ray.actor.ActorHandle]:
+    """Handles to a running pool's actors, looked up by name (from any driver or Serve replica)."""
+    return {name: ray.get_actor(name, namespace=NAMESPACE) for name in spec.actor_shards}
+
+
+class ExpertPool:
+    def __init__(self, spec: PoolSpec, num_cpus_per_actor: float | None = None, start_timeout_s: float = 180.0):
+        self.spec = spec
+        self.start_timeout_s = start_timeout_s
+        self.slots: list[ActorSlot] = plan_actor_slots(list(spec.actor_shards), cluster_nodes(), num_cpus_per_actor)
+        self.actors: dict[str, ray.actor.ActorHandle] = {}
+        self._spawn()
+
+    def _spawn(self) -> None:
+        for slot in self.slots:
+            try:
+                ray.get_actor(slot.name, namespace=NAMESPACE)
+            except ValueError:
+                continue
+            raise RuntimeError(
+                f"actor '{slot.name}' already exists in namespace '{NAMESPACE}': another expertmesh is serving "
+                "on this Ray cluster; stop it first"
+            )
+        remote = ray.remote(ExpertActor)
+        for slot in self.slots:
+            self.actors[slot.name] = remote.options(
+                name=slot.name, namespace=NAMESPACE, num_cpus=slot.num_cpus, num_gpus=slot.num_gpus,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node_id, soft=False),
+            ).remote(slot.name, self.spec.model_dir, self.spec.actor_shards[slot.name], self.spec.dtype)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        pending = {handle.ready.remote(): name for name, handle in self.actors.items()}
+        deadline = time.monotonic() + self.start_timeout_s
+        bar = tqdm(total=len(pending), desc="expert actors ready", unit="actor", leave=False,
+                   disable=not sys.stderr.isatty())
+        try:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=len(pending),
+                                   timeout=max(0.0, deadline - time.monotonic()))
+                for ref in done:
+                    pending.pop(ref)
+                    ray.get(ref)  # raises the actor's own error
+                    bar.update(1)
+                if pending and time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"expert actors not ready after {self.start_timeout_s:.0f}s: "
+                        f"{sorted(pending.values())} (not enough CPU/GPU in the cluster?)"
+                    )
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            bar.close()
+
+    def info(self) -> list[dict]:
+        return ray.get([h.info.remote() for h in self.actors.values()])
+
+    def shutdown(self) -> None:
+        for handle in self.actors.values():
+            ray.kill(handle, no_restart=True)
+        self.actors = {}

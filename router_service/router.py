@@ -1,0 +1,123 @@
+"""The router: dense model + gates in this process, routed experts in a pool of actors.
+
+It validates requests (a bad field raises `RequestError` naming it) and answers `score` and greedy `generate`.
+The Serve deployment and the in-process `ExpertMesh` both wrap this class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+from ..cluster.routing_table import RoutingTable
+from ..experts.checkpoint import CheckpointReader
+from ..experts.modeling import KVCache, MoEDecoder
+from ..experts.tokenizer import load_tokenizer
+from ..experts.weights import load_dense_weights
+from .dispatch import RemoteExperts
+from .expert_pool import PoolSpec
+from .transport import RayRefTransport
+
+
+class RequestError(ValueError):
+    """Bad input from a caller; `field` names what to fix."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "length" | "eos"
+    tokens_per_expert: dict[int, list[int]] = field(default_factory=dict)  # layer -> [E] routed slots
+
+
+class Router:
+    def __init__(
+        self,
+        spec: PoolSpec,
+        actors: dict[str, ray.actor.ActorHandle],
+        capacity_factor: float | None = None,
+        reader: CheckpointReader | None = None,
+    ):
+        self.spec = spec
+        self.reader = reader or CheckpointReader(spec.model_dir)
+        self.model_config = self.reader.config
+        self.tokenizer = load_tokenizer(spec.model_dir)
+        self.table = RoutingTable.from_actor_shards(spec.actor_shards)
+        self.backend = RemoteExperts(self.table, RayRefTransport(actors))
+        dense = load_dense_weights(self.reader, getattr(torch, spec.dtype), progress="router weights")
+        self.model = MoEDecoder(self.model_config, dense, self.backend, capacity_factor)
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("prompt", f"the checkpoint at {self.spec.model_dir} has no tokenizer.json; "
+                                         "pass token ids instead")
+        return self.tokenizer.encode(prompt).ids
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+    def check_token_ids(self, token_ids: list[int], field: str = "token_ids") -> torch.Tensor:
+        if len(token_ids) == 0:
+            raise RequestError(field, "must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(field, f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) > self.model_config.max_position_embeddings:
+            raise RequestError(field, f"{len(token_ids)} tokens exceed the model's context of "
+                                      f"{self.model_config.max_position_embeddings}")
+        return torch.tensor(token_ids, dtype=torch.int64)
+
+    def check_budget(self, prompt_len: int, max_tokens: int) -> None:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+            raise RequestError("max_tokens", f"must be a positive integer, got {max_tokens!r}")
+        if prompt_len + max_tokens > self.model_config.max_position_embeddings:
+            raise RequestError("max_tokens", f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceed the model's "
+                                             f"context of {self.model_config.max_position_embeddings}")
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [S, V] (float32) for every position of `token_ids`."""
+        return self.score_batch([token_ids])[0]
+
+    def score_batch(self, batch: list[list[int]]) -> list[torch.Tensor]:
+        """Several sequences in one forward: every expert call of a layer serves all of them."""
+        return self.model.forward([self.check_token_ids(ids) for ids in batch])
+
+    def generate(
+        self, token_ids: list[int] | None = None, prompt: str | None = None, max_tokens: int = 32,
+        stop_at_eos: bool = True,
+    ) -> Generation:
+        """Greedy decoding with a KV cache: one forward for the prompt, then one per new token."""
+        if (token_ids is None) == (prompt is None):
+            raise RequestError("prompt", "give exactly one of prompt or token_ids")
+        ids = self.encode(prompt) if prompt is not None else list(token_ids)
+        tokens = self.check_token_ids(ids, "prompt" if prompt is not None else "token_ids")
+        self.check_budget(len(ids), max_tokens)
+        cache: KVCache = self.model.new_cache()
+        eos = self.model_config.eos_token_id if stop_at_eos else None
+        routed: dict[int, torch.Tensor] = {}
+        out: list[int] = []
+        step_input = tokens
+        finish = "length"
+        for _ in range(max_tokens):
+            logits = self.model.forward([step_input], [cache])[0]  # [S, V]
+            for layer, routing in self.model.last_trace.routings.items():
+                counts = routing.tokens_per_expert(self.model_config.num_experts)
+                routed[layer] = routed.get(layer, 0) + counts
+            next_id = int(torch.argmax(logits[-1]))
+            out.append(next_id)
+            if eos is not None and next_id == eos:
+                finish = "eos"
+                break
+            step_input = torch.tensor([next_id])
+        return Generation(
+            token_ids=out, text=self.decode(out), finish_reason=finish,
+            tokens_per_expert={layer: counts.tolist() for layer, counts in routed.items()},
+        )
