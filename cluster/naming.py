@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 NAMESPACE = "expertmesh"
-_EXPERT_ACTOR = re.compile(r"^expert-e(\d+)-r(\d+)$")
+_EXPERT_ACTOR = re.compile(r"expert-e([0-9]+)-r([0-9]+)")  # ASCII digits only; used with fullmatch
 
 
 def expert_actor_name(group: int, replica: int) -> str:
@@ -19,7 +19,7 @@ def expert_actor_name(group: int, replica: int) -> str:
 
 def parse_expert_actor_name(name: str) -> tuple[int, int]:
     """'expert-e3-r1' -> (3, 1); ValueError for anything else."""
-    match = _EXPERT_ACTOR.match(name)
+    match = _EXPERT_ACTOR.fullmatch(name)
     if not match:
         raise ValueError(f"not an expert actor name: {name!r} (expected expert-e<group>-r<replica>)")
     return int(match.group(1)), int(match.group(2))

@@ -63,7 +63,8 @@ def plan_actor_slots(
     for name, (node, slot) in zip(names, assignment):
         if num_cpus_per_actor is None:
             share = node.num_cpus * cpu_budget_fraction / per_node[node.node_id]
-            cpus = math.floor(min(1.0, share) * 100) / 100  # Ray resolves resources to 1e-4; keep it readable
+            # Hundredths keep it readable; round first so float error (0.58 * 100 = 57.999…) does not cost a hundredth.
+            cpus = math.floor(round(min(1.0, share) * 100, 6)) / 100
             if cpus <= 0:
                 raise ValueError(f"node {node.node_id} has too few CPUs for {per_node[node.node_id]} expert actors")
         else:

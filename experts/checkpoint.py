@@ -8,17 +8,35 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from .config import MoEModelConfig, load_model_config
 from .errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator:
+    """safe_open whose failures (corrupt header, truncated file) become a CheckpointError naming the file."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            yield handle
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+
+
+def _tensor(handle, path: Path, key: str, header_only: bool = False):
+    try:
+        return handle.get_slice(key) if header_only else handle.get_tensor(key)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: tensor '{key}' cannot be read ({exc})") from exc
 
 
 class CheckpointReader:
@@ -48,7 +66,7 @@ class CheckpointReader:
             raise CheckpointError(f"{self.model_dir}: no *.safetensors files (and no {INDEX_FILE})")
         where: dict[str, Path] = {}
         for path in files:
-            with safe_open(str(path), framework="pt") as handle:
+            with _opened(path) as handle:
                 for key in handle.keys():
                     where[key] = path
         return where
@@ -80,9 +98,9 @@ class CheckpointReader:
         )
         with bar:
             for path, keys in by_file.items():
-                with safe_open(str(path), framework="pt") as handle:
+                with _opened(path) as handle:
                     for key in keys:
-                        tensor = handle.get_tensor(key)
+                        tensor = _tensor(handle, path, key)
                         expected = wanted[key]
                         if expected is not None and tuple(tensor.shape) != tuple(expected):
                             raise CheckpointError(
@@ -103,9 +121,9 @@ class CheckpointReader:
         for key in wanted:
             by_file.setdefault(self.file_of(key), []).append(key)
         for path, keys in by_file.items():
-            with safe_open(str(path), framework="pt") as handle:
+            with _opened(path) as handle:
                 for key in keys:
-                    shape = tuple(handle.get_slice(key).get_shape())
+                    shape = tuple(_tensor(handle, path, key, header_only=True).get_shape())
                     if shape != tuple(wanted[key]):
                         raise CheckpointError(
                             f"{path}: tensor '{key}' has shape {shape}, expected {tuple(wanted[key])} from config.json"
