@@ -1,16 +1,19 @@
-"""`expertmesh` command line: generate, score and bench on the data plane.
+"""`expertmesh` command line: serve, generate, score, bench.
 
-Errors in what the user passed (a field out of range, a bad checkpoint) print one line naming the field or the
-file and key, and exit with status 2; they never print a traceback.
+Errors in what the user passed (a field out of range, a bad checkpoint, a gRPC error from the server) print one
+line naming the field or the file and key, and exit with status 2; they never print a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..experts.errors import CheckpointError
+
+DEFAULT_TARGET = "127.0.0.1:9000"
 
 
 def _token_ids(text: str) -> list[int]:
@@ -20,13 +23,30 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--token-ids must be comma-separated integers, got {text!r}") from exc
 
 
-def _add_mesh_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--local", action="store_true", help="run in this process on an embedded (or --address) Ray")
-    p.add_argument("--model", metavar="DIR", help="Hugging Face checkpoint folder (default: the embedded model)")
-    p.add_argument("--address", default="local", help="Ray cluster to join (default: start an embedded one)")
+def _autoscale(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split(":"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--router-autoscale must be MIN:MAX, got {text!r}") from exc
+    return low, high
+
+
+def _add_local_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--local", action="store_true",
+                   help="no server: route in this process on an embedded (or --address) Ray")
+    p.add_argument("--model", metavar="DIR", help="with --local: checkpoint folder (default: the embedded model)")
+    p.add_argument("--address", default="local", help="with --local: Ray cluster to join (default: embedded)")
     p.add_argument("--replicas-per-expert", type=int, default=1)
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="cap tokens per expert per step (default: no cap, no token is ever dropped)")
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"gRPC server (default {DEFAULT_TARGET})")
+    p.add_argument("--auth-token", default=os.environ.get("EXPERTMESH_TOKEN"),
+                   help="bearer token (default: $EXPERTMESH_TOKEN)")
+    p.add_argument("--tls-ca", metavar="PEM", help="CA certificate to verify a TLS server")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -34,16 +54,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="expertmesh", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="greedy generation")
-    _add_mesh_args(gen)
+    srv = sub.add_parser("serve", help="serve a checkpoint over gRPC until Ctrl-C / SIGTERM")
+    srv.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the embedded model)")
+    srv.add_argument("--model-name", help="name clients use (default: folder name; expertmesh-demo if embedded)")
+    srv.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")
+    srv.add_argument("--port", type=int, default=9000, help="0 picks a free port (printed on the ready line)")
+    srv.add_argument("--address", default="local", help="Ray cluster to join (default: start an embedded one)")
+    srv.add_argument("--replicas-per-expert", type=int, default=1)
+    srv.add_argument("--router-replicas", type=int, default=1)
+    srv.add_argument("--router-autoscale", type=_autoscale, metavar="MIN:MAX", help="autoscale router replicas")
+    srv.add_argument("--capacity-factor", type=float, default=None)
+    srv.add_argument("--max-active", type=int, default=64, help="sequences decoding together per router")
+    srv.add_argument("--max-waiting", type=int, default=256, help="queued requests per router before "
+                                                                   "RESOURCE_EXHAUSTED")
+    srv.add_argument("--max-message-bytes", type=int, default=16 * 1024 * 1024)
+    srv.add_argument("--tls-cert", metavar="PEM")
+    srv.add_argument("--tls-key", metavar="PEM")
+    srv.add_argument("--auth-token", default=os.environ.get("EXPERTMESH_TOKEN"),
+                     help="require `authorization: Bearer TOKEN` (default: $EXPERTMESH_TOKEN, else no auth)")
+
+    gen = sub.add_parser("generate", help="generate text (streams from a server, or --local)")
+    _add_local_args(gen)
+    _add_client_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     src.add_argument("--token-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
     gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
     score = sub.add_parser("score", help="logits for every position of the given token ids")
-    _add_mesh_args(score)
+    _add_local_args(score)
+    _add_client_args(score)
     score.add_argument("--token-ids", type=_token_ids, required=True)
+    score.add_argument("--log-probs", action="store_true")
 
     bench = sub.add_parser("bench", help="benchmarks (JSON output)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -57,30 +104,107 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import grpc
+
     try:
+        if args.command == "serve":
+            return _serve(args)
         if args.command in ("generate", "score"):
-            return _run_mesh_command(args)
+            return _local(args) if args.local else _remote(args)
         if args.command == "bench" and args.bench == "dispatch":
             from .bench_dispatch import run_dispatch_bench
 
             result = run_dispatch_bench(args.workload, repeats=args.repeats, verbose=not args.json)
-            text = json.dumps(result, indent=2)
-            print(text)
-            if args.out:
-                with open(args.out, "w") as handle:
-                    handle.write(text + "\n")
+            _emit(result, args.out)
             return 0
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 2
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     return 1
 
 
-def _run_mesh_command(args: argparse.Namespace) -> int:
-    if not args.local:
-        print("error: --local is required: this version runs the router in the calling process "
-              "(the gRPC client mode arrives with `expertmesh serve`)", file=sys.stderr)
-        return 2
+def _emit(result: dict, out: str | None) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        with open(out, "w") as handle:
+            handle.write(text + "\n")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from ..router_service.batching import BatcherConfig
+    from ..router_service.grpc_front import FrontSettings
+    from ..router_service.server import ServeConfig, serve_forever
+
+    config = ServeConfig(
+        model_dir=args.model, address=args.address, model_name=args.model_name,
+        front=FrontSettings(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                            auth_token=args.auth_token, max_message_bytes=args.max_message_bytes),
+        replicas_per_expert=args.replicas_per_expert, router_replicas=args.router_replicas,
+        router_autoscale=args.router_autoscale, capacity_factor=args.capacity_factor,
+        batcher=BatcherConfig(max_active=args.max_active, max_waiting=args.max_waiting),
+    )
+    asyncio.run(serve_forever(config))
+    return 0
+
+
+def _remote(args: argparse.Namespace) -> int:
+    from ..protos import inference_pb2 as pb
+    from . import client
+
+    chan = client.channel(args.target, args.tls_ca)
+    if args.command == "score":
+        resp = client.score(chan, pb.ScoreRequest(token_ids=args.token_ids, log_probs=args.log_probs),
+                            args.auth_token, args.timeout)
+        rows = [list(resp.values[i * resp.vocab_size:(i + 1) * resp.vocab_size]) for i in range(resp.seq_len)]
+        key = "log_probs" if args.log_probs else "logits"
+        print(json.dumps({"token_ids": args.token_ids, key: rows}) if args.json else
+              "\n".join(f"{i}\tbest next {max(range(len(r)), key=r.__getitem__)}" for i, r in enumerate(rows)))
+        return 0
+    request = pb.GenerateRequest(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                 stop=args.stop)
+    if args.prompt is not None:
+        request.prompt = args.prompt
+    else:
+        request.token_ids.ids.extend(args.token_ids)
+    if args.top_p is not None:
+        request.top_p = args.top_p
+    if args.seed is not None:
+        request.seed = args.seed
+    token_ids: list[int] = []
+    pieces: list[str] = []
+    done = None
+    if not args.json and args.prompt:
+        print(args.prompt, end="", flush=True)
+    for message in client.generate_stream(chan, request, args.auth_token, args.timeout):
+        if message.HasField("token"):
+            token_ids.extend(message.token.token_ids)
+            pieces.append(message.token.text)
+            if not args.json:
+                print(message.token.text if args.prompt else " ".join(map(str, message.token.token_ids)),
+                      end="" if args.prompt else " ", flush=True)
+        else:
+            done = message.done
+    if args.json:
+        print(json.dumps({
+            "token_ids": token_ids, "text": "".join(pieces),
+            "finish_reason": done.finish_reason if done else None,
+            "usage": {"prompt_tokens": done.usage.prompt_tokens,
+                      "completion_tokens": done.usage.completion_tokens} if done else None,
+        }))
+    else:
+        print()
+    return 0
+
+
+def _local(args: argparse.Namespace) -> int:
     from ..experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
     from ..router_service.engine import ExpertMesh, MeshConfig
 
@@ -93,13 +217,19 @@ def _run_mesh_command(args: argparse.Namespace) -> int:
     with ExpertMesh(config) as mesh:
         if args.command == "score":
             logits = mesh.score(args.token_ids)
+            if args.log_probs:
+                logits = logits.log_softmax(-1)
+            key = "log_probs" if args.log_probs else "logits"
             if args.json:
-                print(json.dumps({"token_ids": args.token_ids, "logits": logits.tolist()}))
+                print(json.dumps({"token_ids": args.token_ids, key: logits.tolist()}))
             else:
-                top = logits.argmax(-1).tolist()
-                for pos, (tok, nxt) in enumerate(zip(args.token_ids, top)):
-                    print(f"{pos}\ttoken {tok}\tbest next {nxt}\tmax logit {float(logits[pos].max()):.4f}")
+                for pos, (tok, nxt) in enumerate(zip(args.token_ids, logits.argmax(-1).tolist())):
+                    print(f"{pos}\ttoken {tok}\tbest next {nxt}\tmax {float(logits[pos].max()):.4f}")
             return 0
+        if args.temperature != 0 or args.top_p is not None or args.top_k or args.stop:
+            print("error: --local generates greedily; sampling options and --stop need a server "
+                  "(expertmesh serve)", file=sys.stderr)
+            return 2
         result = mesh.generate(token_ids=args.token_ids, prompt=args.prompt, max_tokens=args.max_tokens)
         if args.json:
             print(json.dumps({"token_ids": result.token_ids, "text": result.text,

@@ -44,5 +44,5 @@ def test_user_errors_exit_2_with_one_line_naming_the_field(checkpoints):
     assert "Traceback" not in proc.stderr
     proc = run_cli("score", "--local", "--token-ids", "1,x")
     assert proc.returncode == 2 and "--token-ids" in proc.stderr
-    proc = run_cli("generate", "--token-ids", "1,2")  # no --local
-    assert proc.returncode == 2 and "--local" in proc.stderr
+    proc = run_cli("generate", "--token-ids", "1,2", "--target", "127.0.0.1:1", "--timeout", "5")  # no server
+    assert proc.returncode == 2 and "UNAVAILABLE" in proc.stderr and "Traceback" not in proc.stderr

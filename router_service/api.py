@@ -1,0 +1,189 @@
+"""Between protobuf messages and the router's own types: validation that names the field, and status codes.
+
+Pure (no Ray, no Serve); the Serve deployment and the gRPC front both use it, and unit tests cover it directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..experts.config import MoEModelConfig
+from ..protos import inference_pb2 as pb
+from ..protos import kserve_v2_pb2 as kpb
+from .batching import DoneEvent, GenerationRequest, TokenEvent
+from .router import RequestError
+from .sampling import SamplingParams
+
+
+class ApiError(Exception):
+    """An error with a gRPC status code name (INVALID_ARGUMENT, NOT_FOUND, ...) and a message for the client."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+    def __reduce__(self):  # keep code and message when Ray pickles the error across processes
+        return (ApiError, (self.code, self.message))
+
+
+def invalid(field: str, message: str) -> ApiError:
+    return ApiError("INVALID_ARGUMENT", f"{field}: {message}")
+
+
+def as_api_error(exc: BaseException) -> ApiError | None:
+    """The ApiError a known failure maps to, or None for an unexpected one."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestError):
+        return ApiError("INVALID_ARGUMENT", str(exc))
+    return None
+
+
+def check_model_name(requested: str, served: str, field: str = "model") -> None:
+    if requested and requested != served:
+        raise ApiError("NOT_FOUND", f"{field}: unknown model {requested!r}; this server serves {served!r}")
+
+
+def generation_request(
+    req: pb.GenerateRequest, cfg: MoEModelConfig, encode, model_name: str
+) -> GenerationRequest:
+    """Validate a GenerateRequest against the served model; every error names the field."""
+    check_model_name(req.model, model_name)
+    which = req.WhichOneof("input")
+    if which is None:
+        raise invalid("prompt", "give prompt or token_ids")
+    if which == "prompt":
+        if not req.prompt:
+            raise invalid("prompt", "must not be empty")
+        ids = encode(req.prompt)  # RequestError("prompt", ...) without a tokenizer
+        if not ids:
+            raise invalid("prompt", "encodes to no tokens")
+        field = "prompt"
+    else:
+        ids = list(req.token_ids.ids)
+        if not ids:
+            raise invalid("token_ids", "must not be empty")
+        field = "token_ids"
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise invalid(field, f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    if req.max_tokens <= 0:
+        raise invalid("max_tokens", f"must be > 0, got {req.max_tokens}")
+    if len(ids) + req.max_tokens > cfg.max_position_embeddings:
+        raise invalid("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceed the model's "
+                                    f"context of {cfg.max_position_embeddings}")
+    sampling = SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p if req.HasField("top_p") else 1.0,
+        top_k=req.top_k,
+        seed=req.seed if req.HasField("seed") else None,
+    ).validate()
+    bad_stop = [t for t in req.stop_token_ids if not 0 <= t < cfg.vocab_size]
+    if bad_stop:
+        raise invalid("stop_token_ids", f"token id {bad_stop[0]} is outside the vocabulary")
+    if any(s == "" for s in req.stop):
+        raise invalid("stop", "stop strings must not be empty")
+    return GenerationRequest(
+        prompt_ids=ids, max_tokens=req.max_tokens, sampling=sampling,
+        stop_token_ids=frozenset(req.stop_token_ids), stop_strings=tuple(req.stop),
+        eos_token_id=None if req.ignore_eos else cfg.eos_token_id,
+    )
+
+
+def token_message(event: TokenEvent) -> pb.GenerateResponse:
+    return pb.GenerateResponse(token=pb.TokenChunk(token_ids=event.token_ids, text=event.text))
+
+
+def done_message(event: DoneEvent, degraded: int = 0) -> pb.GenerateResponse:
+    routing = pb.RoutingSummary(
+        layers=[pb.LayerRouting(layer=layer, tokens_per_expert=counts)
+                for layer, counts in event.tokens_per_expert.items()],
+        rerouted_tokens=event.rerouted, degraded_tokens=degraded, dropped_tokens=event.dropped,
+    )
+    return pb.GenerateResponse(done=pb.GenerationDone(
+        finish_reason=event.finish_reason,
+        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+        routing=routing,
+    ))
+
+
+def score_ids(req: pb.ScoreRequest, cfg: MoEModelConfig, model_name: str) -> list[int]:
+    check_model_name(req.model, model_name)
+    ids = list(req.token_ids)
+    if not ids:
+        raise invalid("token_ids", "must not be empty")
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise invalid("token_ids", f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    if len(ids) > cfg.max_position_embeddings:
+        raise invalid("token_ids", f"{len(ids)} tokens exceed the model's context of {cfg.max_position_embeddings}")
+    return ids
+
+
+def score_message(logits: torch.Tensor, log_probs: bool) -> pb.ScoreResponse:
+    values = torch.log_softmax(logits, dim=-1) if log_probs else logits  # [S, V]
+    return pb.ScoreResponse(seq_len=values.shape[0], vocab_size=values.shape[1],
+                            values=values.reshape(-1).tolist())
+
+
+# ---- KServe v2 ---------------------------------------------------------------------------------------------------
+
+INPUT_NAME, OUTPUT_NAME = "input_ids", "logits"
+
+
+def model_metadata(model_name: str, cfg: MoEModelConfig) -> kpb.ModelMetadataResponse:
+    tensor = kpb.ModelMetadataResponse.TensorMetadata
+    return kpb.ModelMetadataResponse(
+        name=model_name, versions=["1"], platform="expertmesh",
+        inputs=[tensor(name=INPUT_NAME, datatype="INT64", shape=[-1, -1])],
+        outputs=[tensor(name=OUTPUT_NAME, datatype="FP32", shape=[-1, -1, cfg.vocab_size])],
+    )
+
+
+def infer_input(req: kpb.ModelInferRequest, cfg: MoEModelConfig, model_name: str) -> np.ndarray:
+    """ModelInferRequest -> input_ids [batch, seq] int64, validated (dtype, shape, range, requested outputs)."""
+    check_model_name(req.model_name, model_name, field="model_name")
+    if req.model_version not in ("", "1"):
+        raise ApiError("NOT_FOUND", f"model_version: {req.model_name or model_name} has only version '1'")
+    if len(req.inputs) != 1 or req.inputs[0].name != INPUT_NAME:
+        names = [t.name for t in req.inputs]
+        raise invalid("inputs", f"expected exactly one input named '{INPUT_NAME}', got {names}")
+    tensor = req.inputs[0]
+    if tensor.datatype != "INT64":
+        raise invalid(f"inputs[{INPUT_NAME}].datatype", f"must be INT64, got {tensor.datatype!r}")
+    shape = list(tensor.shape)
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise invalid(f"inputs[{INPUT_NAME}].shape", f"must be [batch, seq] with both ≥ 1, got {shape}")
+    count = shape[0] * shape[1]
+    if req.raw_input_contents:
+        raw = req.raw_input_contents[0]
+        if len(raw) != count * 8:
+            raise invalid("raw_input_contents", f"holds {len(raw)} bytes; shape {shape} of INT64 needs {count * 8}")
+        ids = np.frombuffer(raw, dtype="<i8").reshape(shape)
+    else:
+        values = list(tensor.contents.int64_contents)
+        if len(values) != count:
+            raise invalid(f"inputs[{INPUT_NAME}].contents", f"holds {len(values)} values; shape {shape} needs {count}")
+        ids = np.asarray(values, dtype=np.int64).reshape(shape)
+    if shape[1] > cfg.max_position_embeddings:
+        raise invalid(f"inputs[{INPUT_NAME}].shape", f"seq {shape[1]} exceeds the model's context of "
+                                                     f"{cfg.max_position_embeddings}")
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise invalid(INPUT_NAME, f"token ids must be in [0, {cfg.vocab_size})")
+    for out in req.outputs:
+        if out.name != OUTPUT_NAME:
+            raise invalid("outputs", f"unknown output {out.name!r}; this model has '{OUTPUT_NAME}'")
+    return ids
+
+
+def infer_response(req: kpb.ModelInferRequest, model_name: str, logits: np.ndarray) -> kpb.ModelInferResponse:
+    """logits [batch, seq, vocab] float32 -> ModelInferResponse with raw little-endian contents."""
+    assert logits.dtype == np.float32 and logits.ndim == 3 and math.prod(logits.shape) > 0
+    resp = kpb.ModelInferResponse(model_name=model_name, model_version="1", id=req.id)
+    resp.outputs.add(name=OUTPUT_NAME, datatype="FP32", shape=list(logits.shape))
+    resp.raw_output_contents.append(logits.astype("<f4").tobytes())
+    return resp

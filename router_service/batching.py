@@ -1,0 +1,244 @@
+"""Continuous batching: concurrent generations share every forward step.
+
+Each step runs one forward over every active sequence (new ones prefill in the same step), so one expert call per
+layer serves all of them; each sequence keeps its own KV cache. Requests join between steps; a finished, cancelled
+or timed-out stream frees its cache at the next step boundary. Forwards run one at a time on a worker thread so
+the event loop keeps accepting requests and cancellations while experts compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..experts.modeling import KVCache, MoEDecoder
+from .sampling import SamplingParams, sample_next
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later (gRPC RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    max_active: int = 64  # sequences decoding together
+    max_waiting: int = 256  # queued requests beyond that; more get QueueFullError
+    max_prefill_tokens: int = 2048  # prompt tokens admitted into one step
+
+    def validate(self) -> BatcherConfig:
+        for name in ("max_active", "max_waiting", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        return self
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    eos_token_id: int | None = None  # None: do not stop at end-of-sequence
+
+
+@dataclass
+class TokenEvent:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class DoneEvent:
+    finish_reason: str  # "length" | "eos" | "stop"
+    prompt_tokens: int
+    completion_tokens: int
+    tokens_per_expert: dict[int, list[int]]  # layer -> [E] routed slots over the whole request
+    rerouted: int = 0
+    dropped: int = 0
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    events: asyncio.Queue
+    cache: KVCache | None
+    next_input: torch.Tensor
+    generator: torch.Generator | None
+    generated: list[int] = field(default_factory=list)
+    emitted_text: str = ""
+    tokens_per_expert: dict[int, torch.Tensor] = field(default_factory=dict)
+    rerouted: int = 0
+    dropped: int = 0
+    cancelled: bool = False
+
+
+class ContinuousBatcher:
+    def __init__(self, model: MoEDecoder, decode: Callable[[list[int]], str] | None,
+                 config: BatcherConfig | None = None):
+        self.model = model
+        self.decode = decode
+        self.config = (config or BatcherConfig()).validate()
+        self._waiting: deque[_Sequence] = deque()
+        self._active: list[_Sequence] = []
+        self._wakeup = asyncio.Event()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+        self.max_batch_seen = 0
+
+    # ---- observability ---------------------------------------------------------------------------------------
+
+    @property
+    def live_caches(self) -> int:
+        """KV caches held right now (active sequences plus queued ones)."""
+        return sum(s.cache is not None for s in (*self._active, *self._waiting))
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def stats(self) -> dict:
+        return {"live_caches": self.live_caches, "active": len(self._active), "waiting": len(self._waiting),
+                "steps": self.steps, "max_batch_seen": self.max_batch_seen}
+
+    # ---- requests --------------------------------------------------------------------------------------------
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """Yields TokenEvents then one DoneEvent. Closing the iterator early cancels the sequence."""
+        if len(self._waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self._waiting)} requests already waiting (max_waiting)")
+        seq = _Sequence(request=request, events=asyncio.Queue(), cache=self.model.new_cache(),
+                        next_input=torch.tensor(request.prompt_ids, dtype=torch.int64),
+                        generator=request.sampling.generator())
+        self._waiting.append(seq)
+        self._ensure_loop()
+        self._wakeup.set()
+        try:
+            while True:
+                event = await seq.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if isinstance(event, DoneEvent):
+                    return
+        finally:
+            seq.cancelled = True  # no-op when it finished; otherwise the loop frees it at the next boundary
+            if seq in self._waiting:
+                self._waiting.remove(seq)
+                seq.cache = None
+
+    async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the forward thread, between steps (for unary scoring that must not overlap a step)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._release_cancelled()
+            self._admit()
+            if not self._active:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = list(self._active)
+            try:
+                logits, routing = await loop.run_in_executor(self._executor, self._forward, batch)
+            except Exception as exc:  # an expert failure fails this step's sequences, not the server
+                for seq in batch:
+                    seq.events.put_nowait(exc)
+                    self._finish(seq)
+                continue
+            self.steps += 1
+            self.max_batch_seen = max(self.max_batch_seen, len(batch))
+            for seq, seq_logits, seq_routing in zip(batch, logits, routing):
+                if not seq.cancelled:
+                    self._advance(seq, seq_logits, seq_routing)
+
+    def _release_cancelled(self) -> None:
+        for seq in [s for s in self._active if s.cancelled]:
+            self._finish(seq)
+
+    def _admit(self) -> None:
+        budget = self.config.max_prefill_tokens
+        while self._waiting and len(self._active) < self.config.max_active:
+            need = self._waiting[0].next_input.numel()
+            if need > budget and budget < self.config.max_prefill_tokens:
+                break  # the step already has prompt tokens; this one waits for the next step
+            budget -= need
+            self._active.append(self._waiting.popleft())
+
+    def _forward(self, batch: list[_Sequence]) -> tuple[list[torch.Tensor], list[dict]]:
+        lengths = [s.next_input.numel() for s in batch]
+        logits = self.model.forward([s.next_input for s in batch], [s.cache for s in batch])
+        per_seq: list[dict] = [{} for _ in batch]
+        num_experts = self.model.cfg.num_experts
+        for layer, routing in self.model.last_trace.routings.items():
+            for i, experts in enumerate(routing.experts.split(lengths)):
+                ids = experts[experts >= 0]
+                per_seq[i][layer] = torch.bincount(ids, minlength=num_experts)
+            if routing.rerouted or routing.dropped:
+                per_seq[0].setdefault("_capacity", []).append((routing.rerouted, routing.dropped))
+        return [x[-1] for x in logits], per_seq
+
+    def _advance(self, seq: _Sequence, logits: torch.Tensor, routing: dict) -> None:
+        req = seq.request
+        for layer, counts in routing.items():
+            if layer == "_capacity":
+                continue
+            seq.tokens_per_expert[layer] = seq.tokens_per_expert.get(layer, 0) + counts
+        token = sample_next(logits, req.sampling, seq.generator)
+        seq.generated.append(token)
+        seq.next_input = torch.tensor([token], dtype=torch.int64)
+        finish = None
+        if req.eos_token_id is not None and token == req.eos_token_id:
+            finish = "eos"
+        elif token in req.stop_token_ids:
+            finish = "stop"
+        text, stopped = self._new_text(seq)
+        if stopped:
+            finish = "stop"
+        seq.events.put_nowait(TokenEvent(token_ids=[token], text=text))
+        if finish is None and len(seq.generated) >= req.max_tokens:
+            finish = "length"
+        if finish is not None:
+            seq.events.put_nowait(DoneEvent(
+                finish_reason=finish, prompt_tokens=len(req.prompt_ids), completion_tokens=len(seq.generated),
+                tokens_per_expert={layer: c.tolist() for layer, c in sorted(seq.tokens_per_expert.items())},
+                rerouted=seq.rerouted, dropped=seq.dropped,
+            ))
+            self._finish(seq)
+
+    def _new_text(self, seq: _Sequence) -> tuple[str, bool]:
+        """The text the newest token completed, and whether a stop string ended the generation."""
+        if self.decode is None:
+            return "", False
+        full = self.decode(seq.generated)
+        for stop in seq.request.stop_strings:
+            at = full.find(stop)
+            if at != -1:
+                piece = full[len(seq.emitted_text):at] if at >= len(seq.emitted_text) else ""
+                seq.emitted_text = full[:at]
+                return piece, True
+        if full.endswith("\ufffd"):
+            return "", False  # half of a multi-byte character: wait for the rest
+        piece = full[len(seq.emitted_text):]
+        seq.emitted_text = full
+        return piece, False
+
+    def _finish(self, seq: _Sequence) -> None:
+        seq.cache = None  # free the KV cache now, not when the client lets go of the stream
+        if seq in self._active:
+            self._active.remove(seq)

@@ -1,0 +1,179 @@
+"""The router as a Ray Serve deployment. Its methods are named exactly as the proto RPCs, so it serves behind Serve's
+own gRPC proxy (`serve deploy` with our servicer functions) and behind expertmesh's gRPC front (which calls these
+methods through a Serve handle, see grpc_front.py) alike.
+
+Errors: a known failure becomes an ApiError with a gRPC code. Behind Serve's proxy the code is set on the
+grpc_context and then raised (a streaming method must raise after set_code, or the code can be lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass, field
+
+import grpc
+import numpy as np
+import ray
+import torch
+from grpc_health.v1 import health_pb2
+from ray import serve
+
+from ..protos import admin_pb2
+from ..protos import inference_pb2 as pb
+from ..protos import kserve_v2_pb2 as kpb
+from . import api
+from .batching import BatcherConfig, ContinuousBatcher, DoneEvent, QueueFullError
+from .expert_pool import PoolSpec, connect_actors
+from .router import Router
+
+log = logging.getLogger(__name__)
+SERVER_NAME = "expertmesh"
+SERVER_VERSION = "0.1.0"
+
+
+@dataclass
+class RouterSettings:
+    """Everything a router replica needs; plain data so Serve can ship it and a YAML can hold it."""
+
+    pool: dict  # PoolSpec as a dict
+    model_name: str
+    capacity_factor: float | None = None
+    batcher: dict = field(default_factory=dict)  # BatcherConfig fields
+    auth_token: str | None = None  # checked on calls that arrive through Serve's own gRPC proxy
+    torch_threads: int = 1
+
+    def pool_spec(self) -> PoolSpec:
+        shards = {name: [tuple(s) for s in shards] for name, shards in self.pool["actor_shards"].items()}
+        return PoolSpec(model_dir=self.pool["model_dir"], dtype=self.pool["dtype"], actor_shards=shards)
+
+    @staticmethod
+    def pool_dict(spec: PoolSpec) -> dict:
+        return asdict(spec)
+
+
+def _set_status(grpc_context, error: api.ApiError) -> api.ApiError:
+    if grpc_context is not None:
+        grpc_context.set_code(getattr(grpc.StatusCode, error.code))
+        grpc_context.set_details(error.message)
+    return error
+
+
+def _classify(exc: BaseException) -> api.ApiError:
+    known = api.as_api_error(exc)
+    if known is not None:
+        return known
+    if isinstance(exc, QueueFullError):
+        return api.ApiError("RESOURCE_EXHAUSTED", f"server busy: {exc}; retry later")
+    if isinstance(exc, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError):
+        return api.ApiError("UNAVAILABLE", f"an expert actor is unavailable: {type(exc).__name__}")
+    log.exception("unexpected error")
+    return api.ApiError("INTERNAL", f"internal error ({type(exc).__name__}); see the router's log")
+
+
+@serve.deployment(name="router", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+class RouterDeployment:
+    def __init__(self, settings: dict):
+        self.settings = RouterSettings(**settings)
+        torch.set_num_threads(max(1, self.settings.torch_threads))
+        spec = self.settings.pool_spec()
+        self.router = Router(spec, connect_actors(spec), self.settings.capacity_factor)
+        self.cfg = self.router.model_config
+        decode = self.router.decode if self.router.tokenizer is not None else None
+        self.batcher = ContinuousBatcher(self.router.model, decode, BatcherConfig(**self.settings.batcher))
+        self.model_name = self.settings.model_name
+
+    def _authorize(self, grpc_context) -> None:
+        token = self.settings.auth_token
+        if token is None or grpc_context is None:
+            return  # no auth, or called through a handle from inside the cluster (the front checked it)
+        metadata = dict(grpc_context.invocation_metadata())
+        if metadata.get("authorization") != f"Bearer {token}":
+            raise _set_status(grpc_context, api.ApiError("UNAUTHENTICATED", "missing or wrong bearer token"))
+
+    # ---- expertmesh.v1.Inference -----------------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None):  # noqa: N802 (proto method name)
+        try:
+            self._authorize(grpc_context)
+            gen_request = api.generation_request(request, self.cfg, self.router.encode, self.model_name)
+            async for event in self.batcher.stream(gen_request):
+                if isinstance(event, DoneEvent):
+                    yield api.done_message(event)
+                else:
+                    yield api.token_message(event)
+        except asyncio.CancelledError:
+            raise  # client cancel or deadline: batcher.stream's finally frees the sequence
+        except Exception as exc:
+            raise _set_status(grpc_context, _classify(exc)) from None
+
+    async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:  # noqa: N802
+        try:
+            self._authorize(grpc_context)
+            ids = api.score_ids(request, self.cfg, self.model_name)
+            logits = await self.batcher.run_exclusive(lambda: self.router.score(ids))
+            return api.score_message(logits, request.log_probs)
+        except Exception as exc:
+            raise _set_status(grpc_context, _classify(exc)) from None
+
+    # ---- inference.GRPCInferenceService (KServe v2) ----------------------------------------------------------
+
+    async def ServerLive(self, request, grpc_context=None):  # noqa: N802
+        return kpb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, grpc_context=None):  # noqa: N802
+        return kpb.ServerReadyResponse(ready=True)
+
+    async def ModelReady(self, request, grpc_context=None):  # noqa: N802
+        try:
+            api.check_model_name(request.name, self.model_name, field="name")
+        except api.ApiError as exc:
+            raise _set_status(grpc_context, exc) from None
+        return kpb.ModelReadyResponse(ready=True)
+
+    async def ServerMetadata(self, request, grpc_context=None):  # noqa: N802
+        return kpb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=[])
+
+    async def ModelMetadata(self, request, grpc_context=None):  # noqa: N802
+        try:
+            api.check_model_name(request.name, self.model_name, field="name")
+        except api.ApiError as exc:
+            raise _set_status(grpc_context, exc) from None
+        return api.model_metadata(self.model_name, self.cfg)
+
+    async def ModelInfer(self, request, grpc_context=None):  # noqa: N802
+        try:
+            self._authorize(grpc_context)
+            ids = api.infer_input(request, self.cfg, self.model_name)  # [batch, seq]
+            rows = [row.tolist() for row in ids]
+            logits = await self.batcher.run_exclusive(lambda: self.router.score_batch(rows))
+            return api.infer_response(request, self.model_name, torch.stack(logits).numpy().astype(np.float32))
+        except Exception as exc:
+            raise _set_status(grpc_context, _classify(exc)) from None
+
+    # ---- grpc.health.v1.Health -------------------------------------------------------------------------------
+
+    async def Check(self, request, grpc_context=None):  # noqa: N802
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def Watch(self, request, grpc_context=None):  # noqa: N802
+        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    # ---- expertmesh.v1.Admin ---------------------------------------------------------------------------------
+
+    async def GetRouterStats(self, request, grpc_context=None):  # noqa: N802
+        self._authorize(grpc_context)
+        s = self.batcher.stats()
+        return admin_pb2.RouterStats(
+            live_kv_caches=s["live_caches"], active_sequences=s["active"], waiting_requests=s["waiting"],
+            steps=s["steps"], max_batch_seen=s["max_batch_seen"],
+            replica=serve.get_replica_context().replica_id.unique_id,
+        )
+
+
+def build_app(args: dict) -> serve.Application:
+    """Serve import path (`expertmesh.router_service.deployment:build_app`): args are RouterSettings fields plus
+    optional `num_replicas` / `autoscaling_config`."""
+    args = dict(args)
+    options = {k: args.pop(k) for k in ("num_replicas", "autoscaling_config") if k in args}
+    return RouterDeployment.options(**options).bind(args)

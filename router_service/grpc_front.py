@@ -1,0 +1,167 @@
+"""expertmesh's gRPC ingress: a grpc.aio server that forwards every call to the router deployment through Serve
+handles.
+
+Why not only Serve's own gRPC proxy: it listens on every interface and has no TLS. This front listens where it is
+told (127.0.0.1 by default), terminates TLS when given a certificate and key, checks a bearer token, caps message
+size, and maps failures to gRPC codes without leaking tracebacks. Replicas, autoscaling and replacement of failed
+router replicas stay Serve's job. A client cancel or deadline cancels the Serve call, which cancels the sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ray import serve
+
+from ..protos import admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
+from .api import ApiError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrontSettings:
+    host: str = "127.0.0.1"
+    port: int = 9000
+    tls_cert: str | None = None  # PEM files; both or neither
+    tls_key: str | None = None
+    auth_token: str | None = None  # clients send `authorization: Bearer <token>`
+    max_message_bytes: int = 16 * 1024 * 1024
+
+    def validate(self) -> FrontSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: give both or neither")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: {path} is not a file")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes: must be ≥ 1024, got {self.max_message_bytes}")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("auth_token: must not be blank")
+        return self
+
+
+def _api_error(exc: BaseException) -> ApiError | None:
+    """The ApiError a deployment raised, through Ray's wrapping."""
+    while exc is not None:
+        if isinstance(exc, ApiError):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+class _Forwarder:
+    def __init__(self, handle: serve.handle.DeploymentHandle, auth_token: str | None):
+        self.handle = handle
+        self.stream_handle = handle.options(stream=True)
+        self.auth_token = auth_token
+
+    async def authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self.auth_token is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        if metadata.get("authorization") != f"Bearer {self.auth_token}":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
+
+    async def fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        error = _api_error(exc)
+        if error is not None:
+            await context.abort(getattr(grpc.StatusCode, error.code), error.message)
+        log.warning("router call failed: %r", exc)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"router unavailable ({type(exc).__name__}); retry")
+
+    async def unary(self, method: str, request, context: grpc.aio.ServicerContext):
+        await self.authorize(context)
+        try:
+            return await getattr(self.handle, method).remote(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self.fail(context, exc)
+
+    async def stream(self, method: str, request, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        await self.authorize(context)
+        responses = getattr(self.stream_handle, method).remote(request)
+        try:
+            async for message in responses:
+                yield message
+        except asyncio.CancelledError:
+            responses.cancel()  # the client went away or its deadline passed: stop the generation now
+            raise
+        except Exception as exc:
+            await self.fail(context, exc)
+
+
+def _unary(method: str):
+    async def handler(self, request, context):
+        return await self._forward.unary(method, request, context)
+
+    return handler
+
+
+def _streaming(method: str):
+    async def handler(self, request, context):
+        async for message in self._forward.stream(method, request, context):
+            yield message
+
+    return handler
+
+
+def _servicer(base: type, forward: _Forwarder, unary: list[str], streaming: list[str]):
+    methods = {m: _unary(m) for m in unary} | {m: _streaming(m) for m in streaming}
+    cls = type(f"Forwarding{base.__name__}", (base,), methods)
+    instance = cls()
+    instance._forward = forward
+    return instance
+
+
+class _Health(health_pb2_grpc.HealthServicer):
+    """SERVING while the router deployment answers; NOT_SERVING (not an error) when it does not."""
+
+    def __init__(self, forward: _Forwarder):
+        self._forward = forward
+
+    async def Check(self, request, context):  # noqa: N802
+        try:
+            return await asyncio.wait_for(self._forward.handle.Check.remote(request), timeout=10)
+        except Exception:
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+async def start_front(handle: serve.handle.DeploymentHandle, settings: FrontSettings) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the port it bound (useful with port 0)."""
+    settings.validate()
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", max(settings.max_message_bytes, 64 * 1024 * 1024)),
+    ])
+    forward = _Forwarder(handle, settings.auth_token)
+    inference_pb2_grpc.add_InferenceServicer_to_server(
+        _servicer(inference_pb2_grpc.InferenceServicer, forward, ["Score"], ["Generate"]), server)
+    kserve_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+        _servicer(kserve_v2_pb2_grpc.GRPCInferenceServiceServicer, forward,
+                  ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"], []),
+        server)
+    admin_pb2_grpc.add_AdminServicer_to_server(
+        _servicer(admin_pb2_grpc.AdminServicer, forward, ["GetRouterStats"], []), server)
+    health_pb2_grpc.add_HealthServicer_to_server(_Health(forward), server)
+    address = f"{settings.host}:{settings.port}"
+    if settings.tls_cert:
+        key, cert = Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes()
+        creds = grpc.ssl_server_credentials([(key, cert)])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    return server, port

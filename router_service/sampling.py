@@ -1,0 +1,60 @@
+"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a per-request seed. Pure torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .router import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    def validate(self) -> SamplingParams:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError("temperature", f"must be finite and ≥ 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError("top_k", f"must be ≥ 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise RequestError("seed", f"must be in [0, 2^63), got {self.seed}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        gen = torch.Generator()
+        gen.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return gen
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """logits: [V] float32 -> the next token id."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scaled = logits.float() / params.temperature  # [V]
+    if params.top_k and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True, stable=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False
+        scaled = scaled.clone()
+        scaled[order[drop]] = float("-inf")
+    probs = torch.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,125 @@
+"""`expertmesh serve`: start (or join) Ray, start the expert pool, deploy the router on Serve, open the gRPC front,
+serve until SIGINT/SIGTERM, then shut everything down in reverse order.
+
+Serve runs with its proxies disabled: clients reach the routers only through the front (localhost by default,
+optional TLS and bearer token). Operators who want Serve's own gRPC proxy deploy `deployment.build_app` with a
+Serve config instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from ..experts.checkpoint import CheckpointReader
+from ..experts.tokenizer import DEFAULT_MODEL_DIR
+from ..experts.weights import check_checkpoint
+from .batching import BatcherConfig
+from .deployment import RouterDeployment, RouterSettings
+from .engine import connect_ray
+from .expert_pool import ExpertPool, PoolSpec, default_actor_groups
+from .grpc_front import FrontSettings, start_front
+
+log = logging.getLogger(__name__)
+APP_NAME = "expertmesh"
+DEFAULT_MODEL_NAME = "expertmesh-demo"
+
+
+@dataclass
+class ServeConfig:
+    model_dir: str | None = None
+    address: str = "local"
+    front: FrontSettings = FrontSettings()
+    model_name: str | None = None  # default: the checkpoint folder's name; "expertmesh-demo" for the embedded one
+    replicas_per_expert: int = 1
+    router_replicas: int = 1
+    router_autoscale: tuple[int, int] | None = None  # (min, max) replicas; Serve scales on ongoing requests
+    capacity_factor: float | None = None
+    batcher: BatcherConfig = BatcherConfig()
+    num_cpus_per_actor: float | None = None
+    router_threads: int = 1
+
+    def validate(self) -> ServeConfig:
+        if self.model_dir is not None and not Path(self.model_dir).is_dir():
+            raise ValueError(f"model: {self.model_dir} is not a folder")
+        if self.replicas_per_expert < 1:
+            raise ValueError(f"replicas_per_expert: must be ≥ 1, got {self.replicas_per_expert}")
+        if self.router_replicas < 1:
+            raise ValueError(f"router_replicas: must be ≥ 1, got {self.router_replicas}")
+        if self.router_autoscale is not None:
+            low, high = self.router_autoscale
+            if not 1 <= low <= high:
+                raise ValueError(f"router_autoscale: need 1 ≤ min ≤ max, got {low}:{high}")
+        if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            raise ValueError(f"capacity_factor: must be a positive finite number, got {self.capacity_factor}")
+        self.front.validate()
+        self.batcher.validate()
+        return self
+
+    @property
+    def resolved_model_dir(self) -> Path:
+        return (Path(self.model_dir) if self.model_dir else DEFAULT_MODEL_DIR).resolve()
+
+    @property
+    def resolved_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        return DEFAULT_MODEL_NAME if self.model_dir is None else self.resolved_model_dir.name
+
+
+async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
+    config.validate()
+    reader = CheckpointReader(config.resolved_model_dir)
+    check_checkpoint(reader)
+    owns_ray = connect_ray(config.address)
+    pool = None
+    server = None
+    try:
+        spec = PoolSpec(str(config.resolved_model_dir), "float32",
+                        default_actor_groups(reader.config, config.replicas_per_expert))
+        pool = ExpertPool(spec, config.num_cpus_per_actor)
+        settings = RouterSettings(
+            pool=RouterSettings.pool_dict(spec), model_name=config.resolved_model_name,
+            capacity_factor=config.capacity_factor, batcher=vars(config.batcher).copy(),
+            torch_threads=config.router_threads,
+        )
+        serve.start(proxy_location="Disabled")
+        options: dict = {"num_replicas": config.router_replicas}
+        if config.router_autoscale is not None:
+            low, high = config.router_autoscale
+            options = {"autoscaling_config": {"min_replicas": low, "max_replicas": high,
+                                              "target_ongoing_requests": 32}}
+        handle = serve.run(RouterDeployment.options(**options).bind(vars(settings)), name=APP_NAME,
+                           route_prefix=None, blocking=False)
+        server, port = await start_front(handle, config.front)
+        scheme = "tls" if config.front.tls_cert else "plaintext"
+        if ready_line:
+            # Tests and scripts wait for this exact line.
+            print(f"expertmesh serving {config.resolved_model_name} on {config.front.host}:{port} ({scheme})",
+                  flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("expertmesh: shutting down", file=sys.stderr, flush=True)
+    finally:
+        if server is not None:
+            await server.stop(grace=5)
+        if ray.is_initialized():
+            try:
+                serve.shutdown()
+            except Exception:  # Serve may never have started
+                log.debug("serve.shutdown failed", exc_info=True)
+        if pool is not None:
+            pool.shutdown()
+        if owns_ray and ray.is_initialized():
+            ray.shutdown()
