@@ -20,6 +20,7 @@ class Routing:
     weights: torch.Tensor  # [T, k] float32 combine weights; 0 for dropped slots
     rerouted: int = 0  # slots sent to a lower-ranked expert because their choice was full
     dropped: int = 0  # slots with no expert left
+    rerouted_per_token: torch.Tensor | None = None  # [T] int64, with a capacity cap; None without one
 
     @property
     def num_tokens(self) -> int:
@@ -63,20 +64,22 @@ def route(
         if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
             raise ValueError(f"capacity_factor must be a positive finite number, got {capacity_factor}")
         capacity = max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
-        experts, rerouted, dropped = _fill_with_capacity(order, top_k, capacity)
+        experts, rerouted_per_token = _fill_with_capacity(order, top_k, capacity)
+        rerouted, dropped = int(rerouted_per_token.sum()), int((experts == DROPPED).sum())
     weights = torch.gather(probs, 1, experts.clamp(min=0))  # [T, k]
     weights = torch.where(experts == DROPPED, torch.zeros_like(weights), weights)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
-    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped)
+    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped,
+                   rerouted_per_token=None if capacity_factor is None else rerouted_per_token)
 
 
-def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, int, int]:
+def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> experts [T, k] (DROPPED where nothing had room), rerouted slots per token [T]."""
     num_tokens, num_experts = order.shape
     prefs = order.tolist()
     load = [0] * num_experts
     chosen: list[list[int]] = [[] for _ in range(num_tokens)]
-    dropped = 0
     for _rank in range(top_k):
         for t in range(num_tokens):
             taken = chosen[t]
@@ -85,11 +88,10 @@ def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple
                 if e not in taken and load[e] < capacity:
                     pick = e
                     break
-            if pick == DROPPED:
-                dropped += 1
-            else:
+            if pick != DROPPED:
                 load[pick] += 1
             taken.append(pick)
     # A slot is rerouted when its expert is outside the token's uncapped top-k.
-    rerouted = sum(e != DROPPED and e not in prefs[t][:top_k] for t in range(num_tokens) for e in chosen[t])
-    return torch.tensor(chosen, dtype=torch.int64).reshape(num_tokens, top_k), rerouted, dropped
+    rerouted = [sum(e != DROPPED and e not in prefs[t][:top_k] for e in chosen[t]) for t in range(num_tokens)]
+    experts = torch.tensor(chosen, dtype=torch.int64).reshape(num_tokens, top_k)
+    return experts, torch.tensor(rerouted, dtype=torch.int64)

@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch.add_argument("--repeats", type=int, default=5)
     dispatch.add_argument("--json", action="store_true", help="print only the JSON result")
     dispatch.add_argument("--out", metavar="FILE", help="also write the JSON here")
+    serve_bench = bench_sub.add_parser("serve", help="concurrent gRPC streams: tokens/s and inter-token latency")
+    serve_bench.add_argument("--target", help="a running server (default: start one on the embedded model)")
+    serve_bench.add_argument("--model", metavar="DIR", help="checkpoint for the self-started server")
+    serve_bench.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
+    serve_bench.add_argument("--max-tokens", type=int, default=32)
+    serve_bench.add_argument("--requests-per-stream", type=int, default=2)
+    serve_bench.add_argument("--json", action="store_true", help="print only the JSON result")
+    serve_bench.add_argument("--out", metavar="FILE", help="also write the JSON here")
     return parser
 
 
@@ -115,6 +123,15 @@ def main(argv: list[str] | None = None) -> int:
             from .bench_dispatch import run_dispatch_bench
 
             result = run_dispatch_bench(args.workload, repeats=args.repeats, verbose=not args.json)
+            _emit(result, args.out)
+            return 0
+        if args.command == "bench" and args.bench == "serve":
+            from .bench_serve import run_serve_bench
+
+            levels = tuple(int(c) for c in args.concurrency.split(","))
+            result = run_serve_bench(target=args.target, concurrencies=levels, max_tokens=args.max_tokens,
+                                     requests_per_stream=args.requests_per_stream, model_dir=args.model,
+                                     verbose=not args.json)
             _emit(result, args.out)
             return 0
     except grpc.RpcError as exc:

@@ -14,7 +14,7 @@ from ..experts.config import MoEModelConfig
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
 from .batching import DoneEvent, GenerationRequest, TokenEvent
-from .router import RequestError
+from .errors import RequestError
 from .sampling import SamplingParams
 
 

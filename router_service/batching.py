@@ -79,6 +79,15 @@ class _Sequence:
     cancelled: bool = False
 
 
+@dataclass
+class _StepRouting:
+    """What one step routed for one sequence."""
+
+    tokens_per_expert: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E]
+    rerouted: int = 0
+    dropped: int = 0
+
+
 class ContinuousBatcher:
     def __init__(self, model: MoEDecoder, decode: Callable[[list[int]], str] | None,
                  config: BatcherConfig | None = None):
@@ -112,7 +121,10 @@ class ContinuousBatcher:
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | DoneEvent]:
         """Yields TokenEvents then one DoneEvent. Closing the iterator early cancels the sequence."""
-        if len(self._waiting) >= self.config.max_waiting:
+        # Requests that arrive together all sit in `_waiting` until the loop next admits; count the free active
+        # slots they will take so simultaneous arrivals are not refused while there is room.
+        free_slots = max(0, self.config.max_active - len(self._active))
+        if len(self._waiting) >= self.config.max_waiting + free_slots:
             raise QueueFullError(f"{len(self._waiting)} requests already waiting (max_waiting)")
         seq = _Sequence(request=request, events=asyncio.Queue(), cache=self.model.new_cache(),
                         next_input=torch.tensor(request.prompt_ids, dtype=torch.int64),
@@ -164,8 +176,13 @@ class ContinuousBatcher:
             self.steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             for seq, seq_logits, seq_routing in zip(batch, logits, routing):
-                if not seq.cancelled:
+                if seq.cancelled:
+                    continue
+                try:
                     self._advance(seq, seq_logits, seq_routing)
+                except Exception as exc:  # e.g. a failing detokenizer: fail this sequence, keep the loop alive
+                    seq.events.put_nowait(exc)
+                    self._finish(seq)
 
     def _release_cancelled(self) -> None:
         for seq in [s for s in self._active if s.cancelled]:
@@ -180,25 +197,26 @@ class ContinuousBatcher:
             budget -= need
             self._active.append(self._waiting.popleft())
 
-    def _forward(self, batch: list[_Sequence]) -> tuple[list[torch.Tensor], list[dict]]:
+    def _forward(self, batch: list[_Sequence]) -> tuple[list[torch.Tensor], list[_StepRouting]]:
         lengths = [s.next_input.numel() for s in batch]
         logits = self.model.forward([s.next_input for s in batch], [s.cache for s in batch])
-        per_seq: list[dict] = [{} for _ in batch]
+        per_seq = [_StepRouting() for _ in batch]
         num_experts = self.model.cfg.num_experts
         for layer, routing in self.model.last_trace.routings.items():
+            rerouted = routing.rerouted_per_token.split(lengths) if routing.rerouted_per_token is not None else None
             for i, experts in enumerate(routing.experts.split(lengths)):
-                ids = experts[experts >= 0]
-                per_seq[i][layer] = torch.bincount(ids, minlength=num_experts)
-            if routing.rerouted or routing.dropped:
-                per_seq[0].setdefault("_capacity", []).append((routing.rerouted, routing.dropped))
+                per_seq[i].tokens_per_expert[layer] = torch.bincount(experts[experts >= 0], minlength=num_experts)
+                per_seq[i].dropped += int((experts < 0).sum())
+                if rerouted is not None:
+                    per_seq[i].rerouted += int(rerouted[i].sum())
         return [x[-1] for x in logits], per_seq
 
-    def _advance(self, seq: _Sequence, logits: torch.Tensor, routing: dict) -> None:
+    def _advance(self, seq: _Sequence, logits: torch.Tensor, routing: _StepRouting) -> None:
         req = seq.request
-        for layer, counts in routing.items():
-            if layer == "_capacity":
-                continue
+        for layer, counts in routing.tokens_per_expert.items():
             seq.tokens_per_expert[layer] = seq.tokens_per_expert.get(layer, 0) + counts
+        seq.rerouted += routing.rerouted
+        seq.dropped += routing.dropped
         token = sample_next(logits, req.sampling, seq.generator)
         seq.generated.append(token)
         seq.next_input = torch.tensor([token], dtype=torch.int64)
@@ -210,9 +228,11 @@ class ContinuousBatcher:
         text, stopped = self._new_text(seq)
         if stopped:
             finish = "stop"
-        seq.events.put_nowait(TokenEvent(token_ids=[token], text=text))
         if finish is None and len(seq.generated) >= req.max_tokens:
             finish = "length"
+        if finish in ("length", "eos") or (finish == "stop" and not stopped):
+            text += self._flush(seq)
+        seq.events.put_nowait(TokenEvent(token_ids=[token], text=text))
         if finish is not None:
             seq.events.put_nowait(DoneEvent(
                 finish_reason=finish, prompt_tokens=len(req.prompt_ids), completion_tokens=len(seq.generated),
@@ -234,11 +254,33 @@ class ContinuousBatcher:
                 return piece, True
         if full.endswith("\ufffd"):
             return "", False  # half of a multi-byte character: wait for the rest
-        piece = full[len(seq.emitted_text):]
-        seq.emitted_text = full
+        # Hold back a tail that could still grow into a stop string, so no part of a stop string is ever streamed.
+        safe = len(full) - _stop_prefix_len(full, seq.request.stop_strings)
+        piece = full[len(seq.emitted_text):safe] if safe > len(seq.emitted_text) else ""
+        seq.emitted_text = full[:max(safe, len(seq.emitted_text))]
         return piece, False
+
+    def _flush(self, seq: _Sequence) -> str:
+        """Text held back for a possible stop string that never came: released when the sequence ends."""
+        if self.decode is None:
+            return ""
+        full = self.decode(seq.generated)
+        rest = full[len(seq.emitted_text):] if not full.endswith("\ufffd") else ""
+        seq.emitted_text += rest
+        return rest
 
     def _finish(self, seq: _Sequence) -> None:
         seq.cache = None  # free the KV cache now, not when the client lets go of the stream
         if seq in self._active:
             self._active.remove(seq)
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

@@ -17,16 +17,11 @@ from ..experts.modeling import KVCache, MoEDecoder
 from ..experts.tokenizer import load_tokenizer
 from ..experts.weights import load_dense_weights
 from .dispatch import RemoteExperts
+from .errors import RequestError
 from .expert_pool import PoolSpec
 from .transport import RayRefTransport
 
-
-class RequestError(ValueError):
-    """Bad input from a caller; `field` names what to fix."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+__all__ = ["Router", "Generation", "RequestError"]
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .router import RequestError
+from .errors import RequestError
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,10 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """logits: [V] float32 -> the next token id."""
     if params.greedy:
         return int(torch.argmax(logits))
-    scaled = logits.float() / params.temperature  # [V]
+    # Shift so the best logit is 0 before dividing, in float64: a tiny temperature then sends the others to -inf
+    # (greedy in the limit) instead of overflowing to inf and making softmax NaN.
+    logits = logits.double()
+    scaled = (logits - logits.max()) / params.temperature  # [V], ≤ 0
     if params.top_k and params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -1,0 +1,340 @@
+"""`expertmesh bench serve`: end-to-end streaming throughput of a running (or self-started) `expertmesh serve`.
+
+For each concurrency level c, c client threads each run `requests_per_stream` Generate streams one after the
+other (greedy, `ignore_eos`, so every stream yields exactly `max_tokens` tokens). Every token message's arrival
+time is recorded; the result per level is the aggregate tokens/s (all tokens over the level's wall time), the
+per-stream tokens/s, inter-token and time-to-first-token latencies, and how the router's continuous batcher
+behaved (Admin.GetRouterStats before and after: steps taken, the largest batch it has seen).
+
+The goal: at 32 concurrent streams the aggregate is at least 10x that of a single stream, i.e. continuous
+batching lets streams share forward steps instead of queueing behind each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from ..protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
+from ..protos import inference_pb2 as pb
+from . import client
+
+READY = re.compile(r"expertmesh serving (\S+) on ([\d.]+):(\d+)")
+GOAL = "aggregate tokens/s at 32 streams >= 10x one stream"
+GOAL_SPEEDUP = 10.0
+PROMPT_LEN = 8
+STREAM_TIMEOUT_S = 900.0
+
+
+# --------------------------------------------------------------------------------------------------- server
+
+
+@dataclass
+class _Server:
+    proc: subprocess.Popen
+    target: str
+    model_name: str
+    log_path: Path
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self, timeout: float = 90) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _start_server(model_dir: str | None, timeout: float = 600) -> _Server:
+    """`expertmesh serve --port 0` as a subprocess; waits for its ready line (stderr goes to a temp log)."""
+    fd, name = tempfile.mkstemp(prefix="expertmesh-bench-serve-", suffix=".log")
+    os.close(fd)
+    log = Path(name)
+    args = [sys.executable, "-m", "expertmesh.ops.cli", "serve", "--port", "0"]
+    if model_dir is not None:
+        args += ["--model", model_dir]
+    with log.open("w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+    found: list[re.Match] = []
+
+    def watch() -> None:
+        for line in proc.stdout:
+            match = READY.search(line)
+            if match:
+                found.append(match)
+                break
+        for _ in proc.stdout:  # keep draining so the server never blocks on a full pipe
+            pass
+
+    threading.Thread(target=watch, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not found and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not found:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise RuntimeError(f"expertmesh serve did not become ready (exit {proc.returncode}); log {log}:\n"
+                           f"{log.read_text(errors='replace')[-4000:]}")
+    match = found[0]
+    host = match.group(2)
+    if host == "0.0.0.0":
+        host = "127.0.0.1"
+    return _Server(proc=proc, target=f"{host}:{match.group(3)}", model_name=match.group(1), log_path=log)
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000.0 * seconds, 3)
+
+
+def _vocab_size(model_dir: str | None) -> int | None:
+    try:
+        if model_dir is None:
+            from ..experts.tokenizer import DEFAULT_MODEL_DIR
+
+            folder = DEFAULT_MODEL_DIR
+        else:
+            folder = Path(model_dir)
+        return int(json.loads((folder / "config.json").read_text())["vocab_size"])
+    except Exception:  # unknown model (remote target, odd config): fall back to small ids
+        return None
+
+
+def _prompt(index: int, vocab: int | None) -> list[int]:
+    """A short deterministic prompt, distinct per stream index, with ids in [1, min(vocab, 256))."""
+    bound = max(2, min(vocab or 128, 256)) - 1
+    return [1 + (7 + 13 * k + 31 * index + (index * k) % 17) % bound for k in range(PROMPT_LEN)]
+
+
+def _request(token_ids: list[int], max_tokens: int) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    request.token_ids.ids.extend(token_ids)
+    return request
+
+
+def _router_stats(chan: grpc.Channel) -> dict | None:
+    try:
+        stats = admin_pb2_grpc.AdminStub(chan).GetRouterStats(admin_pb2.RouterStatsRequest(), timeout=30)
+    except grpc.RpcError:
+        return None
+    return {"steps": stats.steps, "max_batch_seen": stats.max_batch_seen, "replica": stats.replica,
+            "live_kv_caches": stats.live_kv_caches, "active_sequences": stats.active_sequences,
+            "waiting_requests": stats.waiting_requests}
+
+
+@dataclass
+class _Stream:
+    started: float
+    arrivals: list[float] = field(default_factory=list)  # one per token message
+    tokens: int = 0
+    finished: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def _run_stream(chan: grpc.Channel, request: pb.GenerateRequest) -> _Stream:
+    record = _Stream(started=time.perf_counter())
+    try:
+        for message in client.generate_stream(chan, request, timeout=STREAM_TIMEOUT_S):
+            now = time.perf_counter()
+            if message.HasField("token"):
+                record.arrivals.append(now)
+                record.tokens += len(message.token.token_ids)
+            else:
+                record.finish_reason = message.done.finish_reason
+    except grpc.RpcError as exc:
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        record.error = code.name if code is not None else type(exc).__name__
+    except Exception as exc:  # a stream must never take the benchmark down
+        record.error = type(exc).__name__
+    record.finished = time.perf_counter()
+    return record
+
+
+# --------------------------------------------------------------------------------------------------- levels
+
+
+async def _run_stream_async(stub: inference_pb2_grpc.InferenceStub, request: pb.GenerateRequest) -> _Stream:
+    record = _Stream(started=time.perf_counter())
+    try:
+        async for message in stub.Generate(request, timeout=STREAM_TIMEOUT_S):
+            now = time.perf_counter()
+            if message.HasField("token"):
+                record.arrivals.append(now)
+                record.tokens += len(message.token.token_ids)
+            else:
+                record.finish_reason = message.done.finish_reason
+    except grpc.RpcError as exc:
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        record.error = code.name if code is not None else type(exc).__name__
+    except Exception as exc:  # a stream must never take the benchmark down
+        record.error = type(exc).__name__
+    record.finished = time.perf_counter()
+    return record
+
+
+async def _drive(target: str, requests: list[list[pb.GenerateRequest]]) -> tuple[list[list[_Stream]], float]:
+    """All streams from one event loop and one channel: on a small machine that shares its cores with the server,
+    a thread per stream would bill the client's own overhead to the server under test."""
+    records: list[list[_Stream]] = [[] for _ in requests]
+    async with grpc.aio.insecure_channel(target) as chan:
+        stub = inference_pb2_grpc.InferenceStub(chan)
+        await chan.channel_ready()
+
+        async def worker(slot: int) -> None:
+            for request in requests[slot]:
+                records[slot].append(await _run_stream_async(stub, request))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(len(requests))))
+        return records, time.perf_counter() - started
+
+
+def _run_level(chan: grpc.Channel, target: str, concurrency: int, requests_per_stream: int, max_tokens: int,
+               vocab: int | None) -> dict:
+    requests = [[_request(_prompt(slot * requests_per_stream + j, vocab), max_tokens)
+                 for j in range(requests_per_stream)] for slot in range(concurrency)]
+    stats_before = _router_stats(chan)
+    records, wall = asyncio.run(_drive(target, requests))
+    stats_after = _router_stats(chan)
+
+    streams = [s for per_slot in records for s in per_slot]
+    errors = Counter(s.error for s in streams if s.error)
+    total_tokens = sum(s.tokens for s in streams)
+    gaps = [b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:])]
+    ttfts = [s.arrivals[0] - s.started for s in streams if s.arrivals]
+    per_stream_tps = [s.tokens / (s.finished - s.started) for s in streams
+                      if not s.error and s.tokens and s.finished > s.started]
+    level = {
+        "concurrency": concurrency,
+        "streams": len(streams),
+        "completed_streams": sum(1 for s in streams if not s.error),
+        "total_tokens": total_tokens,
+        "expected_tokens": len(streams) * max_tokens,
+        "wall_s": round(wall, 3),
+        "aggregate_tokens_per_s": round(total_tokens / wall, 3) if wall > 0 else None,
+        "per_stream_tokens_per_s": {
+            "mean": round(sum(per_stream_tps) / len(per_stream_tps), 3) if per_stream_tps else None,
+            "p50": round(_percentile(per_stream_tps, 50), 3) if per_stream_tps else None,
+            "min": round(min(per_stream_tps), 3) if per_stream_tps else None,
+        },
+        "inter_token_ms": {"p50": _ms(_percentile(gaps, 50)), "p99": _ms(_percentile(gaps, 99)),
+                           "samples": len(gaps)},
+        "ttft_ms": {"p50": _ms(_percentile(ttfts, 50)), "p99": _ms(_percentile(ttfts, 99))},
+        "finish_reasons": dict(Counter(s.finish_reason for s in streams if s.finish_reason)),
+        "errors": dict(errors),
+        "router": None,
+    }
+    if stats_before is not None and stats_after is not None:
+        steps = stats_after["steps"] - stats_before["steps"]
+        same_replica = stats_before["replica"] == stats_after["replica"]
+        level["router"] = {
+            "steps": steps if same_replica else None,
+            "tokens_per_step": round(total_tokens / steps, 3) if same_replica and steps > 0 else None,
+            "max_batch_seen": stats_after["max_batch_seen"],
+            "max_batch_seen_before": stats_before["max_batch_seen"],
+            "replica": stats_after["replica"],
+            "same_replica": same_replica,
+        }
+    return level
+
+
+def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tokens: int = 32,
+                    requests_per_stream: int = 2, model_dir: str | None = None, verbose: bool = True) -> dict:
+    """Benchmark streaming generation against `target` (host:port), or a server started here when None."""
+
+    def say(msg: str) -> None:
+        if verbose:
+            print(msg, file=sys.stderr, flush=True)
+
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens: need >= 2 to measure inter-token latency, got {max_tokens}")
+    if requests_per_stream < 1:
+        raise ValueError(f"requests_per_stream: must be >= 1, got {requests_per_stream}")
+    concurrencies = [int(c) for c in concurrencies]
+    if not concurrencies or min(concurrencies) < 1:
+        raise ValueError(f"concurrencies: need positive integers, got {concurrencies}")
+
+    run_started = time.perf_counter()
+    server: _Server | None = None
+    result: dict = {"benchmark": "serve", "model": None, "target": target, "self_started": target is None,
+                    "max_tokens": max_tokens, "requests_per_stream": requests_per_stream,
+                    "prompt_tokens": PROMPT_LEN, "concurrencies": concurrencies, "levels": {}}
+    try:
+        if target is None:
+            say("starting expertmesh serve ...")
+            t0 = time.perf_counter()
+            server = _start_server(model_dir)
+            target = server.target
+            result["model"] = server.model_name
+            result["target"] = target
+            result["server_start_s"] = round(time.perf_counter() - t0, 3)
+            say(f"serving {server.model_name} on {target} (ready after {result['server_start_s']} s)")
+        vocab = _vocab_size(model_dir) if (server is not None or model_dir is not None) else None
+        chan = client.channel(target)
+        try:
+            grpc.channel_ready_future(chan).result(timeout=60)
+            say("warm-up ...")
+            warm = _run_stream(chan, _request(_prompt(10_000, vocab), min(4, max_tokens)))
+            result["warmup"] = {"tokens": warm.tokens, "seconds": round(warm.finished - warm.started, 3),
+                                "error": warm.error}
+            if warm.error:
+                say(f"warm-up failed: {warm.error}")
+            for c in concurrencies:
+                say(f"concurrency {c}: {c * requests_per_stream} streams x {max_tokens} tokens ...")
+                level = _run_level(chan, target, c, requests_per_stream, max_tokens, vocab)
+                result["levels"][str(c)] = level
+                say(f"  {level['aggregate_tokens_per_s']} tok/s aggregate in {level['wall_s']} s; "
+                    f"itl p50 {level['inter_token_ms']['p50']} ms; errors {level['errors'] or 'none'}")
+        finally:
+            chan.close()
+    finally:
+        if server is not None:
+            say("stopping server ...")
+            result["server_exit_code"] = server.stop()
+            result["server_log"] = str(server.log_path)
+
+    one = result["levels"].get("1", {}).get("aggregate_tokens_per_s")
+    many = result["levels"].get("32", {}).get("aggregate_tokens_per_s")
+    speedup = many / one if one and many is not None else None
+    result["speedup_32_vs_1"] = round(speedup, 3) if speedup is not None else None
+    result["goal"] = GOAL
+    result["goal_met"] = bool(speedup is not None and speedup >= GOAL_SPEEDUP
+                              and not result["levels"]["32"]["errors"])
+    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                         "python": platform.python_version(), "grpc": grpc.__version__}
+    result["run_wall_s"] = round(time.perf_counter() - run_started, 3)
+    return result
