@@ -34,6 +34,12 @@ class RoutingTable:
         actors = self.replicas.get(shard)
         if not actors:
             raise KeyError(f"no replica serves shard (layer={shard[0]}, expert={shard[1]})")
-        used = actors[: max(1, min(len(actors), num_tokens))]
-        bounds = [round(i * num_tokens / len(used)) for i in range(len(used) + 1)]
-        return [(a, bounds[i], bounds[i + 1]) for i, a in enumerate(used) if bounds[i + 1] > bounds[i]]
+        return split_tokens(actors, num_tokens)
+
+
+def split_tokens(actors: tuple[str, ...] | list[str], num_tokens: int) -> list[tuple[str, int, int]]:
+    """[(actor, start, end)] covering range(num_tokens) in contiguous, near-equal chunks, at most one per actor."""
+    assert actors, "no actor to split tokens over"
+    used = list(actors)[: max(1, min(len(actors), num_tokens))]
+    bounds = [round(i * num_tokens / len(used)) for i in range(len(used) + 1)]
+    return [(a, bounds[i], bounds[i + 1]) for i, a in enumerate(used) if bounds[i + 1] > bounds[i]]

@@ -20,8 +20,9 @@ from .weights import Shard, load_expert_shards
 
 
 class ExpertActor:
-    def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "float32"):
+    def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "float32", generation: int = 0):
         self.name = name
+        self.generation = generation  # 0 for the first actor of this name; +1 each time it is restored
         self.started = time.time()
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         self.threads = max(1, int(cpus))
@@ -35,6 +36,14 @@ class ExpertActor:
         self.shards = load_expert_shards(reader, shards, self.dtype, self.device)
         self.calls = 0
         self.tokens = 0
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One forward per shard before the actor reports ready, so its first real call pays no lazy setup."""
+        with torch.inference_mode():
+            for weights in self.shards.values():
+                gated_mlp(torch.zeros(1, weights.gate_up.shape[1], device=self.device, dtype=self.dtype), weights,
+                          self.act)
 
     def forward(self, layer: int, experts: list[int], counts: list[int], x: np.ndarray) -> np.ndarray:
         """x: [sum(counts), H], rows grouped by expert in `experts` order -> unweighted expert outputs, same layout."""
@@ -63,6 +72,7 @@ class ExpertActor:
             "weight_bytes": sum(w.nbytes() for w in self.shards.values()),
             "calls": self.calls,
             "tokens": self.tokens,
+            "generation": self.generation,
         }
 
     def ready(self) -> bool:

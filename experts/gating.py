@@ -21,6 +21,12 @@ class Routing:
     rerouted: int = 0  # slots sent to a lower-ranked expert because their choice was full
     dropped: int = 0  # slots with no expert left
     rerouted_per_token: torch.Tensor | None = None  # [T] int64, with a capacity cap; None without one
+    probs: torch.Tensor | None = None  # [T, E] float32 gate probabilities (for degraded re-routing)
+    degraded_per_token: torch.Tensor | None = None  # [T] int64 slots moved off an expert with no live replica
+
+    @property
+    def degraded(self) -> int:
+        return 0 if self.degraded_per_token is None else int(self.degraded_per_token.sum())
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +77,36 @@ def route(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
     return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped,
-                   rerouted_per_token=None if capacity_factor is None else rerouted_per_token)
+                   rerouted_per_token=None if capacity_factor is None else rerouted_per_token, probs=probs)
+
+
+def degrade(routing: Routing, available: torch.Tensor) -> Routing:
+    """Move every slot whose expert is unavailable to the token's next-best available expert it does not already
+    use; the token's weights are then rescaled to their original total. available: [E] bool.
+
+    Used when no replica of a shard is alive and the operator chose to degrade rather than wait. A slot with no
+    available expert left is dropped (weight 0).
+    """
+    assert routing.probs is not None, "degrade needs the gate probabilities"
+    experts = routing.experts.clone()  # [T, k]
+    lost = (experts >= 0) & ~available[experts.clamp(min=0)]  # [T, k]
+    if not bool(lost.any()):
+        return routing
+    order = preference_order(routing.probs).tolist()  # [T, E]
+    avail = available.tolist()
+    moved = torch.zeros(experts.shape[0], dtype=torch.int64)
+    for t, slot in torch.nonzero(lost).tolist():
+        taken = set(experts[t].tolist())
+        pick = next((e for e in order[t] if avail[e] and e not in taken), DROPPED)
+        experts[t, slot] = pick
+        moved[t] += 1
+    weights = torch.gather(routing.probs, 1, experts.clamp(min=0))
+    weights = torch.where(experts == DROPPED, torch.zeros_like(weights), weights)
+    total = routing.weights.sum(-1, keepdim=True)  # keep each token's gate mass as it was
+    weights = weights * total / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
+    return Routing(experts=experts, weights=weights, rerouted=routing.rerouted,
+                   dropped=int((experts == DROPPED).sum()), rerouted_per_token=routing.rerouted_per_token,
+                   probs=routing.probs, degraded_per_token=moved)
 
 
 def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,10 @@ class ExpertBackend(Protocol):
         """hidden: [T, H], routing over k slots -> sum_k weight * expert_k(hidden): [T, H]."""
         ...
 
+    def effective_routing(self, layer: int, routing: Routing) -> Routing:
+        """The routing the last `run` of this layer actually served (differs only when it had to degrade)."""
+        ...
+
 
 @dataclass
 class KVCache:
@@ -111,8 +115,9 @@ class MoEDecoder:
             h = rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps)
             if layer.router is not None:
                 routing = route(F.linear(h, layer.router), cfg.top_k, cfg.norm_topk_prob, self.capacity_factor)
-                trace.routings[i] = routing
                 mlp = self.experts.run(i, h, routing)
+                # The backend may have served a different routing (degraded around a lost expert): trace that one.
+                trace.routings[i] = self.experts.effective_routing(i, routing)
                 if layer.shared_expert is not None:
                     gate = torch.sigmoid(F.linear(h, layer.shared_expert_gate))  # [T, 1]
                     mlp = mlp + gate * gated_mlp(h, layer.shared_expert, self.act)

@@ -23,6 +23,9 @@ class LocalExperts:
         self.shards = shards
         self.act = activation(hidden_act)
 
+    def effective_routing(self, layer: int, routing: Routing) -> Routing:
+        return routing  # every expert is always here
+
     def run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         out = torch.zeros_like(hidden)  # [T, H]
         for expert in torch.unique(routing.experts[routing.experts >= 0]).tolist():

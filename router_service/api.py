@@ -98,11 +98,11 @@ def token_message(event: TokenEvent) -> pb.GenerateResponse:
     return pb.GenerateResponse(token=pb.TokenChunk(token_ids=event.token_ids, text=event.text))
 
 
-def done_message(event: DoneEvent, degraded: int = 0) -> pb.GenerateResponse:
+def done_message(event: DoneEvent) -> pb.GenerateResponse:
     routing = pb.RoutingSummary(
         layers=[pb.LayerRouting(layer=layer, tokens_per_expert=counts)
                 for layer, counts in event.tokens_per_expert.items()],
-        rerouted_tokens=event.rerouted, degraded_tokens=degraded, dropped_tokens=event.dropped,
+        rerouted_tokens=event.rerouted, degraded_tokens=event.degraded, dropped_tokens=event.dropped,
     )
     return pb.GenerateResponse(done=pb.GenerationDone(
         finish_reason=event.finish_reason,

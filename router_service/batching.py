@@ -62,6 +62,7 @@ class DoneEvent:
     tokens_per_expert: dict[int, list[int]]  # layer -> [E] routed slots over the whole request
     rerouted: int = 0
     dropped: int = 0
+    degraded: int = 0  # slots moved off an expert that had no live replica (degrade policy)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class _Sequence:
     tokens_per_expert: dict[int, torch.Tensor] = field(default_factory=dict)
     rerouted: int = 0
     dropped: int = 0
+    degraded: int = 0
     cancelled: bool = False
 
 
@@ -86,6 +88,7 @@ class _StepRouting:
     tokens_per_expert: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E]
     rerouted: int = 0
     dropped: int = 0
+    degraded: int = 0
 
 
 class ContinuousBatcher:
@@ -204,7 +207,10 @@ class ContinuousBatcher:
         num_experts = self.model.cfg.num_experts
         for layer, routing in self.model.last_trace.routings.items():
             rerouted = routing.rerouted_per_token.split(lengths) if routing.rerouted_per_token is not None else None
+            degraded = routing.degraded_per_token.split(lengths) if routing.degraded_per_token is not None else None
             for i, experts in enumerate(routing.experts.split(lengths)):
+                if degraded is not None:
+                    per_seq[i].degraded += int(degraded[i].sum())
                 per_seq[i].tokens_per_expert[layer] = torch.bincount(experts[experts >= 0], minlength=num_experts)
                 per_seq[i].dropped += int((experts < 0).sum())
                 if rerouted is not None:
@@ -217,6 +223,7 @@ class ContinuousBatcher:
             seq.tokens_per_expert[layer] = seq.tokens_per_expert.get(layer, 0) + counts
         seq.rerouted += routing.rerouted
         seq.dropped += routing.dropped
+        seq.degraded += routing.degraded
         token = sample_next(logits, req.sampling, seq.generator)
         seq.generated.append(token)
         seq.next_input = torch.tensor([token], dtype=torch.int64)
@@ -237,7 +244,7 @@ class ContinuousBatcher:
             seq.events.put_nowait(DoneEvent(
                 finish_reason=finish, prompt_tokens=len(req.prompt_ids), completion_tokens=len(seq.generated),
                 tokens_per_expert={layer: c.tolist() for layer, c in sorted(seq.tokens_per_expert.items())},
-                rerouted=seq.rerouted, dropped=seq.dropped,
+                rerouted=seq.rerouted, dropped=seq.dropped, degraded=seq.degraded,
             ))
             self._finish(seq)
 

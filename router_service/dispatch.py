@@ -1,20 +1,31 @@
 """Per-layer dispatch: group the routed tokens by expert actor, make one call per actor that has tokens, all
-calls in flight together, then combine the outputs with the gate weights.
+calls in flight together, then combine the outputs with the gate weights. Failover lives here too: a failed call's
+tokens go to another replica of the same shard within the step, so the step's result is the fault-free one.
 
-`plan_calls` is pure (no Ray) so grouping is unit-tested; `RemoteExperts` is the ExpertBackend the router's decoder
-uses, wiring the plan to a Transport.
+`plan_calls` and `combine` are pure (no Ray) and unit-tested; `RemoteExperts` is the ExpertBackend the router's
+decoder uses, wiring the plan to a Transport, the breakers and the no-replica policy.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..cluster.routing_table import RoutingTable
-from ..experts.gating import Routing
+from ..cluster.breaker import BreakerBoard
+from ..cluster.routing_table import RoutingTable, Shard, split_tokens
+from ..experts.gating import Routing, degrade
 from .transport import Transport
+
+NO_REPLICA_POLICIES = ("wait", "degrade")
+MAX_LAYER_ATTEMPTS = 8  # a layer whose calls keep failing (not just moving to another replica) gives up
+MAX_CALL_ROUNDS = 4  # retry rounds within one attempt
+
+
+class NoReplicaError(RuntimeError):
+    """A shard has no live replica and the policy is `wait`, and none came back in time (gRPC UNAVAILABLE)."""
 
 
 @dataclass
@@ -31,17 +42,30 @@ class ActorCall:
         return [int(t.numel()) for t in self.token_idx]
 
 
-def plan_calls(layer: int, routing: Routing, table: RoutingTable) -> list[ActorCall]:
-    """One ActorCall per actor that has tokens this layer, in a deterministic order (by expert, then actor)."""
+def plan_calls(
+    layer: int, routing: Routing, table: RoutingTable,
+    replicas_of: Callable[[Shard], Sequence[str]] | None = None,
+) -> list[ActorCall]:
+    """One ActorCall per actor that has tokens this layer, in a deterministic order (by expert, then actor).
+    replicas_of picks which replicas of a shard may take calls (default: all in the table)."""
     calls: dict[str, ActorCall] = {}
     for expert in torch.unique(routing.experts[routing.experts >= 0]).tolist():
         token_idx, slot_idx = torch.nonzero(routing.experts == expert, as_tuple=True)  # [n], [n]
-        for actor, start, end in table.split((layer, expert), int(token_idx.numel())):
-            call = calls.setdefault(actor, ActorCall(actor))
-            call.experts.append(expert)
-            call.token_idx.append(token_idx[start:end])
-            call.slot_idx.append(slot_idx[start:end])
+        shard = (layer, expert)
+        if replicas_of is None:
+            chunks = table.split(shard, int(token_idx.numel()))
+        else:
+            chunks = split_tokens(replicas_of(shard), int(token_idx.numel()))
+        for actor, start, end in chunks:
+            _add(calls, actor, expert, token_idx[start:end], slot_idx[start:end])
     return list(calls.values())
+
+
+def _add(calls: dict[str, ActorCall], actor: str, expert: int, token_idx: torch.Tensor, slot_idx: torch.Tensor):
+    call = calls.setdefault(actor, ActorCall(actor))
+    call.experts.append(expert)
+    call.token_idx.append(token_idx)
+    call.slot_idx.append(slot_idx)
 
 
 def combine(
@@ -50,13 +74,13 @@ def combine(
     """sum over slots of weight * expert output. hidden: [T, H] (for shape/dtype); outputs[i]: [sum counts, H].
 
     Outputs are added expert by expert in ascending expert id, the order of the in-process reference, so the
-    floating-point sums match it.
+    floating-point sums match it whichever replicas served the step.
     """
     pieces: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for call, out in zip(calls, outputs):
         for expert, token_idx, slot_idx, y in zip(call.experts, call.token_idx, call.slot_idx, out.split(call.counts)):
             pieces.append((expert, token_idx, slot_idx, y))
-    pieces.sort(key=lambda p: p[0])
+    pieces.sort(key=lambda p: (p[0], int(p[1][0]) if p[1].numel() else -1))
     result = torch.zeros_like(hidden)  # [T, H]
     for _, token_idx, slot_idx, y in pieces:
         weighted = y * routing.weights[token_idx, slot_idx, None]  # [n, H]
@@ -64,25 +88,160 @@ def combine(
     return result
 
 
-class RemoteExperts:
-    """ExpertBackend whose experts live in actors behind a Transport."""
+@dataclass
+class FailoverConfig:
+    no_replica_policy: str = "wait"  # "wait" | "degrade"
+    call_timeout_s: float = 30.0  # an expert call slower than this counts as failed and is retried elsewhere
+    wait_timeout_s: float = 30.0  # with "wait": how long a step holds tokens for a shard with no live replica
+    revive_interval_s: float = 0.5  # how often to look a dead replica up again by name
 
-    def __init__(self, table: RoutingTable, transport: Transport):
+    def validate(self) -> FailoverConfig:
+        if self.no_replica_policy not in NO_REPLICA_POLICIES:
+            raise ValueError(f"no_replica_policy: must be one of {NO_REPLICA_POLICIES}, got {self.no_replica_policy!r}")
+        for name in ("call_timeout_s", "wait_timeout_s", "revive_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0")
+        return self
+
+
+class RemoteExperts:
+    """ExpertBackend whose experts live in actors behind a Transport, with retries, breakers and a no-replica
+    policy. `reviver` (optional) looks dead replicas up again, e.g. by actor name after the controller restored
+    them; it returns the names that are back."""
+
+    def __init__(self, table: RoutingTable, transport: Transport, failover: FailoverConfig | None = None,
+                 breakers: BreakerBoard | None = None, reviver: Callable[[set[str]], set[str]] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.table = table
         self.transport = transport
+        self.failover = (failover or FailoverConfig()).validate()
+        self.breakers = breakers or BreakerBoard()
+        self.reviver = reviver
+        self.clock = clock
+        self.dead: set[str] = set()
+        self._last_revive = 0.0
         self.calls_per_layer: dict[int, int] = {}  # of the most recent forward; tests check calls == actors hit
         self.round_seconds = 0.0  # wall time spent in expert rounds since creation (benchmarks read it)
+        self.retried_calls = 0
+        self.degraded_slots = 0
+        self.effective: dict[int, Routing] = {}  # layer -> routing actually served (after degrade)
+
+    # ---- health --------------------------------------------------------------------------------------------
+
+    def live_replicas(self, shard: Shard) -> list[str]:
+        return self.breakers.usable_replicas(self.table.replicas.get(shard, ()), self.clock(), frozenset(self.dead))
+
+    def _revive(self, force: bool = False) -> None:
+        now = self.clock()
+        if not self.dead or self.reviver is None:
+            return
+        if not force and now - self._last_revive < self.failover.revive_interval_s:
+            return
+        self._last_revive = now
+        back = self.reviver(set(self.dead))
+        for actor in back:
+            self.dead.discard(actor)
+            self.breakers.states.pop(actor, None)  # a restored replica starts with a closed breaker
+
+    def mark_failed(self, actor: str, error: BaseException) -> None:
+        self.breakers.record(actor, self.clock(), ok=False)
+        if _is_actor_death(error):
+            self.dead.add(actor)
+
+    def effective_routing(self, layer: int, routing: Routing) -> Routing:
+        return self.effective.get(layer, routing)
+
+    # ---- one layer -----------------------------------------------------------------------------------------
 
     def run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         started = time.perf_counter()
-        calls = plan_calls(layer, routing, self.table)
-        handles = []
-        for call in calls:
-            rows = torch.cat(call.token_idx)
-            x = hidden[rows].contiguous().numpy()  # [n, H]
-            handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, x))
-        outputs = self.transport.gather(handles) if handles else []
+        self._revive()
+        deadline = self.clock() + self.failover.wait_timeout_s
+        for attempt in range(MAX_LAYER_ATTEMPTS + 1):
+            if attempt == MAX_LAYER_ATTEMPTS:
+                raise NoReplicaError(f"layer {layer}: expert calls kept failing over {attempt} attempts")
+            served = self._apply_policy(layer, routing, deadline)
+            calls = plan_calls(layer, served, self.table, self.live_replicas)
+            outputs = self._execute(layer, hidden, calls)
+            if outputs is not None:
+                break
+            # A shard lost its last replica mid-step: route again under the policy (the step is redone, so its
+            # result is still exactly that of the served routing).
         self.calls_per_layer[layer] = len(calls)
-        result = combine(hidden, routing, calls, outputs)
+        self.effective[layer] = served
+        self.degraded_slots += served.degraded
+        result = combine(hidden, served, calls, outputs)
         self.round_seconds += time.perf_counter() - started
         return result
+
+    def _apply_policy(self, layer: int, routing: Routing, deadline: float) -> Routing:
+        """Make sure every routed expert has a live replica: wait for one, or degrade to the next-best expert."""
+        while True:
+            hit = torch.unique(routing.experts[routing.experts >= 0]).tolist()
+            missing = [e for e in hit if not self.live_replicas((layer, e))]
+            if not missing:
+                return routing
+            if self.failover.no_replica_policy == "degrade":
+                available = torch.tensor([bool(self.live_replicas((layer, e)))
+                                          for e in range(routing.probs.shape[1])])
+                return degrade(routing, available)
+            if self.clock() >= deadline:
+                raise NoReplicaError(
+                    f"no live replica of layer {layer} expert(s) {missing} within {self.failover.wait_timeout_s:.0f}s"
+                )
+            time.sleep(0.05)
+            self._revive(force=True)
+
+    def _execute(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall]) -> list[torch.Tensor] | None:
+        """Run the calls; re-send a failed call's tokens to other replicas of the same shards until all succeed.
+        Returns outputs aligned with `calls` (which it extends in place), or None when a shard ran out of replicas."""
+        done: dict[int, torch.Tensor] = {}
+        pending = list(range(len(calls)))
+        for _ in range(MAX_CALL_ROUNDS):
+            if not pending:
+                break
+            handles = []
+            for i in pending:
+                call = calls[i]
+                x = hidden[torch.cat(call.token_idx)].contiguous().numpy()  # [n, H]
+                handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, x))
+            results = self.transport.gather_settled(handles, self.failover.call_timeout_s)
+            retry: list[int] = []
+            for i, result in zip(pending, results):
+                call = calls[i]
+                if not isinstance(result, BaseException):
+                    self.breakers.record(call.actor, self.clock(), ok=True)
+                    done[i] = result
+                    continue
+                self.retried_calls += 1
+                self.mark_failed(call.actor, result)
+                replacement = self._replan(layer, call)
+                if replacement is None:
+                    return None
+                for new_call in replacement:
+                    calls.append(new_call)
+                    retry.append(len(calls) - 1)
+            pending = retry
+        if pending:
+            return None  # still failing after every round: let the caller re-route the layer
+        # Drop the failed calls; keep outputs aligned with the calls that served.
+        served = sorted(done)
+        calls[:] = [calls[i] for i in served]
+        return [done[i] for i in served]
+
+    def _replan(self, layer: int, failed: ActorCall) -> list[ActorCall] | None:
+        replan: dict[str, ActorCall] = {}
+        for expert, token_idx, slot_idx in zip(failed.experts, failed.token_idx, failed.slot_idx):
+            others = [a for a in self.live_replicas((layer, expert)) if a != failed.actor]
+            if not others:
+                return None
+            for actor, start, end in split_tokens(others, int(token_idx.numel())):
+                _add(replan, actor, expert, token_idx[start:end], slot_idx[start:end])
+        return list(replan.values())
+
+
+def _is_actor_death(error: BaseException) -> bool:
+    """An actor that is gone (killed, node lost), as opposed to a slow or erroring one."""
+    import ray
+
+    return isinstance(error, ray.exceptions.RayActorError)

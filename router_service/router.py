@@ -11,15 +11,16 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
+from ..cluster.naming import NAMESPACE
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
 from ..experts.modeling import KVCache, MoEDecoder
 from ..experts.tokenizer import load_tokenizer
 from ..experts.weights import load_dense_weights
-from .dispatch import RemoteExperts
+from .dispatch import FailoverConfig, RemoteExperts
 from .errors import RequestError
 from .expert_pool import PoolSpec
-from .transport import RayRefTransport
+from .transport import NameReviver, RayRefTransport
 
 __all__ = ["Router", "Generation", "RequestError"]
 
@@ -39,13 +40,15 @@ class Router:
         actors: dict[str, ray.actor.ActorHandle],
         capacity_factor: float | None = None,
         reader: CheckpointReader | None = None,
+        failover: FailoverConfig | None = None,
     ):
         self.spec = spec
         self.reader = reader or CheckpointReader(spec.model_dir)
         self.model_config = self.reader.config
         self.tokenizer = load_tokenizer(spec.model_dir)
         self.table = RoutingTable.from_actor_shards(spec.actor_shards)
-        self.backend = RemoteExperts(self.table, RayRefTransport(actors))
+        transport = RayRefTransport(dict(actors))
+        self.backend = RemoteExperts(self.table, transport, failover, reviver=NameReviver(transport, NAMESPACE))
         dense = load_dense_weights(self.reader, getattr(torch, spec.dtype), progress="router weights")
         self.model = MoEDecoder(self.model_config, dense, self.backend, capacity_factor)
 

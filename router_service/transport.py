@@ -20,8 +20,9 @@ class Transport(Protocol):
         """Start one call; returns a handle for `gather`."""
         ...
 
-    def gather(self, handles: list[Any]) -> list[torch.Tensor]:
-        """Wait for every handle; outputs in the same order."""
+    def gather_settled(self, handles: list[Any], timeout: float) -> list[torch.Tensor | BaseException]:
+        """Wait for every handle (at most `timeout` seconds); per handle its output or the error it failed with
+        (TimeoutError when it did not finish in time). Never raises for a failed call."""
         ...
 
 
@@ -32,6 +33,51 @@ class RayRefTransport:
     def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray) -> ray.ObjectRef:
         return self.actors[actor].forward.remote(layer, experts, counts, x)
 
-    def gather(self, handles: list[ray.ObjectRef]) -> list[torch.Tensor]:
-        return [readonly_tensor(y) for y in ray.get(handles)]
+    def gather_settled(self, handles: list[ray.ObjectRef], timeout: float) -> list[torch.Tensor | BaseException]:
+        ready, _ = ray.wait(handles, num_returns=len(handles), timeout=timeout)
+        finished = set(ready)
+        results: list[torch.Tensor | BaseException] = []
+        for ref in handles:
+            if ref not in finished:
+                results.append(TimeoutError(f"expert call did not finish within {timeout}s"))
+                continue
+            try:
+                results.append(readonly_tensor(ray.get(ref)))
+            except Exception as exc:  # the actor died, its node went away, or its code raised
+                results.append(exc)
+        return results
 
+
+
+class NameReviver:
+    """Finds replicas that came back under their old name (restored by the controller) without blocking a step:
+    it sends each a `ready` ping and swaps the handle in once the ping returns (restored actors warm up before
+    answering it)."""
+
+    def __init__(self, transport: RayRefTransport, namespace: str):
+        self.transport = transport
+        self.namespace = namespace
+        self.pings: dict[str, tuple[ray.actor.ActorHandle, ray.ObjectRef]] = {}
+
+    def __call__(self, dead: set[str]) -> set[str]:
+        back: set[str] = set()
+        for name in dead:
+            if name in self.pings:
+                handle, ref = self.pings[name]
+                ready, _ = ray.wait([ref], timeout=0)
+                if not ready:
+                    continue
+                del self.pings[name]
+                try:
+                    ray.get(ref)
+                except Exception:  # that incarnation died too; look it up again next time
+                    continue
+                self.transport.actors[name] = handle
+                back.add(name)
+                continue
+            try:
+                handle = ray.get_actor(name, namespace=self.namespace)
+            except ValueError:
+                continue  # not restored yet
+            self.pings[name] = (handle, handle.ready.remote())
+        return back

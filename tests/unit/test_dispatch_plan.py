@@ -51,9 +51,9 @@ class FakeTransport:
             outs.append(gated_mlp(rows, self.shards[(layer, expert)], self.act))
         return torch.cat(outs).numpy()
 
-    def gather(self, handles):
+    def gather_settled(self, handles, timeout):
         self.gathers += 1
-        return [torch.from_numpy(h) for h in handles]
+        return [h if isinstance(h, BaseException) else torch.from_numpy(h) for h in handles]
 
 
 def _routing(experts: list[list[int]], weights: list[list[float]] | None = None) -> Routing:
