@@ -72,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tls-key", metavar="PEM")
     srv.add_argument("--auth-token", default=os.environ.get("EXPERTMESH_TOKEN"),
                      help="require `authorization: Bearer TOKEN` (default: $EXPERTMESH_TOKEN, else no auth)")
+    srv.add_argument("--no-replica-policy", choices=["wait", "degrade"], default="wait",
+                     help="when every replica of an expert is down: hold its tokens until one is back (up to "
+                          "--wait-timeout, then UNAVAILABLE), or send them to the next-best expert and count them")
+    srv.add_argument("--wait-timeout", type=float, default=30.0)
+    srv.add_argument("--call-timeout", type=float, default=30.0, help="an expert call slower than this is retried "
+                                                                       "on another replica")
+    srv.add_argument("--no-restore", action="store_true", help="do not restore lost expert actors")
+
+    status = sub.add_parser("status", help="cluster state: replicas, nodes, GPUs, breakers, load, epoch, events")
+    _add_client_args(status)
 
     gen = sub.add_parser("generate", help="generate text (streams from a server, or --local)")
     _add_local_args(gen)
@@ -117,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "status":
+            return _status(args)
         if args.command in ("generate", "score"):
             return _local(args) if args.local else _remote(args)
         if args.command == "bench" and args.bench == "dispatch":
@@ -156,7 +168,9 @@ def _emit(result: dict, out: str | None) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from ..cluster.controller import ControllerConfig
     from ..router_service.batching import BatcherConfig
+    from ..router_service.dispatch import FailoverConfig
     from ..router_service.grpc_front import FrontSettings
     from ..router_service.server import ServeConfig, serve_forever
 
@@ -167,8 +181,40 @@ def _serve(args: argparse.Namespace) -> int:
         replicas_per_expert=args.replicas_per_expert, router_replicas=args.router_replicas,
         router_autoscale=args.router_autoscale, capacity_factor=args.capacity_factor,
         batcher=BatcherConfig(max_active=args.max_active, max_waiting=args.max_waiting),
+        failover=FailoverConfig(no_replica_policy=args.no_replica_policy, call_timeout_s=args.call_timeout,
+                                wait_timeout_s=args.wait_timeout),
+        controller=ControllerConfig(restore=not args.no_restore),
     )
     asyncio.run(serve_forever(config))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from ..protos import admin_pb2, admin_pb2_grpc
+    from . import client
+
+    chan = client.channel(args.target, args.tls_ca)
+    state = admin_pb2_grpc.AdminStub(chan).GetClusterState(
+        admin_pb2.ClusterStateRequest(), metadata=client.auth_metadata(args.auth_token), timeout=args.timeout or 30)
+    if args.json:
+        print(json.dumps(MessageToDict(state, preserving_proto_field_name=True)))
+        return 0
+    r = state.router
+    print(f"model {state.model}   table epoch {state.epoch}   controller {'up' if state.controller_alive else 'DOWN'}"
+          f"   no-replica policy {state.no_replica_policy}")
+    print(f"router {r.replica}: {r.active_sequences} active, {r.waiting_requests} waiting, {r.live_kv_caches} KV "
+          f"caches, {r.steps} steps, largest batch {r.max_batch_seen}, {r.retried_calls} retried calls, "
+          f"{r.degraded_slots} degraded slots")
+    print(f"{'actor':<16}{'node':<14}{'gpu':<6}{'device':<8}{'state':<10}{'gen':>4}  {'breaker':<10}"
+          f"{'calls':>8}{'tokens':>10}")
+    for rep in state.replicas:
+        alive = "drained" if rep.drained else "restoring" if rep.restoring else "up" if rep.alive else "DOWN"
+        print(f"{rep.actor:<16}{rep.node_id[:12]:<14}{','.join(rep.gpu_ids) or '-':<6}{rep.device or '-':<8}"
+              f"{alive:<10}{rep.generation:>4}  {rep.breaker:<10}{rep.calls:>8}{rep.tokens:>10}")
+    for event in state.events[-10:]:
+        print(f"event {event.time:.1f} {event.kind:<15} {event.actor} {event.detail_json}")
     return 0
 
 

@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -9,17 +11,111 @@ class RouterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica")
+    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots")
     LIVE_KV_CACHES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SEEN_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    RETRIED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     live_kv_caches: int
     active_sequences: int
     waiting_requests: int
     steps: int
     max_batch_seen: int
     replica: str
-    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
+    retried_calls: int
+    degraded_slots: int
+    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ...) -> None: ...
+
+class ClusterStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaState(_message.Message):
+    __slots__ = ("actor", "expert", "replica", "node_id", "gpu_ids", "device", "alive", "restoring", "generation", "breaker", "calls", "tokens", "drained")
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    RESTORING_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
+    actor: str
+    expert: int
+    replica: int
+    node_id: str
+    gpu_ids: _containers.RepeatedScalarFieldContainer[str]
+    device: str
+    alive: bool
+    restoring: bool
+    generation: int
+    breaker: str
+    calls: int
+    tokens: int
+    drained: bool
+    def __init__(self, actor: _Optional[str] = ..., expert: _Optional[int] = ..., replica: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., restoring: _Optional[bool] = ..., generation: _Optional[int] = ..., breaker: _Optional[str] = ..., calls: _Optional[int] = ..., tokens: _Optional[int] = ..., drained: _Optional[bool] = ...) -> None: ...
+
+class ShardReplicas(_message.Message):
+    __slots__ = ("layer", "expert", "replicas")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ..., replicas: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClusterEvent(_message.Message):
+    __slots__ = ("time", "kind", "actor", "detail_json")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_JSON_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    kind: str
+    actor: str
+    detail_json: str
+    def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., actor: _Optional[str] = ..., detail_json: _Optional[str] = ...) -> None: ...
+
+class ClusterState(_message.Message):
+    __slots__ = ("epoch", "controller_alive", "replicas", "shards", "events", "router", "no_replica_policy", "model")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
+    NO_REPLICA_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    controller_alive: bool
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaState]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardReplicas]
+    events: _containers.RepeatedCompositeFieldContainer[ClusterEvent]
+    router: RouterStats
+    no_replica_policy: str
+    model: str
+    def __init__(self, epoch: _Optional[int] = ..., controller_alive: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., router: _Optional[_Union[RouterStats, _Mapping]] = ..., no_replica_policy: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class ReplicaRequest(_message.Message):
+    __slots__ = ("actor",)
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    actor: str
+    def __init__(self, actor: _Optional[str] = ...) -> None: ...
+
+class ReplicaReply(_message.Message):
+    __slots__ = ("ok", "message")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    message: str
+    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...

@@ -39,6 +39,21 @@ class AdminStub:
                 request_serializer=expertmesh_dot_protos_dot_admin__pb2.RouterStatsRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_admin__pb2.RouterStats.FromString,
                 _registered_method=True)
+        self.GetClusterState = channel.unary_unary(
+                '/expertmesh.v1.Admin/GetClusterState',
+                request_serializer=expertmesh_dot_protos_dot_admin__pb2.ClusterStateRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_admin__pb2.ClusterState.FromString,
+                _registered_method=True)
+        self.KillReplica = channel.unary_unary(
+                '/expertmesh.v1.Admin/KillReplica',
+                request_serializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.FromString,
+                _registered_method=True)
+        self.DrainReplica = channel.unary_unary(
+                '/expertmesh.v1.Admin/DrainReplica',
+                request_serializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -51,6 +66,27 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetClusterState(self, request, context):
+        """Expert replicas (actor names, node, GPU, breaker, load), shard -> replicas, table epoch, controller events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KillReplica(self, request, context):
+        """Kill one expert actor now (a failover drill); the controller restores it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainReplica(self, request, context):
+        """Take one expert actor out of service: routers stop using it, it stops after in-flight work, no restore.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +94,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetRouterStats,
                     request_deserializer=expertmesh_dot_protos_dot_admin__pb2.RouterStatsRequest.FromString,
                     response_serializer=expertmesh_dot_protos_dot_admin__pb2.RouterStats.SerializeToString,
+            ),
+            'GetClusterState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusterState,
+                    request_deserializer=expertmesh_dot_protos_dot_admin__pb2.ClusterStateRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_admin__pb2.ClusterState.SerializeToString,
+            ),
+            'KillReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.KillReplica,
+                    request_deserializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.SerializeToString,
+            ),
+            'DrainReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainReplica,
+                    request_deserializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +138,87 @@ class Admin:
             '/expertmesh.v1.Admin/GetRouterStats',
             expertmesh_dot_protos_dot_admin__pb2.RouterStatsRequest.SerializeToString,
             expertmesh_dot_protos_dot_admin__pb2.RouterStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClusterState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Admin/GetClusterState',
+            expertmesh_dot_protos_dot_admin__pb2.ClusterStateRequest.SerializeToString,
+            expertmesh_dot_protos_dot_admin__pb2.ClusterState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KillReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Admin/KillReplica',
+            expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.SerializeToString,
+            expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Admin/DrainReplica',
+            expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.SerializeToString,
+            expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,7 @@ grpc_context and then raised (a streaming method must raise after set_code, or t
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import asdict, dataclass, field
 
@@ -19,11 +20,14 @@ import torch
 from grpc_health.v1 import health_pb2
 from ray import serve
 
+from ..cluster.controller import CONTROLLER_NAME
+from ..cluster.naming import NAMESPACE, parse_expert_actor_name
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
 from . import api
 from .batching import BatcherConfig, ContinuousBatcher, DoneEvent, QueueFullError
+from .dispatch import FailoverConfig, NoReplicaError
 from .expert_pool import PoolSpec, connect_actors
 from .router import Router
 
@@ -42,6 +46,7 @@ class RouterSettings:
     batcher: dict = field(default_factory=dict)  # BatcherConfig fields
     auth_token: str | None = None  # checked on calls that arrive through Serve's own gRPC proxy
     torch_threads: int = 1
+    failover: dict = field(default_factory=dict)  # FailoverConfig fields
 
     def pool_spec(self) -> PoolSpec:
         shards = {name: [tuple(s) for s in shards] for name, shards in self.pool["actor_shards"].items()}
@@ -63,6 +68,8 @@ def _classify(exc: BaseException) -> api.ApiError:
     known = api.as_api_error(exc)
     if known is not None:
         return known
+    if isinstance(exc, NoReplicaError):
+        return api.ApiError("UNAVAILABLE", str(exc))
     if isinstance(exc, QueueFullError):
         return api.ApiError("RESOURCE_EXHAUSTED", f"server busy: {exc}; retry later")
     if isinstance(exc, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError):
@@ -77,7 +84,8 @@ class RouterDeployment:
         self.settings = RouterSettings(**settings)
         torch.set_num_threads(max(1, self.settings.torch_threads))
         spec = self.settings.pool_spec()
-        self.router = Router(spec, connect_actors(spec), self.settings.capacity_factor)
+        self.router = Router(spec, connect_actors(spec), self.settings.capacity_factor,
+                             failover=FailoverConfig(**self.settings.failover))
         self.cfg = self.router.model_config
         decode = self.router.decode if self.router.tokenizer is not None else None
         self.batcher = ContinuousBatcher(self.router.model, decode, BatcherConfig(**self.settings.batcher))
@@ -163,12 +171,86 @@ class RouterDeployment:
 
     async def GetRouterStats(self, request, grpc_context=None):  # noqa: N802
         self._authorize(grpc_context)
+        return self._router_stats()
+
+    def _router_stats(self) -> admin_pb2.RouterStats:
         s = self.batcher.stats()
+        backend = self.router.backend
         return admin_pb2.RouterStats(
             live_kv_caches=s["live_caches"], active_sequences=s["active"], waiting_requests=s["waiting"],
             steps=s["steps"], max_batch_seen=s["max_batch_seen"],
             replica=serve.get_replica_context().replica_id.unique_id,
+            retried_calls=backend.retried_calls, degraded_slots=backend.degraded_slots,
         )
+
+    async def GetClusterState(self, request, grpc_context=None):  # noqa: N802
+        self._authorize(grpc_context)
+        return await cluster_state(self.router, self._router_stats(), self.model_name)
+
+    async def KillReplica(self, request, grpc_context=None):  # noqa: N802
+        self._authorize(grpc_context)
+        return await self._replica_action("kill_replica", request.actor, grpc_context)
+
+    async def DrainReplica(self, request, grpc_context=None):  # noqa: N802
+        self._authorize(grpc_context)
+        return await self._replica_action("drain_replica", request.actor, grpc_context)
+
+    async def _replica_action(self, method: str, actor: str, grpc_context) -> admin_pb2.ReplicaReply:
+        if actor not in self.router.spec.actor_shards:
+            raise _set_status(grpc_context, api.ApiError("NOT_FOUND", f"actor: no expert replica named {actor!r}"))
+        try:
+            controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            ok = await asyncio.wait_for(getattr(controller, method).remote(actor), timeout=10)
+        except Exception as exc:
+            raise _set_status(grpc_context, api.ApiError("UNAVAILABLE", f"controller unavailable: {exc}")) from None
+        return admin_pb2.ReplicaReply(ok=ok, message=f"{method.replace('_', ' ')}: {actor}")
+
+
+async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name: str) -> admin_pb2.ClusterState:
+    """Controller view (epoch, events, restores) + each actor's own report + this router's breakers."""
+    state = admin_pb2.ClusterState(model=model_name, router=stats,
+                                   no_replica_policy=router.backend.failover.no_replica_policy)
+    controller_state: dict = {}
+    try:
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        controller_state = await asyncio.wait_for(controller.get_state.remote(), timeout=5)
+        state.controller_alive = True
+    except Exception:
+        state.controller_alive = False
+    state.epoch = controller_state.get("epoch", 0)
+    drained = set(controller_state.get("drained", []))
+    restoring = {n for n, a in controller_state.get("actors", {}).items() if a.get("restoring")}
+
+    async def info(name: str) -> dict | None:
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            return await asyncio.wait_for(handle.info.remote(), timeout=3)
+        except Exception:
+            return None
+
+    names = list(router.spec.actor_shards)
+    infos = await asyncio.gather(*(info(n) for n in names))
+    for name, got in zip(names, infos):
+        expert, replica = parse_expert_actor_name(name)
+        replica_state = admin_pb2.ReplicaState(
+            actor=name, expert=expert, replica=replica, alive=got is not None, restoring=name in restoring,
+            breaker=router.backend.breakers.get(name).state, drained=name in drained,
+        )
+        if got is not None:
+            replica_state.node_id = got["node_id"]
+            replica_state.gpu_ids.extend(got["gpu_ids"])
+            replica_state.device = got["device"]
+            replica_state.generation = got["generation"]
+            replica_state.calls = got["calls"]
+            replica_state.tokens = got["tokens"]
+        state.replicas.append(replica_state)
+    for (layer, expert), replicas in sorted(router.table.replicas.items()):
+        state.shards.append(admin_pb2.ShardReplicas(layer=layer, expert=expert, replicas=list(replicas)))
+    for event in controller_state.get("events", [])[-200:]:
+        detail = {k: v for k, v in event.items() if k not in ("t", "kind", "actor")}
+        state.events.append(admin_pb2.ClusterEvent(time=event["t"], kind=event["kind"], actor=event["actor"],
+                                                   detail_json=json.dumps(detail)))
+    return state
 
 
 def build_app(args: dict) -> serve.Application:

@@ -88,7 +88,7 @@ def combine(
     return result
 
 
-@dataclass
+@dataclass(frozen=True)
 class FailoverConfig:
     no_replica_policy: str = "wait"  # "wait" | "degrade"
     call_timeout_s: float = 30.0  # an expert call slower than this counts as failed and is retried elsewhere

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ray
 
+from ..cluster.controller import start_controller
 from ..cluster.naming import NAMESPACE
 from ..experts.checkpoint import CheckpointReader
 from ..experts.tokenizer import DEFAULT_MODEL_DIR
 from ..experts.weights import check_checkpoint
+from .dispatch import FailoverConfig
 from .expert_pool import ExpertPool, PoolSpec, default_actor_groups
 from .router import Generation, RequestError, Router
 
@@ -35,6 +37,8 @@ class MeshConfig:
     num_cpus_per_actor: float | None = None  # None: share each node's CPUs among its actors (≤ 1 each)
     actor_start_timeout_s: float = 180.0
     ray_num_cpus: int | None = None  # only for an embedded Ray
+    restore_experts: bool = False  # run the controller, which restores killed expert actors
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
 
     def validate(self) -> MeshConfig:
         if self.model_dir is not None and not Path(self.model_dir).is_dir():
@@ -80,9 +84,13 @@ class ExpertMesh:
         spec = PoolSpec(str(self.config.resolved_model_dir), self.config.dtype,
                         default_actor_groups(reader.config, self.config.replicas_per_expert))
         self.pool: ExpertPool | None = None
+        self.controller = None
         try:
             self.pool = ExpertPool(spec, self.config.num_cpus_per_actor, self.config.actor_start_timeout_s)
-            self.router = Router(spec, self.pool.actors, self.config.capacity_factor, reader=reader)
+            self.controller = (start_controller(asdict(spec), self.pool.slots)
+                               if self.config.restore_experts else None)
+            self.router = Router(spec, self.pool.actors, self.config.capacity_factor, reader=reader,
+                                 failover=self.config.failover)
         except BaseException:
             self.shutdown()
             raise
@@ -121,6 +129,9 @@ class ExpertMesh:
         return self.router.generate(*args, **kwargs)
 
     def shutdown(self) -> None:
+        if self.controller is not None:
+            ray.kill(self.controller, no_restart=True)
+            self.controller = None
         if self.pool is not None:
             self.pool.shutdown()
         if self._owns_ray and ray.is_initialized():

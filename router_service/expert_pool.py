@@ -104,6 +104,11 @@ class ExpertPool:
         return ray.get([h.info.remote() for h in self.actors.values()])
 
     def shutdown(self) -> None:
-        for handle in self.actors.values():
+        """Stop every actor of the pool, including replacements the controller started under the same names."""
+        for name, handle in self.actors.items():
             ray.kill(handle, no_restart=True)
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass
         self.actors = {}

@@ -152,7 +152,8 @@ async def start_front(handle: serve.handle.DeploymentHandle, settings: FrontSett
                   ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"], []),
         server)
     admin_pb2_grpc.add_AdminServicer_to_server(
-        _servicer(admin_pb2_grpc.AdminServicer, forward, ["GetRouterStats"], []), server)
+        _servicer(admin_pb2_grpc.AdminServicer, forward,
+                  ["GetRouterStats", "GetClusterState", "KillReplica", "DrainReplica"], []), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(forward), server)
     address = f"{settings.host}:{settings.port}"
     if settings.tls_cert:

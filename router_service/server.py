@@ -19,11 +19,14 @@ from pathlib import Path
 import ray
 from ray import serve
 
+from ..cluster.controller import CONTROLLER_NAME, ControllerConfig, start_controller
+from ..cluster.naming import NAMESPACE
 from ..experts.checkpoint import CheckpointReader
 from ..experts.tokenizer import DEFAULT_MODEL_DIR
 from ..experts.weights import check_checkpoint
 from .batching import BatcherConfig
 from .deployment import RouterDeployment, RouterSettings
+from .dispatch import FailoverConfig
 from .engine import connect_ray
 from .expert_pool import ExpertPool, PoolSpec, default_actor_groups
 from .grpc_front import FrontSettings, start_front
@@ -44,6 +47,8 @@ class ServeConfig:
     router_autoscale: tuple[int, int] | None = None  # (min, max) replicas; Serve scales on ongoing requests
     capacity_factor: float | None = None
     batcher: BatcherConfig = BatcherConfig()
+    failover: FailoverConfig = FailoverConfig()
+    controller: ControllerConfig = ControllerConfig()
     num_cpus_per_actor: float | None = None
     router_threads: int = 1
 
@@ -62,6 +67,8 @@ class ServeConfig:
             raise ValueError(f"capacity_factor: must be a positive finite number, got {self.capacity_factor}")
         self.front.validate()
         self.batcher.validate()
+        self.failover.validate()
+        self.controller.validate()
         return self
 
     @property
@@ -86,10 +93,11 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
         spec = PoolSpec(str(config.resolved_model_dir), "float32",
                         default_actor_groups(reader.config, config.replicas_per_expert))
         pool = ExpertPool(spec, config.num_cpus_per_actor)
+        start_controller(RouterSettings.pool_dict(spec), pool.slots, config.controller)
         settings = RouterSettings(
             pool=RouterSettings.pool_dict(spec), model_name=config.resolved_model_name,
             capacity_factor=config.capacity_factor, batcher=vars(config.batcher).copy(),
-            torch_threads=config.router_threads,
+            torch_threads=config.router_threads, failover=vars(config.failover).copy(),
         )
         serve.start(proxy_location="Disabled")
         options: dict = {"num_replicas": config.router_replicas}
@@ -109,11 +117,16 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        supervisor = loop.create_task(_supervise_controller(RouterSettings.pool_dict(spec), pool.slots,
+                                                            config.controller))
         await stop.wait()
+        supervisor.cancel()
         print("expertmesh: shutting down", file=sys.stderr, flush=True)
     finally:
         if server is not None:
             await server.stop(grace=5)
+        if ray.is_initialized():
+            stop_controller()
         if ray.is_initialized():
             try:
                 serve.shutdown()
@@ -123,3 +136,27 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
             pool.shutdown()
         if owns_ray and ray.is_initialized():
             ray.shutdown()
+
+
+async def _supervise_controller(spec: dict, slots, config: ControllerConfig, every_s: float = 2.0) -> None:
+    """Keep the controller running: Ray restarts it after a crash or node loss (max_restarts=-1), and this loop
+    recreates it if it was killed outright, then (re)starts its watch. Its own record in the GCS KV store means a
+    new incarnation carries on with the same epoch and placement."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            handle = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            await asyncio.wait_for(handle.start.remote(), timeout=30)
+        except ValueError:
+            log.warning("controller is gone; starting a new one")
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: start_controller(spec, slots, config, fresh=False))
+        except Exception:
+            log.warning("controller did not answer; will retry", exc_info=True)
+
+
+def stop_controller() -> None:
+    try:
+        ray.kill(ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE), no_restart=True)
+    except ValueError:
+        pass
