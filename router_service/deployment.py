@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -254,8 +255,36 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
 
 
 def build_app(args: dict) -> serve.Application:
-    """Serve import path (`expertmesh.router_service.deployment:build_app`): args are RouterSettings fields plus
-    optional `num_replicas` / `autoscaling_config`."""
+    """Serve import path `expertmesh.router_service.deployment:build_app` (see cluster/serve_config.yaml).
+
+    args: RouterSettings fields plus optional `num_replicas` / `autoscaling_config`. Instead of `pool` a config may
+    give `model_dir` (null: the embedded model), `replicas_per_expert`, `num_cpus_per_actor` and `controller`: then
+    this starts (or adopts) the expert actors and the controller, detached so they outlive the builder.
+    """
     args = dict(args)
     options = {k: args.pop(k) for k in ("num_replicas", "autoscaling_config") if k in args}
+    if "pool" not in args:
+        args = bootstrap_pool(args)
     return RouterDeployment.options(**options).bind(args)
+
+
+def bootstrap_pool(args: dict) -> dict:
+    """Start or adopt the experts and the controller for a Serve-config deployment; returns RouterSettings args."""
+    from ..cluster.controller import ControllerConfig, start_controller
+    from ..experts.checkpoint import CheckpointReader
+    from ..experts.tokenizer import DEFAULT_MODEL_DIR
+    from ..experts.weights import check_checkpoint
+    from .expert_pool import ExpertPool, default_actor_groups
+
+    args = dict(args)
+    given = args.pop("model_dir", None)
+    model_dir = Path(given or DEFAULT_MODEL_DIR).resolve()
+    reader = CheckpointReader(model_dir)
+    check_checkpoint(reader)
+    spec = PoolSpec(str(model_dir), args.pop("dtype", "float32"),
+                    default_actor_groups(reader.config, int(args.pop("replicas_per_expert", 1))))
+    pool = ExpertPool(spec, args.pop("num_cpus_per_actor", None), detached=True, reuse=True)
+    start_controller(asdict(spec), pool.slots, ControllerConfig(**args.pop("controller", {})), fresh=False)
+    args["pool"] = asdict(spec)
+    args.setdefault("model_name", "expertmesh-demo" if given is None else model_dir.name)
+    return args

@@ -51,15 +51,22 @@ def connect_actors(spec: PoolSpec) -> dict[str, ray.actor.ActorHandle]:
 
 
 class ExpertPool:
-    def __init__(self, spec: PoolSpec, num_cpus_per_actor: float | None = None, start_timeout_s: float = 180.0):
+    def __init__(self, spec: PoolSpec, num_cpus_per_actor: float | None = None, start_timeout_s: float = 180.0,
+                 detached: bool = False, reuse: bool = False):
+        """detached: actors outlive this process (Serve-config deployments, where the builder exits).
+        reuse: adopt actors that already run under these names instead of refusing to start."""
         self.spec = spec
         self.start_timeout_s = start_timeout_s
+        self.detached = detached
+        self.reuse = reuse
         self.slots: list[ActorSlot] = plan_actor_slots(list(spec.actor_shards), cluster_nodes(), num_cpus_per_actor)
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self._spawn()
 
     def _spawn(self) -> None:
         for slot in self.slots:
+            if self.reuse:
+                break
             try:
                 ray.get_actor(slot.name, namespace=NAMESPACE)
             except ValueError:
@@ -73,6 +80,7 @@ class ExpertPool:
             self.actors[slot.name] = remote.options(
                 name=slot.name, namespace=NAMESPACE, num_cpus=slot.num_cpus, num_gpus=slot.num_gpus,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node_id, soft=False),
+                lifetime="detached" if self.detached else None, get_if_exists=self.reuse,
             ).remote(slot.name, self.spec.model_dir, self.spec.actor_shards[slot.name], self.spec.dtype)
         self._wait_ready()
 

@@ -1,0 +1,100 @@
+"""cluster/configs/serve_config.yaml deployed with `serve run` on a local cluster, answering through Serve's own gRPC
+proxy: the path `serve deploy` and KubeRay users take."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+import torch
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from expertmesh.cluster.naming import NAMESPACE
+from expertmesh.experts.reference import load_reference_model
+from expertmesh.protos import inference_pb2 as pb
+from expertmesh.protos import inference_pb2_grpc
+
+CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "serve_config.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def deployed(checkpoints, tmp_path_factory):
+    ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
+    config = yaml.safe_load(CONFIG.read_text())
+    port = free_port()
+    config["grpc_options"]["port"] = port
+    config["http_options"]["port"] = free_port()
+    app = config["applications"][0]["args"]
+    app["model_dir"] = str(checkpoints["mixtral"])
+    app.pop("autoscaling_config")
+    app["num_replicas"] = 1
+    path = tmp_path_factory.mktemp("serve") / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = path.with_suffix(".log")
+    proc = subprocess.Popen([sys.executable, "-m", "ray.serve.scripts", "run", "--address",
+                             ray.get_runtime_context().gcs_address, str(path)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                break
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError(f"serve run did not come up:\n{log.read_text()[-4000:]}")
+        time.sleep(2)
+    yield channel
+    channel.close()
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    ray.shutdown()
+
+
+def test_generate_through_serves_grpc_proxy_equals_the_reference(deployed, checkpoints):
+    prompt = [7, 8, 9, 10]
+    ids = []
+    for message in inference_pb2_grpc.InferenceStub(deployed).Generate(
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_tokens=8), timeout=60
+    ):
+        if message.HasField("token"):
+            ids.extend(message.token.token_ids)
+    model = load_reference_model(checkpoints["mixtral"])
+    cache, step, want = model.new_cache(), torch.tensor(prompt), []
+    for _ in range(8):
+        nxt = int(model.forward([step], [cache])[0][-1].argmax())
+        want.append(nxt)
+        step = torch.tensor([nxt])
+    assert ids == want
+
+
+def test_errors_keep_their_codes_behind_serves_proxy(deployed):
+    with pytest.raises(grpc.RpcError) as err:
+        list(inference_pb2_grpc.InferenceStub(deployed).Generate(
+            pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), max_tokens=0), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in err.value.details()
+
+
+def test_the_builder_started_experts_and_controller_detached(deployed):
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
+    assert {"controller", "expert-e0-r0", "expert-e0-r1", "expert-e3-r1"} <= names
