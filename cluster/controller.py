@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -69,15 +70,16 @@ class Controller:
         self.events: list[dict] = []
         self.started_at = time.time()
         self.restarted = bool(saved)  # a previous incarnation left a record
-        self._task: asyncio.Task | None = None
+        self._first_pass = threading.Event()
+        # The watch starts here, on a thread with its own event loop, so that every incarnation watches, including
+        # one Ray restarted after a crash (nobody calls a method on it then).
+        threading.Thread(target=lambda: asyncio.run(self._watch()), name="controller-watch", daemon=True).start()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
     async def start(self) -> dict:
-        """Begin watching (idempotent). Returns the state after one pass over the actors."""
-        if self._task is None or self._task.done():
-            await self._check_all()
-            self._task = asyncio.get_running_loop().create_task(self._watch())
+        """Wait until the first pass over the actors is done (idempotent); returns the state."""
+        await asyncio.get_running_loop().run_in_executor(None, self._first_pass.wait, 60)
         return await self.get_state()
 
     async def _watch(self) -> None:
@@ -86,6 +88,7 @@ class Controller:
                 await self._check_all()
             except Exception:  # the watcher must outlive any one bad pass
                 log.exception("controller pass failed")
+            self._first_pass.set()
             await asyncio.sleep(self.config.check_interval_s)
 
     def _expected(self) -> list[str]:
@@ -193,12 +196,15 @@ class Controller:
         self._persist()
         self._event("draining", name)
 
-        async def stop_later() -> None:
-            await asyncio.sleep(grace_s)
-            await self.kill_replica(name)
+        def stop_later() -> None:
+            time.sleep(grace_s)
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass
             self._event("drained", name)
 
-        asyncio.get_running_loop().create_task(stop_later())
+        threading.Thread(target=stop_later, daemon=True).start()
         return True
 
 
