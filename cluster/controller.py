@@ -132,7 +132,9 @@ class Controller:
             generation = self.generations.get(name, 0) + 1
             handle = ray.remote(ExpertActor).options(
                 name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=slot.num_cpus,
-                num_gpus=slot.num_gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                # soft: if that node turns out to be gone (ray.nodes() can still call it alive for a few seconds
+                # after it died), Ray places the replacement on any node with room instead of failing it.
+                num_gpus=slot.num_gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
             ).remote(name, self.spec["model_dir"], [tuple(s) for s in self.spec["actor_shards"][name]],
                      self.spec["dtype"], generation)
             info = await asyncio.wait_for(handle.info.remote(), self.config.restore_timeout_s)  # after warm-up

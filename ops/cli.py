@@ -117,6 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument("--requests-per-stream", type=int, default=2)
     serve_bench.add_argument("--json", action="store_true", help="print only the JSON result")
     serve_bench.add_argument("--out", metavar="FILE", help="also write the JSON here")
+
+    drill = sub.add_parser("drill", help="failover drill under load: kill actors/nodes/router/controller, report")
+    drill.add_argument("--kill", choices=["actor", "fraction", "node", "router", "controller"], default="actor")
+    drill.add_argument("--every", type=float, default=10.0, help="seconds between kills")
+    drill.add_argument("--duration", type=float, default=60.0, help="seconds of the fault phase")
+    drill.add_argument("--baseline", type=float, default=15.0, help="seconds of fault-free load first")
+    drill.add_argument("--concurrency", type=int, default=8, help="concurrent greedy Generate streams")
+    drill.add_argument("--max-tokens", type=int, default=16)
+    drill.add_argument("--replicas-per-expert", type=int, default=2)
+    drill.add_argument("--no-replica-policy", choices=["wait", "degrade"], default="wait")
+    drill.add_argument("--model", metavar="DIR", help="checkpoint for the self-started server (default: embedded)")
+    drill.add_argument("--nodes", type=int, default=2, help="worker nodes of the self-started cluster (--kill node)")
+    drill.add_argument("--fraction", type=float, default=0.25, help="share of expert actors per tick (fraction)")
+    drill.add_argument("--seed", type=int, default=0)
+    drill.add_argument("--target", metavar="HOST:PORT", help="attach to a running server instead of starting one")
+    drill.add_argument("--address", help="with --target: its Ray cluster (needed to kill router/controller)")
+    drill.add_argument("--out", metavar="DIR", default="drill_out", help="report folder (default: drill_out)")
+    drill.add_argument("--json", action="store_true", help="print only the JSON report")
     return parser
 
 
@@ -145,6 +163,17 @@ def main(argv: list[str] | None = None) -> int:
                                      requests_per_stream=args.requests_per_stream, model_dir=args.model,
                                      verbose=not args.json)
             _emit(result, args.out)
+            return 0
+        if args.command == "drill":
+            from .drill import run_drill
+
+            result = run_drill(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
+                               concurrency=args.concurrency, max_tokens=args.max_tokens,
+                               replicas_per_expert=args.replicas_per_expert, no_replica_policy=args.no_replica_policy,
+                               model_dir=args.model, nodes=args.nodes, fraction=args.fraction, seed=args.seed,
+                               target=args.target, address=args.address, out=args.out, verbose=not args.json)
+            summary = result.pop("summary")
+            print(json.dumps(result, indent=2) if args.json else f"{summary}\nreport: {result['files']['markdown']}")
             return 0
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)

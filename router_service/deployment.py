@@ -234,7 +234,9 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
     for name, got in zip(names, infos):
         expert, replica = parse_expert_actor_name(name)
         replica_state = admin_pb2.ReplicaState(
-            actor=name, expert=expert, replica=replica, alive=got is not None, restoring=name in restoring,
+            # A replica the controller is still restoring is not serving yet, even if its new actor answers.
+            actor=name, expert=expert, replica=replica, alive=got is not None and name not in restoring,
+            restoring=name in restoring,
             breaker=router.backend.breakers.get(name).state, drained=name in drained,
         )
         if got is not None:

@@ -157,12 +157,15 @@ class RemoteExperts:
         started = time.perf_counter()
         self._revive()
         deadline = self.clock() + self.failover.wait_timeout_s
+        # One bound for the whole layer, however many retries it takes: calls queued on actors that never come
+        # up (e.g. restores pending on a full cluster) end in NoReplicaError (UNAVAILABLE), not a hang.
+        give_up = self.clock() + max(self.failover.call_timeout_s, self.failover.wait_timeout_s)
         for attempt in range(MAX_LAYER_ATTEMPTS + 1):
             if attempt == MAX_LAYER_ATTEMPTS:
                 raise NoReplicaError(f"layer {layer}: expert calls kept failing over {attempt} attempts")
             served = self._apply_policy(layer, routing, deadline)
             calls = plan_calls(layer, served, self.table, self.live_replicas)
-            outputs = self._execute(layer, hidden, calls)
+            outputs = self._execute(layer, hidden, calls, give_up)
             if outputs is not None:
                 break
             # A shard lost its last replica mid-step: route again under the policy (the step is redone, so its
@@ -192,7 +195,8 @@ class RemoteExperts:
             time.sleep(0.05)
             self._revive(force=True)
 
-    def _execute(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall]) -> list[torch.Tensor] | None:
+    def _execute(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall],
+                 give_up: float = float("inf")) -> list[torch.Tensor] | None:
         """Run the calls; re-send a failed call's tokens to other replicas of the same shards until all succeed.
         Returns outputs aligned with `calls` (which it extends in place), or None when a shard ran out of replicas."""
         done: dict[int, torch.Tensor] = {}
@@ -205,7 +209,11 @@ class RemoteExperts:
                 call = calls[i]
                 x = hidden[torch.cat(call.token_idx)].contiguous().numpy()  # [n, H]
                 handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, x))
-            results = self.transport.gather_settled(handles, self.failover.call_timeout_s)
+            remaining = give_up - self.clock()
+            if remaining <= 0:
+                raise NoReplicaError(f"layer {layer}: expert calls did not complete within "
+                                     f"{max(self.failover.call_timeout_s, self.failover.wait_timeout_s):.0f}s")
+            results = self.transport.gather_settled(handles, min(self.failover.call_timeout_s, remaining))
             retry: list[int] = []
             for i, result in zip(pending, results):
                 call = calls[i]

@@ -149,8 +149,11 @@ async def _supervise_controller(spec: dict, slots, config: ControllerConfig, eve
             await asyncio.wait_for(handle.start.remote(), timeout=30)
         except ValueError:
             log.warning("controller is gone; starting a new one")
-            await asyncio.get_running_loop().run_in_executor(
-                None, lambda: start_controller(spec, slots, config, fresh=False))
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: start_controller(spec, slots, config, fresh=False))
+            except Exception:  # e.g. the replacement was killed while starting: try again next round
+                log.warning("could not start a controller; will retry", exc_info=True)
         except Exception:
             log.warning("controller did not answer; will retry", exc_info=True)
 

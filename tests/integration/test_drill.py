@@ -1,0 +1,48 @@
+"""`expertmesh drill` end to end, as an operator runs it: the CLI as a subprocess starts its own Ray and server,
+kills expert actors under load, and writes its report. With two replicas per expert and the wait policy, the
+controller restores every killed actor and no request fails or changes its greedy output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+DRILL_TIMEOUT_S = 600  # the drill itself takes ~1.5 min on 2 cores; most of it is starting 16 expert actors
+
+
+def test_actor_kill_drill_loses_no_request_and_restores_every_replica(tmp_path):
+    out = tmp_path / "drill"
+    proc = subprocess.run(
+        [sys.executable, "-m", "expertmesh.ops.cli", "drill", "--kill", "actor", "--duration", "12", "--every", "6",
+         "--baseline", "6", "--replicas-per-expert", "2", "--concurrency", "4", "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=DRILL_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert report == json.loads((out / "drill_report.json").read_text())
+
+    requests = report["requests"]
+    assert requests["sent"] > 0 and requests["by_phase"]["faults"]["sent"] > 0, requests
+    assert requests["failed"] == 0, requests["failed_by_code"]
+    outputs = report["outputs"]
+    assert outputs["prompts_with_reference"] == outputs["prompts"], outputs
+    assert outputs["compared"] > 0 and outputs["mismatches"] == 0 and outputs["unverified"] == 0, outputs
+    assert report["tokens"]["degraded"] == 0
+
+    kills = report["kills"]
+    assert len(kills) == 2, kills  # at 0 s and 6 s of the 12 s fault phase
+    for kill in kills:
+        assert kill["error"] is None and len(kill["targets"]) == 1, kill
+        assert kill["detect_s"] is not None and kill["detect_s"] >= 0, kill
+        assert kill["restore_s"] is not None and kill["restore_s"] <= 15, kill
+    assert report["targets"]["zero_failed_requests"]["met"]
+    assert report["targets"]["identical_greedy_outputs"]["met"]
+    assert report["targets"]["restored_within_15s"]["met"]
+    assert report["cluster"]["replicas_expected"] == 16
+    assert report["server"]["exit_code"] == 0
+
+    png = out / "drill_timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (out / "drill_report.md").read_text()
+    assert "# expertmesh drill: kill actor" in markdown and "## Targets" in markdown
