@@ -16,12 +16,7 @@ import asyncio
 import json
 import os
 import platform
-import re
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,8 +27,9 @@ import grpc
 from ..protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from ..protos import inference_pb2 as pb
 from . import client
+from .measure import percentile
+from .server_process import ServerProcess, start_server
 
-READY = re.compile(r"expertmesh serving (\S+) on ([\d.]+):(\d+)")
 GOAL = "aggregate tokens/s at 32 streams >= 10x one stream"
 GOAL_SPEEDUP = 10.0
 PROMPT_LEN = 8
@@ -43,77 +39,7 @@ STREAM_TIMEOUT_S = 900.0
 # --------------------------------------------------------------------------------------------------- server
 
 
-@dataclass
-class _Server:
-    proc: subprocess.Popen
-    target: str
-    model_name: str
-    log_path: Path
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def stop(self, timeout: float = 90) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def _start_server(model_dir: str | None, timeout: float = 600) -> _Server:
-    """`expertmesh serve --port 0` as a subprocess; waits for its ready line (stderr goes to a temp log)."""
-    fd, name = tempfile.mkstemp(prefix="expertmesh-bench-serve-", suffix=".log")
-    os.close(fd)
-    log = Path(name)
-    args = [sys.executable, "-m", "expertmesh.ops.cli", "serve", "--port", "0"]
-    if model_dir is not None:
-        args += ["--model", model_dir]
-    with log.open("w") as err:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
-    found: list[re.Match] = []
-
-    def watch() -> None:
-        for line in proc.stdout:
-            match = READY.search(line)
-            if match:
-                found.append(match)
-                break
-        for _ in proc.stdout:  # keep draining so the server never blocks on a full pipe
-            pass
-
-    threading.Thread(target=watch, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while not found and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if not found:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        raise RuntimeError(f"expertmesh serve did not become ready (exit {proc.returncode}); log {log}:\n"
-                           f"{log.read_text(errors='replace')[-4000:]}")
-    match = found[0]
-    host = match.group(2)
-    if host == "0.0.0.0":
-        host = "127.0.0.1"
-    return _Server(proc=proc, target=f"{host}:{match.group(3)}", model_name=match.group(1), log_path=log)
-
-
 # ------------------------------------------------------------------------------------------------- helpers
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -163,25 +89,6 @@ class _Stream:
     finished: float | None = None
     finish_reason: str | None = None
     error: str | None = None
-
-
-def _run_stream(chan: grpc.Channel, request: pb.GenerateRequest) -> _Stream:
-    record = _Stream(started=time.perf_counter())
-    try:
-        for message in client.generate_stream(chan, request, timeout=STREAM_TIMEOUT_S):
-            now = time.perf_counter()
-            if message.HasField("token"):
-                record.arrivals.append(now)
-                record.tokens += len(message.token.token_ids)
-            else:
-                record.finish_reason = message.done.finish_reason
-    except grpc.RpcError as exc:
-        code = exc.code() if callable(getattr(exc, "code", None)) else None
-        record.error = code.name if code is not None else type(exc).__name__
-    except Exception as exc:  # a stream must never take the benchmark down
-        record.error = type(exc).__name__
-    record.finished = time.perf_counter()
-    return record
 
 
 # --------------------------------------------------------------------------------------------------- levels
@@ -248,12 +155,12 @@ def _run_level(chan: grpc.Channel, target: str, concurrency: int, requests_per_s
         "aggregate_tokens_per_s": round(total_tokens / wall, 3) if wall > 0 else None,
         "per_stream_tokens_per_s": {
             "mean": round(sum(per_stream_tps) / len(per_stream_tps), 3) if per_stream_tps else None,
-            "p50": round(_percentile(per_stream_tps, 50), 3) if per_stream_tps else None,
+            "p50": round(percentile(per_stream_tps, 50), 3) if per_stream_tps else None,
             "min": round(min(per_stream_tps), 3) if per_stream_tps else None,
         },
-        "inter_token_ms": {"p50": _ms(_percentile(gaps, 50)), "p99": _ms(_percentile(gaps, 99)),
+        "inter_token_ms": {"p50": _ms(percentile(gaps, 50)), "p99": _ms(percentile(gaps, 99)),
                            "samples": len(gaps)},
-        "ttft_ms": {"p50": _ms(_percentile(ttfts, 50)), "p99": _ms(_percentile(ttfts, 99))},
+        "ttft_ms": {"p50": _ms(percentile(ttfts, 50)), "p99": _ms(percentile(ttfts, 99))},
         "finish_reasons": dict(Counter(s.finish_reason for s in streams if s.finish_reason)),
         "errors": dict(errors),
         "router": None,
@@ -289,7 +196,7 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
         raise ValueError(f"concurrencies: need positive integers, got {concurrencies}")
 
     run_started = time.perf_counter()
-    server: _Server | None = None
+    server: ServerProcess | None = None
     result: dict = {"benchmark": "serve", "model": None, "target": target, "self_started": target is None,
                     "max_tokens": max_tokens, "requests_per_stream": requests_per_stream,
                     "prompt_tokens": PROMPT_LEN, "concurrencies": concurrencies, "levels": {}}
@@ -297,7 +204,7 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
         if target is None:
             say("starting expertmesh serve ...")
             t0 = time.perf_counter()
-            server = _start_server(model_dir)
+            server = start_server(["--model", model_dir] if model_dir is not None else [])
             target = server.target
             result["model"] = server.model_name
             result["target"] = target
@@ -308,7 +215,7 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
         try:
             grpc.channel_ready_future(chan).result(timeout=60)
             say("warm-up ...")
-            warm = _run_stream(chan, _request(_prompt(10_000, vocab), min(4, max_tokens)))
+            warm = asyncio.run(_drive(target, [[_request(_prompt(10_000, vocab), min(4, max_tokens))]]))[0][0][0]
             result["warmup"] = {"tokens": warm.tokens, "seconds": round(warm.finished - warm.started, 3),
                                 "error": warm.error}
             if warm.error:

@@ -33,7 +33,6 @@ import platform
 import random
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -45,11 +44,12 @@ import grpc
 
 from ..protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from ..protos import inference_pb2 as pb
+from .measure import percentile
+from .server_process import ServerProcess, start_server
 
 log = logging.getLogger(__name__)
 
 KILL_MODES = ("actor", "fraction", "node", "router", "controller")
-READY = re.compile(r"expertmesh serving (\S+) on ([\d.]+):(\d+)")
 NAMESPACE = "expertmesh"  # cluster/naming.py; repeated here so attaching without Ray never imports it
 CONTROLLER_NAME = "controller"  # cluster/controller.py
 EXPERT_ACTOR = re.compile(r"expert-e([0-9]+)-r([0-9]+)")
@@ -76,22 +76,12 @@ PROMPT_TEXTS = (
 # --------------------------------------------------------------------------------------------- small helpers
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 def _r(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
 def _latency(values: list[float]) -> dict:
-    return {"requests": len(values), "p50_s": _r(_percentile(values, 50)), "p99_s": _r(_percentile(values, 99)),
+    return {"requests": len(values), "p50_s": _r(percentile(values, 50)), "p99_s": _r(percentile(values, 99)),
             "mean_s": _r(sum(values) / len(values)) if values else None, "max_s": _r(max(values, default=None))}
 
 
@@ -169,60 +159,6 @@ def _held_out_texts() -> tuple[list[str], Path]:
 # -------------------------------------------------------------------------------------------- server / Ray
 
 
-@dataclass
-class _Server:
-    proc: subprocess.Popen
-    target: str
-    model_name: str
-    log_path: Path
-
-    def stop(self, timeout: float = 90) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def _start_server(extra: list[str], log_path: Path, timeout: float = 600) -> _Server:
-    """`expertmesh serve --port 0 ...` as a subprocess in its own session (a terminal's Ctrl-C reaches only the
-    drill, which then stops the server in order); waits for the ready line; stderr goes to `log_path`."""
-    args = [sys.executable, "-m", "expertmesh.ops.cli", "serve", "--port", "0", *extra]
-    with log_path.open("w") as err:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-    found: list[re.Match] = []
-
-    def watch() -> None:
-        for line in proc.stdout:
-            match = READY.search(line)
-            if match:
-                found.append(match)
-                break
-        for _ in proc.stdout:  # keep draining so the server never blocks on a full pipe
-            pass
-
-    threading.Thread(target=watch, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    try:
-        while not found and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-    except BaseException:
-        _Server(proc, "", "", log_path).stop(30)
-        raise
-    if not found:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        raise RuntimeError(f"expertmesh serve did not become ready (exit {proc.returncode}); log {log_path}:\n"
-                           f"{log_path.read_text(errors='replace')[-4000:]}")
-    match = found[0]
-    host = "127.0.0.1" if match.group(2) == "0.0.0.0" else match.group(2)
-    return _Server(proc=proc, target=f"{host}:{match.group(3)}", model_name=match.group(1), log_path=log_path)
-
-
 # ------------------------------------------------------------------------------------------------ records
 
 
@@ -281,6 +217,7 @@ class _Drill:
         self.o = opts
         self.target = target
         self.prompts = prompts
+        self.warm_requests: list[_Request] = []
         self.cluster = cluster
         self.owns_cluster = owns_cluster
         self.ray_connected = ray_connected
@@ -676,7 +613,16 @@ class _Drill:
             if self.ray_connected:  # the first Ray lookups of a driver are slow; pay for them before the clock runs
                 await asyncio.to_thread(self._prewarm_ray)
             _say(self.verbose, f"warm-up: {o['concurrency']} streams ...")
-            warm = await asyncio.gather(*(self._one(i, i % len(self.prompts)) for i in range(o["concurrency"])))
+            # Warm up with every prompt once (at most `concurrency` at a time): each prompt then has a fault-free
+            # output to compare against even if the baseline phase is too short to reach it.
+            gate = asyncio.Semaphore(o["concurrency"])
+
+            async def warm_one(index: int) -> _Request:
+                async with gate:
+                    return await self._one(index % o["concurrency"], index)
+
+            warm = await asyncio.gather(*(warm_one(i) for i in range(len(self.prompts))))
+            self.warm_requests = list(warm)
             self.warmup = {"requests": len(warm), "failed": sum(r.code != "OK" for r in warm),
                            "seconds": _r(max(r.end for r in warm) - min(r.start for r in warm))}
             self.t0 = time.time()
@@ -762,11 +708,13 @@ class _Drill:
         latency = {name: _latency([r.end - r.start for r in reqs if r.code == "OK" and phase(r) == name])
                    for name in ("baseline", "faults", "after")}
 
-        # Reference output per prompt: the most common baseline output.
+        # Reference output per prompt: the most common fault-free output (baseline, else the warm-up).
         refs: dict[int, tuple] = {}
         base_ok = [r for r in reqs if r.code == "OK" and phase(r) == "baseline"]
+        warm_ok = [r for r in self.warm_requests if r.code == "OK"]
         for index in range(len(self.prompts)):
-            outs = Counter(tuple(r.tokens) for r in base_ok if r.prompt == index)
+            outs = Counter(tuple(r.tokens) for r in base_ok if r.prompt == index) or \
+                Counter(tuple(r.tokens) for r in warm_ok if r.prompt == index)
             if outs:
                 refs[index] = outs.most_common(1)[0][0]
         mismatch_by_phase: Counter = Counter()
@@ -934,7 +882,7 @@ class _Drill:
         return {
             "t_s": list(range(n)),
             "tokens_per_s": tokens,
-            "p99_latency_s": [_r(_percentile(v, 99)) for v in latencies],
+            "p99_latency_s": [_r(percentile(v, 99)) for v in latencies],
             "failures": failures,
             "live_replicas": [[_r(p.t - self.t0), p.live if p.ok else None] for p in self.polls],
             "live_replicas_from_events": self._live_from_events(),
@@ -1163,7 +1111,7 @@ def run_drill(kill: str = "actor", every: float = 10.0, duration: float = 60.0, 
             "no_replica_policy": no_replica_policy, "model": model_dir, "nodes": nodes, "fraction": fraction,
             "seed": seed, "self_started": target is None, "address": address}
     started = time.time()
-    server: _Server | None = None
+    server: ServerProcess | None = None
     cluster = None
     ray_connected = False
     prompts = make_prompts(model_dir)
@@ -1206,7 +1154,7 @@ def run_drill(kill: str = "actor", every: float = 10.0, duration: float = 60.0, 
                 extra += ["--model", model_dir]
             _say(verbose, f"starting expertmesh serve {' '.join(extra)} ...")
             t_srv = time.time()
-            server = _start_server(extra, out_dir / "serve.log")
+            server = start_server(extra, out_dir / "serve.log", new_session=True)
             target_addr = server.target
             _say(verbose, f"serving {server.model_name} on {target_addr} (ready after {time.time() - t_srv:.1f} s)")
         else:

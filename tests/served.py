@@ -1,67 +1,17 @@
-"""Start `expertmesh serve` as a user would (a subprocess with its own embedded Ray) and stop it cleanly."""
+"""Start `expertmesh serve` as a user would (a subprocess with its own embedded Ray), and TLS material for tests."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
-import re
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
-READY = re.compile(r"expertmesh serving (\S+) on ([\d.]+):(\d+) \((tls|plaintext)\)")
+from expertmesh.ops.server_process import ServerProcess
+from expertmesh.ops.server_process import start_server as _start
 
 
-@dataclass
-class Served:
-    proc: subprocess.Popen
-    port: int
-    model_name: str
-    log_path: Path
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def stop(self, timeout: float = 90) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_server(*args: str, timeout: float = 300) -> Served:
-    log = Path(tempfile.mkstemp(prefix="expertmesh-serve-", suffix=".log")[1])
-    proc = subprocess.Popen([sys.executable, "-m", "expertmesh.ops.cli", "serve", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-    found: list[re.Match] = []
-
-    def watch() -> None:
-        for line in proc.stdout:
-            match = READY.search(line)
-            if match:
-                found.append(match)
-                return
-
-    reader = threading.Thread(target=watch, daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not found:
-        proc.kill()
-        raise RuntimeError(f"expertmesh serve did not become ready in {timeout}s:\n{log.read_text()[-4000:]}")
-    match = found[0]
-    return Served(proc=proc, port=int(match.group(3)), model_name=match.group(1), log_path=log)
+def start_server(*args: str, timeout: float = 300) -> ServerProcess:
+    return _start(list(args), timeout=timeout)
 
 
 def self_signed_cert(folder: Path) -> tuple[Path, Path]:

@@ -86,3 +86,14 @@ def write_direct_mixtral(out: Path, seed: int = 0, layers: int = 2, experts: int
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def greedy_tokens(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Plain greedy decoding on an in-process MoEDecoder with a KV cache: the oracle for served generations."""
+    cache = model.new_cache()
+    step, out = torch.tensor(prompt), []
+    for _ in range(max_tokens):
+        nxt = int(model.forward([step], [cache])[0][-1].argmax())
+        out.append(nxt)
+        step = torch.tensor([nxt])
+    return out

@@ -18,7 +18,7 @@ from expertmesh.experts.gating import Routing, degrade
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.dispatch import FailoverConfig, NoReplicaError
 from expertmesh.router_service.engine import ExpertMesh, MeshConfig
-from tests.tiny_checkpoints import VOCAB
+from tests.tiny_checkpoints import VOCAB, greedy_tokens
 
 TOL = 1e-4
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
@@ -39,17 +39,7 @@ def reference(checkpoints):
 
 @pytest.fixture(scope="module")
 def expected(reference) -> list[int]:
-    return greedy(reference, PROMPT, MAX_TOKENS)
-
-
-def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    cache = model.new_cache()
-    step, out = torch.tensor(prompt), []
-    for _ in range(max_tokens):
-        nxt = int(model.forward([step], [cache])[0][-1].argmax())
-        out.append(nxt)
-        step = torch.tensor([nxt])
-    return out
+    return greedy_tokens(reference, PROMPT, MAX_TOKENS)
 
 
 def routing_of(model, ids: list[int] = PROMPT) -> dict[int, Routing]:
@@ -196,7 +186,7 @@ def test_degrade_policy_serves_the_next_best_expert(checkpoints, reference):
     degraded.experts = DegradedExperts(degraded.experts, available)
     want = degraded.forward([torch.tensor(PROMPT)])[0]
     assert (got - want).abs().max().item() <= TOL
-    assert result.token_ids == greedy(degraded, PROMPT, MAX_TOKENS)
+    assert result.token_ids == greedy_tokens(degraded, PROMPT, MAX_TOKENS)
     # Losing the expert did change the logits, so the comparison above means something.
     assert (got - reference.forward([torch.tensor(PROMPT)])[0]).abs().max().item() > TOL
 

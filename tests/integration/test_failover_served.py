@@ -14,7 +14,6 @@ import time
 import grpc
 import pytest
 import ray
-import torch
 from ray._private import state as ray_state
 from ray.cluster_utils import Cluster
 
@@ -25,6 +24,7 @@ from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.router_service.engine import ExpertMesh, MeshConfig
 from tests.served import start_server
+from tests.tiny_checkpoints import greedy_tokens
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 MAX_TOKENS = 6
@@ -35,19 +35,9 @@ CONTROLLER_BACK_S = 15
 ROUTER_BACK_S = 30
 
 
-def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    cache = model.new_cache()
-    step, out = torch.tensor(prompt), []
-    for _ in range(max_tokens):
-        nxt = int(model.forward([step], [cache])[0][-1].argmax())
-        out.append(nxt)
-        step = torch.tensor([nxt])
-    return out
-
-
 @pytest.fixture(scope="module")
 def expected(checkpoints) -> list[int]:
-    return greedy(load_reference_model(checkpoints["mixtral"]), PROMPT, MAX_TOKENS)
+    return greedy_tokens(load_reference_model(checkpoints["mixtral"]), PROMPT, MAX_TOKENS)
 
 
 def wait_for(what: str, check, timeout: float, every: float = 0.25, detail=lambda: ""):

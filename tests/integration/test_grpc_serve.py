@@ -44,16 +44,6 @@ def reference(checkpoints):
     return load_reference_model(checkpoints["mixtral"])
 
 
-def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
-    cache = model.new_cache()
-    step, out = torch.tensor(prompt), []
-    for _ in range(max_tokens):
-        nxt = int(model.forward([step], [cache])[0][-1].argmax())
-        out.append(nxt)
-        step = torch.tensor([nxt])
-    return out
-
-
 def generate(chan, prompt: list[int], max_tokens: int, **fields) -> tuple[list[int], pb.GenerationDone]:
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens, **fields)
     ids, done = [], None

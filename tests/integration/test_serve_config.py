@@ -13,7 +13,6 @@ from pathlib import Path
 import grpc
 import pytest
 import ray
-import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -21,6 +20,7 @@ from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
+from tests.tiny_checkpoints import greedy_tokens
 
 CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "serve_config.yaml"
 
@@ -79,13 +79,7 @@ def test_generate_through_serves_grpc_proxy_equals_the_reference(deployed, check
     ):
         if message.HasField("token"):
             ids.extend(message.token.token_ids)
-    model = load_reference_model(checkpoints["mixtral"])
-    cache, step, want = model.new_cache(), torch.tensor(prompt), []
-    for _ in range(8):
-        nxt = int(model.forward([step], [cache])[0][-1].argmax())
-        want.append(nxt)
-        step = torch.tensor([nxt])
-    assert ids == want
+    assert ids == greedy_tokens(load_reference_model(checkpoints["mixtral"]), prompt, 8)
 
 
 def test_errors_keep_their_codes_behind_serves_proxy(deployed):
