@@ -14,7 +14,7 @@ from ..experts.config import MoEModelConfig
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
 from .batching import DoneEvent, GenerationRequest, TokenEvent
-from .errors import RequestError
+from .errors import RequestError, check_budget, check_token_ids
 from .sampling import SamplingParams
 
 
@@ -65,17 +65,9 @@ def generation_request(
         field = "prompt"
     else:
         ids = list(req.token_ids.ids)
-        if not ids:
-            raise invalid("token_ids", "must not be empty")
         field = "token_ids"
-    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise invalid(field, f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-    if req.max_tokens <= 0:
-        raise invalid("max_tokens", f"must be > 0, got {req.max_tokens}")
-    if len(ids) + req.max_tokens > cfg.max_position_embeddings:
-        raise invalid("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceed the model's "
-                                    f"context of {cfg.max_position_embeddings}")
+    check_token_ids(ids, cfg.vocab_size, cfg.max_position_embeddings, field)
+    check_budget(len(ids), req.max_tokens, cfg.max_position_embeddings)
     sampling = SamplingParams(
         temperature=req.temperature,
         top_p=req.top_p if req.HasField("top_p") else 1.0,
@@ -113,15 +105,7 @@ def done_message(event: DoneEvent) -> pb.GenerateResponse:
 
 def score_ids(req: pb.ScoreRequest, cfg: MoEModelConfig, model_name: str) -> list[int]:
     check_model_name(req.model, model_name)
-    ids = list(req.token_ids)
-    if not ids:
-        raise invalid("token_ids", "must not be empty")
-    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise invalid("token_ids", f"token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-    if len(ids) > cfg.max_position_embeddings:
-        raise invalid("token_ids", f"{len(ids)} tokens exceed the model's context of {cfg.max_position_embeddings}")
-    return ids
+    return check_token_ids(list(req.token_ids), cfg.vocab_size, cfg.max_position_embeddings)
 
 
 def score_message(logits: torch.Tensor, log_probs: bool) -> pb.ScoreResponse:

@@ -18,7 +18,7 @@ from ..experts.modeling import KVCache, MoEDecoder
 from ..experts.tokenizer import load_tokenizer
 from ..experts.weights import load_dense_weights
 from .dispatch import FailoverConfig, RemoteExperts
-from .errors import RequestError
+from .errors import RequestError, check_budget, check_token_ids
 from .expert_pool import PoolSpec
 from .transport import NameReviver, RayRefTransport
 
@@ -62,23 +62,11 @@ class Router:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
     def check_token_ids(self, token_ids: list[int], field: str = "token_ids") -> torch.Tensor:
-        if len(token_ids) == 0:
-            raise RequestError(field, "must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise RequestError(field, f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) > self.model_config.max_position_embeddings:
-            raise RequestError(field, f"{len(token_ids)} tokens exceed the model's context of "
-                                      f"{self.model_config.max_position_embeddings}")
-        return torch.tensor(token_ids, dtype=torch.int64)
+        cfg = self.model_config
+        return torch.tensor(check_token_ids(token_ids, cfg.vocab_size, cfg.max_position_embeddings, field))
 
     def check_budget(self, prompt_len: int, max_tokens: int) -> None:
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
-            raise RequestError("max_tokens", f"must be a positive integer, got {max_tokens!r}")
-        if prompt_len + max_tokens > self.model_config.max_position_embeddings:
-            raise RequestError("max_tokens", f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceed the model's "
-                                             f"context of {self.model_config.max_position_embeddings}")
+        check_budget(prompt_len, max_tokens, self.model_config.max_position_embeddings)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [S, V] (float32) for every position of `token_ids`."""
