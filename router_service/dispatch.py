@@ -129,7 +129,14 @@ class RemoteExperts:
     # ---- health --------------------------------------------------------------------------------------------
 
     def live_replicas(self, shard: Shard) -> list[str]:
+        """Replicas that may take this step's calls. Asking may grant a half-open replica its one probe, so call
+        it only for replicas that will then get a call (plan_calls, _replan)."""
         return self.breakers.usable_replicas(self.table.replicas.get(shard, ()), self.clock(), frozenset(self.dead))
+
+    def has_live_replica(self, shard: Shard) -> bool:
+        """Whether the shard can be served at all, without touching the breakers (usable_replicas is never empty
+        while one replica is alive)."""
+        return any(actor not in self.dead for actor in self.table.replicas.get(shard, ()))
 
     def _revive(self, force: bool = False) -> None:
         now = self.clock()
@@ -181,12 +188,11 @@ class RemoteExperts:
         """Make sure every routed expert has a live replica: wait for one, or degrade to the next-best expert."""
         while True:
             hit = torch.unique(routing.experts[routing.experts >= 0]).tolist()
-            missing = [e for e in hit if not self.live_replicas((layer, e))]
+            missing = [e for e in hit if not self.has_live_replica((layer, e))]
             if not missing:
                 return routing
             if self.failover.no_replica_policy == "degrade":
-                available = torch.tensor([bool(self.live_replicas((layer, e)))
-                                          for e in range(routing.probs.shape[1])])
+                available = torch.tensor([self.has_live_replica((layer, e)) for e in range(routing.probs.shape[1])])
                 return degrade(routing, available)
             if self.clock() >= deadline:
                 raise NoReplicaError(

@@ -273,3 +273,27 @@ def test_no_ray_runtime_was_started():
 
     ray = sys.modules.get("ray")
     assert ray is None or not ray.is_initialized()
+
+
+def test_a_half_open_replica_gets_its_probe_and_closes():
+    """After its ejection time an open replica must receive the one probe call its breaker grants: checking
+    whether a shard has a live replica must not spend that probe."""
+    from expertmesh.cluster.breaker import CLOSED, OPEN
+
+    now = [0.0]
+    table = RoutingTable.from_actor_shards({"a": [(0, 0)], "b": [(0, 0)]})
+    shards = _weights(1, 1)
+    transport = FakeTransport(table, shards)
+    remote = RemoteExperts(table, transport, clock=lambda: now[0])
+    for _ in range(5):
+        remote.breakers.record("a", now[0], ok=False)
+    assert remote.breakers.get("a").state == OPEN
+    hidden = torch.randn(6, HIDDEN)
+    routing = _routing([[0]] * 6, [[1.0]] * 6)
+    remote.run(0, hidden, routing)
+    assert {c[0] for c in transport.submitted} == {"b"}  # ejected: only b serves
+    now[0] = 31.0  # past the 30 s ejection: a may take one probe
+    transport.submitted.clear()
+    remote.run(0, hidden, routing)
+    assert "a" in {c[0] for c in transport.submitted}
+    assert remote.breakers.get("a").state == CLOSED
