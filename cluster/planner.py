@@ -1,0 +1,340 @@
+"""Placement planner: how many replicas each shard gets and on which GPU. Pure (numpy); no Ray.
+
+Objective, per MoE layer (layers run one after another, so each layer's slowest GPU counts; see shard_placement):
+  1. minimise the most loaded live GPU (GPU load = sum of load / replicas of the shards it hosts),
+  2. among plans whose peak is ≤ min(greedy's, ours x 1.02) x (1 + balance_slack) (balance_slack = 0: never worse
+     than greedy), move the fewest shards: a move is a shard replica hosted on a GPU that did not host it in
+     `current` (weights to load),
+  3. hierarchy: spread each shard's replicas over different nodes (a node failure keeps a replica; each node's
+     links carry a share of a hot shard) and balance the load per node, at no cost to 1.
+
+How (vectorised over layers):
+  a. replica counts: greedy water-filling (EPLB's replicate_experts) for the replica budget;
+  b. candidate G: greedy replicate-then-pack (EPLB's global policy, `eplb_greedy`), then a local search that swaps
+     a shard on the most loaded GPU with one (or an empty slot) on one of the least loaded GPUs while that lowers the
+     pair's maximum below the old peak. It starts from greedy and only accepts such swaps, so its peak is never
+     above greedy's, layer by layer;
+  c. without `current`: G's GPUs are permuted within each layer (free for balance) so bins go to nodes
+     heaviest first, each to the node where its shards have the fewest replicas already, then the least loaded node;
+  d. with `current`: candidate R repairs the current placement (drops failed GPUs, removes surplus replicas from
+     the most loaded GPUs, adds missing ones greedily), candidate S packs greedily but keeps a replica on a GPU
+     that hosted its shard when it fits under the goal; both run the local search until they reach the goal, then
+     repack their k most and k least loaded GPUs (k = 1, 2, 4, ...) while above it; candidate G is relabelled to
+     overlap `current` as much as possible (greedy matching of its GPU bins to current GPUs). Per layer the
+     candidate under the goal with the fewest moves wins (G always qualifies).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .eplb_greedy import pack_greedy, replica_budget, replica_items, replicate_counts
+from .shard_placement import Placement, Topology, _check_load
+
+# With `current`, a plan within this fraction of our best from-scratch balance (and never above greedy's) is good
+# enough: the last percent or two of balance would cost many moves.
+MOVE_SAVING = 0.02
+
+
+def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
+         extra_replicas: int | None = None, balance_slack: float = 0.0, partners: int = 8,
+         max_rounds: int | None = None) -> Placement:
+    """load: [layers, experts] shard load over a window; topology: nodes, GPUs, slots per GPU per layer, failed GPUs;
+    current: the placement now serving (same layers and experts; GPUs matched by index) or None;
+    extra_replicas: replicas per layer beyond one per expert (None: fill every live slot);
+    balance_slack: with `current`, how far (a fraction) a move-saving plan's peak may exceed the goal of
+      min(greedy's peak, our from-scratch peak x (1 + MOVE_SAVING)); 0 keeps every layer ≤ greedy's peak;
+    partners: least loaded GPUs the local search tries per step; max_rounds: local-search steps (default 4 x GPUs).
+
+    Returns a Placement: every shard ≥ 1 replica, at most one per GPU, ≤ slots_per_gpu per GPU per layer, none on
+    failed GPUs, each layer's peak GPU load ≤ greedy replicate-then-pack's on the same input (x (1 + balance_slack)
+    when `current` is given).
+    """
+    load = np.asarray(load, dtype=np.float64)
+    assert load.ndim == 2, "load: expected [layers, experts]"
+    layers, experts = load.shape
+    load = _check_load(load, layers, experts)
+    assert balance_slack >= 0 and partners >= 1
+    rounds = 4 * topology.num_gpus if max_rounds is None else max_rounds
+    total = replica_budget(topology, experts, extra_replicas)
+    counts = replicate_counts(load, total, topology.num_live)  # [L, E]
+    weight = load / counts  # [L, E] load of one replica
+    order, _ = replica_items(load, counts)
+    greedy = pack_greedy(order, weight, topology)
+    greedy_peak = _peak(greedy, weight, topology)
+    best = local_search(greedy, weight, topology, rounds=rounds, partners=partners)
+    if current is None:
+        return Placement(topology, experts, spread_over_nodes(best, weight, topology))
+
+    assert (current.layers, current.experts) == (layers, experts), \
+        f"current: placement of {current.layers} layers x {current.experts} experts, load is {layers} x {experts}"
+    now = _fit_current(current, topology)
+    best_peak = _peak(best, weight, topology)
+    goal = np.minimum(greedy_peak, best_peak * (1 + MOVE_SAVING)) * (1 + balance_slack)
+    keep = _hosts(now, experts)
+    repaired = repair(now, counts, weight, topology)
+    sticky = pack_greedy(order, weight, topology, prefer=keep, bound=goal)
+    candidates = [match_gpus(best, now, topology)]  # always eligible: the fallback
+    for slots in (repaired, sticky):
+        slots = local_search(slots, weight, topology, rounds=rounds, partners=partners, target=goal)
+        candidates.append(_escape(slots, weight, topology, goal, rounds, partners))
+    stacked = np.stack(candidates)  # [C, L, G, S]
+    cost = np.stack([(_hosts(c, experts) & ~keep).sum(axis=(1, 2)) for c in candidates])  # [C, L]
+    ok = np.stack([_peak(c, weight, topology) <= goal * (1 + 1e-12) + 1e-12 for c in candidates])
+    ok[0] = True
+    pick = np.where(ok, cost, np.iinfo(np.int64).max).argmin(axis=0)  # [L]
+    return Placement(topology, experts, stacked[pick, np.arange(layers)])
+
+
+# ---- steps -------------------------------------------------------------------------------------------------------
+
+
+def local_search(slots: np.ndarray, weight: np.ndarray, topology: Topology, rounds: int, partners: int = 8,
+                 target: np.ndarray | None = None) -> np.ndarray:
+    """slots: [L, G, S]; weight: [L, E] load per replica; target: [L] stop a layer once its peak ≤ target.
+
+    Each round, per layer: h = the most loaded GPU; try every swap of a shard on h with a shard or empty slot on
+    one of the `partners` least loaded live GPUs (shards stay at most once per GPU); apply the swap that minimises
+    max(new load of h, new load of the partner) if that is below h's load. A layer stops when no swap helps.
+    The peak of a layer never rises.
+    """
+    slots = np.array(slots, dtype=np.int64)
+    layers, gpus, cap = slots.shape
+    experts = weight.shape[1]
+    k = min(partners, topology.num_live - 1)
+    if k < 1:
+        return slots
+    wpad = np.concatenate([weight, np.zeros((layers, 1))], axis=1)
+    dead = ~topology.live
+    idx = np.where(slots < 0, experts, slots)  # [L, G, S]; `experts` = empty
+    w = np.take_along_axis(wpad, idx.reshape(layers, -1), axis=1).reshape(idx.shape)
+    loads = w.sum(axis=-1)  # [L, G]
+    hosted = _hosts(slots, experts, pad=True)  # [L, G, E + 1]; column E (empty) stays False
+    active = np.ones(layers, dtype=bool)
+    stop = np.full(layers, -np.inf) if target is None else target * (1 + 1e-12) + 1e-12
+    rows = np.arange(layers)
+    for _ in range(rounds):
+        masked = np.where(dead, -np.inf, loads)
+        h = masked.argmax(axis=1)
+        peak = masked[rows, h]
+        active &= peak > stop
+        act = np.flatnonzero(active)
+        if not len(act):
+            break
+        h, peak, n = h[act], peak[act], len(act)
+        ar = np.arange(n)
+        offer = np.where(dead, np.inf, loads[act])
+        offer[ar, h] = np.inf
+        part = np.argpartition(offer, k - 1, axis=1)[:, :k]  # [n, k] least loaded other live GPUs
+        a, wa = idx[act, h], w[act, h]  # [n, S]
+        b, wb = idx[act[:, None], part], w[act[:, None], part]  # [n, k, S]
+        lg = offer[ar[:, None], part]  # [n, k]
+        new_h = (peak[:, None] - wa)[:, :, None, None] + wb[:, None, :, :]  # [n, S, k, S]
+        new_g = (lg[:, None, :, None] - wb[:, None, :, :]) + wa[:, :, None, None]
+        a_on_g = hosted[act[:, None, None], part[:, None, :], a[:, :, None]]  # [n, S, k]
+        b_on_h = hosted[act[:, None, None], h[:, None, None], b]  # [n, k, S]
+        valid = (a < experts)[:, :, None, None] & ~a_on_g[..., None] & ~b_on_h[:, None]
+        worst = np.where(valid, np.maximum(new_h, new_g), np.inf).reshape(n, -1)
+        pick = worst.argmin(axis=1)
+        better = worst[ar, pick] < peak * (1 - 1e-9)
+        active[act[~better]] = False
+        sel = np.flatnonzero(better)
+        if not len(sel):
+            continue
+        i, kk, j = np.unravel_index(pick[sel], (cap, k, cap))
+        layer, gh, gg = act[sel], h[sel], part[sel, kk]
+        sa, sb = a[sel, i], b[sel, kk, j]
+        wsa, wsb = wa[sel, i], wb[sel, kk, j]
+        idx[layer, gh, i], idx[layer, gg, j] = sb, sa
+        w[layer, gh, i], w[layer, gg, j] = wsb, wsa
+        loads[layer, gh] += wsb - wsa
+        loads[layer, gg] += wsa - wsb
+        hosted[layer, gh, sa] = False
+        hosted[layer, gg, sa] = True
+        hosted[layer, gg, sb] = False
+        hosted[layer, gh, sb] = True
+        hosted[:, :, experts] = False
+    return _compact(np.where(idx == experts, -1, idx))
+
+
+def spread_over_nodes(slots: np.ndarray, weight: np.ndarray, topology: Topology) -> np.ndarray:
+    """Permute each layer's GPU bins (balance unchanged): bins heaviest first, each to the node with a free live
+    GPU where its shards have the fewest replicas so far, ties to the least loaded node."""
+    layers, gpus, cap = slots.shape
+    experts = weight.shape[1]
+    nodes, per = topology.nodes, topology.gpus_per_node
+    if nodes == 1:
+        return slots
+    live = topology.live
+    idx = np.where(slots < 0, experts, slots)
+    wpad = np.concatenate([weight, np.zeros((layers, 1))], axis=1)
+    loads = np.take_along_axis(wpad, idx.reshape(layers, -1), axis=1).reshape(idx.shape).sum(axis=-1)
+    live_ids = np.flatnonzero(live)
+    order = live_ids[np.argsort(-loads[:, live_ids], axis=1, kind="stable")]  # [L, live] bins heaviest first
+    # Each node's live GPUs in index order; a node takes bins into them one by one.
+    node_gpus = np.full((nodes, per), -1, dtype=np.int64)
+    room = np.zeros(nodes, dtype=np.int64)
+    for g in live_ids:
+        node_gpus[g // per, room[g // per]] = g
+        room[g // per] += 1
+    used = np.zeros((layers, nodes), dtype=np.int64)
+    count = np.zeros((layers, nodes, experts + 1), dtype=np.int64)
+    node_load = np.zeros((layers, nodes))
+    scale = np.maximum(loads.sum(axis=1, keepdims=True), 1e-30) * 2  # node load / scale < 1: conflicts dominate
+    rows = np.arange(layers)
+    out = np.full_like(slots, -1)
+    for step in range(len(live_ids)):
+        b = order[:, step]
+        shards = idx[rows, b]  # [L, S]
+        clash = count[rows[:, None], :, shards]  # [L, S, nodes]
+        clash = np.where((shards < experts)[..., None], clash, 0).sum(axis=1)
+        score = np.where(used < room, clash + node_load / scale, np.inf)
+        n = score.argmin(axis=1)
+        target = node_gpus[n, used[rows, n]]
+        out[rows, target] = slots[rows, b]
+        used[rows, n] += 1
+        node_load[rows, n] += loads[rows, b]
+        count[rows[:, None], n[:, None], shards] += 1
+    return out
+
+
+def repair(slots: np.ndarray, counts: np.ndarray, weight: np.ndarray, topology: Topology) -> np.ndarray:
+    """Bring a placement to the replica counts `counts: [L, E]` touching as little as possible: surplus replicas
+    leave the most loaded GPUs hosting them, missing ones go greedily (heaviest first, least loaded GPU with room).
+    slots: [L, G, S] with failed GPUs already emptied."""
+    layers, gpus, cap = slots.shape
+    experts = counts.shape[1]
+    slots = np.array(slots, dtype=np.int64)
+    idx = np.where(slots < 0, experts, slots)
+    wpad = np.concatenate([weight, np.zeros((layers, 1))], axis=1)
+    loads = np.take_along_axis(wpad, idx.reshape(layers, -1), axis=1).reshape(idx.shape).sum(axis=-1)
+    have = _hosts(slots, experts).sum(axis=1)
+    surplus = have - counts
+    if (surplus > 0).any():
+        layer, gpu, slot = np.nonzero(slots >= 0)
+        shard = slots[layer, gpu, slot]
+        # Within each (layer, shard), replicas on heavier GPUs first; drop the first `surplus` of them.
+        order = np.lexsort((-loads[layer, gpu], shard, layer))
+        layer, gpu, slot, shard = layer[order], gpu[order], slot[order], shard[order]
+        group = layer * (experts + 1) + shard
+        start = np.r_[0, np.flatnonzero(group[1:] != group[:-1]) + 1]
+        rank = np.arange(len(group)) - np.repeat(start, np.diff(np.r_[start, len(group)]))
+        drop = rank < surplus[layer, shard]
+        slots[layer[drop], gpu[drop], slot[drop]] = -1
+        slots = _compact(slots)
+    missing = np.maximum(counts - _hosts(slots, experts).sum(axis=1), 0)  # [L, E]
+    most = int(missing.sum(axis=1).max())
+    if most == 0:
+        return slots
+    # Items to add, heaviest first, padded with -1.
+    add = np.full((layers, most), -1, dtype=np.int64)
+    key = np.where(missing > 0, -weight, np.inf)
+    order = np.argsort(key, axis=1, kind="stable")
+    for layer in np.flatnonzero(missing.sum(axis=1)):
+        reps = np.repeat(order[layer], missing[layer, order[layer]])
+        add[layer, :len(reps)] = reps
+    return pack_greedy(add, weight, topology, initial=slots)
+
+
+def match_gpus(slots: np.ndarray, current: np.ndarray, topology: Topology) -> np.ndarray:
+    """Permute each layer's GPU bins of `slots` onto live GPUs to share as many shards with `current` as possible
+    (greedy: bins with the largest overlap first, each to its best free GPU; balance unchanged).
+    slots, current: [L, G, S]."""
+    layers, gpus, _ = slots.shape
+    experts = int(max(slots.max(), current.max())) + 1
+    live_ids = np.flatnonzero(topology.live)
+    cur = _hosts(current[:, live_ids], experts, pad=True).transpose(0, 2, 1)  # [L, E + 1, gpu]
+    mine = np.where(slots[:, live_ids] < 0, experts, slots[:, live_ids])  # [L, bin, S]
+    overlap = cur[np.arange(layers)[:, None, None], mine].sum(axis=2, dtype=np.int64)  # [L, bin, gpu]
+    order = np.argsort(-overlap.max(axis=2), axis=1, kind="stable")  # [L, live] bins, most to keep first
+    rows = np.arange(layers)
+    taken = np.zeros((layers, len(live_ids)), dtype=bool)
+    out = np.full_like(slots, -1)
+    for step in range(len(live_ids)):
+        b = order[:, step]
+        to = np.where(taken, -1, overlap[rows, b]).argmax(axis=1)
+        taken[rows, to] = True
+        out[rows, live_ids[to]] = slots[rows, live_ids[b]]
+    return out
+
+
+def repack_extremes(slots: np.ndarray, weight: np.ndarray, topology: Topology, k: int) -> np.ndarray:
+    """Ruin and recreate: empty each layer's k most and k least loaded live GPUs and pack their shards back onto
+    them greedily (heaviest first, least loaded first). Moves at most 2k x slots_per_gpu shards per layer."""
+    layers, gpus, cap = slots.shape
+    experts = weight.shape[1]
+    live_ids = np.flatnonzero(topology.live)
+    k = min(k, len(live_ids) // 2)
+    loads = _loads(slots, weight)[:, live_ids]
+    order = live_ids[np.argsort(loads, axis=1, kind="stable")]
+    chosen = np.concatenate([order[:, :k], order[:, -k:]], axis=1)  # [L, 2k]
+    rows = np.arange(layers)[:, None]
+    items = slots[rows, chosen].reshape(layers, -1)  # [L, 2k * S]
+    key = np.where(items < 0, np.inf, -np.take_along_axis(np.concatenate([weight, np.zeros((layers, 1))], 1),
+                                                          np.where(items < 0, experts, items), axis=1))
+    items = np.take_along_axis(items, np.argsort(key, axis=1, kind="stable"), axis=1)
+    emptied = slots.copy()
+    emptied[rows, chosen] = -1
+    open_gpus = np.zeros((layers, gpus), dtype=bool)
+    open_gpus[rows, chosen] = True
+    return _compact(pack_greedy(items, weight, topology, initial=emptied, open_gpus=open_gpus))
+
+
+def _escape(slots: np.ndarray, weight: np.ndarray, topology: Topology, goal: np.ndarray, rounds: int,
+            partners: int) -> np.ndarray:
+    """Layers still above `goal` after the local search: repack their extreme GPUs, 1, 2, 4, ... at a time, keeping a
+    repack only where it lowers the peak."""
+    k = 1
+    while k <= topology.num_live // 2:
+        peak = _peak(slots, weight, topology)
+        need = peak > goal * (1 + 1e-12) + 1e-12
+        if not need.any():
+            break
+        trial = local_search(repack_extremes(slots, weight, topology, k), weight, topology, rounds=rounds,
+                             partners=partners, target=goal)
+        better = need & (_peak(trial, weight, topology) < peak)
+        slots = np.where(better[:, None, None], trial, slots)
+        k *= 2
+    return slots
+
+
+# ---- helpers -----------------------------------------------------------------------------------------------------
+
+
+def _fit_current(current: Placement, topology: Topology) -> np.ndarray:
+    """current's slots on `topology`: GPUs matched by index, failed or missing GPUs and extra slots dropped."""
+    layers = current.layers
+    out = np.full((layers, topology.num_gpus, topology.slots_per_gpu), -1, dtype=np.int64)
+    g = min(topology.num_gpus, current.topology.num_gpus)
+    s = min(topology.slots_per_gpu, current.topology.slots_per_gpu)
+    out[:, :g, :s] = current.slots[:, :g, :s]
+    out[:, ~topology.live] = -1
+    return _compact(out)
+
+
+def _compact(slots: np.ndarray) -> np.ndarray:
+    """Each GPU row sorted by expert id with empties last."""
+    key = np.where(slots < 0, np.iinfo(np.int64).max, slots)
+    return np.take_along_axis(slots, np.argsort(key, axis=-1, kind="stable"), axis=-1)
+
+
+def _hosts(slots: np.ndarray, experts: int, pad: bool = False) -> np.ndarray:
+    """slots: [L, G, S] -> [L, G, E] bool (with pad: [L, G, E + 1], last column False)."""
+    layers, gpus, _ = slots.shape
+    has = np.zeros((layers, gpus, experts + 1), dtype=bool)
+    has[np.arange(layers)[:, None, None], np.arange(gpus)[None, :, None], np.where(slots < 0, experts, slots)] = True
+    has[..., experts] = False
+    return has if pad else has[..., :experts]
+
+
+def _loads(slots: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """slots: [L, G, S], weight: [L, E] -> [L, G] GPU loads."""
+    layers = slots.shape[0]
+    wpad = np.concatenate([weight, np.zeros((layers, 1))], axis=1)
+    idx = np.where(slots < 0, weight.shape[1], slots)
+    return np.take_along_axis(wpad, idx.reshape(layers, -1), axis=1).reshape(idx.shape).sum(axis=-1)
+
+
+def _peak(slots: np.ndarray, weight: np.ndarray, topology: Topology) -> np.ndarray:
+    """[L] the most loaded live GPU's load."""
+    return _loads(slots, weight)[:, topology.live].max(axis=1)
