@@ -84,6 +84,8 @@ class MoEDecoder:
         dim = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [D/2]
         self.last_trace = StepTrace()
+        # Called as step_observer(trace, lengths, caches) after every forward (load statistics); None = off.
+        self.step_observer = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -127,6 +129,8 @@ class MoEDecoder:
         for cache, n in zip(caches, lengths):
             cache.length += n
         self.last_trace = trace
+        if self.step_observer is not None:
+            self.step_observer(trace, lengths, caches)
         x = rms_norm(x, self.w.final_norm, cfg.rms_norm_eps)
         logits = F.linear(x, self.w.lm_head).float()  # [T, V]
         return list(logits.split(lengths))

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--call-timeout", type=float, default=30.0, help="an expert call slower than this is retried "
                                                                        "on another replica")
     srv.add_argument("--no-restore", action="store_true", help="do not restore lost expert actors")
+    srv.add_argument("--trace", choices=["none", "console", "otlp"], default="none",
+                     help="OpenTelemetry traces of requests, steps, layer dispatches and expert calls (default off)")
+    srv.add_argument("--otlp-endpoint", metavar="URL", help="OTLP gRPC collector for --trace otlp "
+                                                            "(default: the exporter's, http://localhost:4317)")
 
     status = sub.add_parser("status", help="cluster state: replicas, nodes, GPUs, breakers, load, epoch, events")
     _add_client_args(status)
@@ -198,6 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from ..cluster.controller import ControllerConfig
+    from ..experts.telemetry import TracingConfig
     from ..router_service.batching import BatcherConfig
     from ..router_service.dispatch import FailoverConfig
     from ..router_service.grpc_front import FrontSettings
@@ -213,6 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
         failover=FailoverConfig(no_replica_policy=args.no_replica_policy, call_timeout_s=args.call_timeout,
                                 wait_timeout_s=args.wait_timeout),
         controller=ControllerConfig(restore=not args.no_restore),
+        tracing=TracingConfig(exporter=args.trace, endpoint=args.otlp_endpoint),
     )
     asyncio.run(serve_forever(config))
     return 0
@@ -223,12 +229,17 @@ def _status(args: argparse.Namespace) -> int:
 
     from ..protos import admin_pb2, admin_pb2_grpc
     from . import client
+    from .load_report import load_lines
 
     chan = client.channel(args.target, args.tls_ca)
     state = admin_pb2_grpc.AdminStub(chan).GetClusterState(
         admin_pb2.ClusterStateRequest(), metadata=client.auth_metadata(args.auth_token), timeout=args.timeout or 30)
     if args.json:
-        print(json.dumps(MessageToDict(state, preserving_proto_field_name=True)))
+        out = MessageToDict(state, preserving_proto_field_name=True)
+        # The load snapshots travel as JSON strings; print them as objects.
+        out["load"] = json.loads(out.pop("load_json", "null"))
+        out.get("router", {})["load"] = json.loads(out.get("router", {}).pop("load_json", "null"))
+        print(json.dumps(out))
         return 0
     r = state.router
     print(f"model {state.model}   table epoch {state.epoch}   controller {'up' if state.controller_alive else 'DOWN'}"
@@ -236,6 +247,8 @@ def _status(args: argparse.Namespace) -> int:
     print(f"router {r.replica}: {r.active_sequences} active, {r.waiting_requests} waiting, {r.live_kv_caches} KV "
           f"caches, {r.steps} steps, largest batch {r.max_batch_seen}, {r.retried_calls} retried calls, "
           f"{r.degraded_slots} degraded slots")
+    for line in load_lines(json.loads(state.load_json) if state.load_json else None):
+        print(line)
     print(f"{'actor':<16}{'node':<14}{'gpu':<6}{'device':<8}{'state':<10}{'gen':>4}  {'breaker':<10}"
           f"{'calls':>8}{'tokens':>10}")
     for rep in state.replicas:

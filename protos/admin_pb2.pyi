@@ -11,7 +11,7 @@ class RouterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots")
+    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json")
     LIVE_KV_CACHES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class RouterStats(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     RETRIED_CALLS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_JSON_FIELD_NUMBER: _ClassVar[int]
     live_kv_caches: int
     active_sequences: int
     waiting_requests: int
@@ -28,7 +29,8 @@ class RouterStats(_message.Message):
     replica: str
     retried_calls: int
     degraded_slots: int
-    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ...) -> None: ...
+    load_json: str
+    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ...) -> None: ...
 
 class ClusterStateRequest(_message.Message):
     __slots__ = ()
@@ -87,7 +89,7 @@ class ClusterEvent(_message.Message):
     def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., actor: _Optional[str] = ..., detail_json: _Optional[str] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("epoch", "controller_alive", "replicas", "shards", "events", "router", "no_replica_policy", "model")
+    __slots__ = ("epoch", "controller_alive", "replicas", "shards", "events", "router", "no_replica_policy", "model", "load_json")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_ALIVE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +98,7 @@ class ClusterState(_message.Message):
     ROUTER_FIELD_NUMBER: _ClassVar[int]
     NO_REPLICA_POLICY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_JSON_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     controller_alive: bool
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaState]
@@ -104,7 +107,8 @@ class ClusterState(_message.Message):
     router: RouterStats
     no_replica_policy: str
     model: str
-    def __init__(self, epoch: _Optional[int] = ..., controller_alive: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., router: _Optional[_Union[RouterStats, _Mapping]] = ..., no_replica_policy: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    load_json: str
+    def __init__(self, epoch: _Optional[int] = ..., controller_alive: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., router: _Optional[_Union[RouterStats, _Mapping]] = ..., no_replica_policy: _Optional[str] = ..., model: _Optional[str] = ..., load_json: _Optional[str] = ...) -> None: ...
 
 class ReplicaRequest(_message.Message):
     __slots__ = ("actor",)

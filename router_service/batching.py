@@ -79,6 +79,7 @@ class _Sequence:
     dropped: int = 0
     degraded: int = 0
     cancelled: bool = False
+    span: Any = None  # the request's OpenTelemetry span (tracing on), parent or link of its steps
 
 
 @dataclass
@@ -104,6 +105,7 @@ class ContinuousBatcher:
         self._task: asyncio.Task | None = None
         self.steps = 0
         self.max_batch_seen = 0
+        self.observer = None  # RouterObserver (router_service/observability.py): step spans; None = no tracing
 
     # ---- observability ---------------------------------------------------------------------------------------
 
@@ -116,14 +118,18 @@ class ContinuousBatcher:
     def queue_depth(self) -> int:
         return len(self._waiting)
 
+    def kv_cache_bytes(self) -> int:
+        return sum(s.cache.nbytes() for s in (*self._active, *self._waiting) if s.cache is not None)
+
     def stats(self) -> dict:
         return {"live_caches": self.live_caches, "active": len(self._active), "waiting": len(self._waiting),
                 "steps": self.steps, "max_batch_seen": self.max_batch_seen}
 
     # ---- requests --------------------------------------------------------------------------------------------
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent | DoneEvent]:
-        """Yields TokenEvents then one DoneEvent. Closing the iterator early cancels the sequence."""
+    async def stream(self, request: GenerationRequest, span: Any = None) -> AsyncIterator[TokenEvent | DoneEvent]:
+        """Yields TokenEvents then one DoneEvent. Closing the iterator early cancels the sequence.
+        span: the request's trace span (its steps become its children or link to it); None when tracing is off."""
         # Requests that arrive together all sit in `_waiting` until the loop next admits; count the free active
         # slots they will take so simultaneous arrivals are not refused while there is room.
         free_slots = max(0, self.config.max_active - len(self._active))
@@ -131,7 +137,7 @@ class ContinuousBatcher:
             raise QueueFullError(f"{len(self._waiting)} requests already waiting (max_waiting)")
         seq = _Sequence(request=request, events=asyncio.Queue(), cache=self.model.new_cache(),
                         next_input=torch.tensor(request.prompt_ids, dtype=torch.int64),
-                        generator=request.sampling.generator())
+                        generator=request.sampling.generator(), span=span)
         self._waiting.append(seq)
         self._ensure_loop()
         self._wakeup.set()
@@ -202,7 +208,11 @@ class ContinuousBatcher:
 
     def _forward(self, batch: list[_Sequence]) -> tuple[list[torch.Tensor], list[_StepRouting]]:
         lengths = [s.next_input.numel() for s in batch]
-        logits = self.model.forward([s.next_input for s in batch], [s.cache for s in batch])
+        if self.observer is not None and self.observer.tracer is not None:
+            with self.observer.step_span([s.span for s in batch], sum(lengths)):
+                logits = self.model.forward([s.next_input for s in batch], [s.cache for s in batch])
+        else:
+            logits = self.model.forward([s.next_input for s in batch], [s.cache for s in batch])
         per_seq = [_StepRouting() for _ in batch]
         num_experts = self.model.cfg.num_experts
         for layer, routing in self.model.last_trace.routings.items():

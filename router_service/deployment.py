@@ -23,6 +23,7 @@ from ray import serve
 
 from ..cluster.controller import CONTROLLER_NAME
 from ..cluster.naming import NAMESPACE, parse_expert_actor_name
+from ..experts.telemetry import TracingConfig, carrier_from_metadata
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
@@ -30,6 +31,7 @@ from . import api
 from .batching import BatcherConfig, ContinuousBatcher, DoneEvent, QueueFullError
 from .dispatch import FailoverConfig, NoReplicaError
 from .expert_pool import PoolSpec, connect_actors
+from .observability import ObservabilityConfig
 from .router import Router
 
 log = logging.getLogger(__name__)
@@ -48,10 +50,13 @@ class RouterSettings:
     auth_token: str | None = None  # checked on calls that arrive through Serve's own gRPC proxy
     torch_threads: int = 1
     failover: dict = field(default_factory=dict)  # FailoverConfig fields
+    tracing: dict = field(default_factory=dict)  # TracingConfig fields (experts/telemetry.py); empty = off
+    observability: dict = field(default_factory=dict)  # ObservabilityConfig: load window, metrics switches
 
     def pool_spec(self) -> PoolSpec:
         shards = {name: [tuple(s) for s in shards] for name, shards in self.pool["actor_shards"].items()}
-        return PoolSpec(model_dir=self.pool["model_dir"], dtype=self.pool["dtype"], actor_shards=shards)
+        return PoolSpec(model_dir=self.pool["model_dir"], dtype=self.pool["dtype"], actor_shards=shards,
+                        tracing=self.pool.get("tracing"))
 
     @staticmethod
     def pool_dict(spec: PoolSpec) -> dict:
@@ -86,10 +91,15 @@ class RouterDeployment:
         torch.set_num_threads(max(1, self.settings.torch_threads))
         spec = self.settings.pool_spec()
         self.router = Router(spec, connect_actors(spec), self.settings.capacity_factor,
-                             failover=FailoverConfig(**self.settings.failover))
+                             failover=FailoverConfig(**self.settings.failover),
+                             observability=ObservabilityConfig.from_dict(self.settings.observability),
+                             tracing=TracingConfig(**self.settings.tracing),
+                             router_id=serve.get_replica_context().replica_id.unique_id)
         self.cfg = self.router.model_config
         decode = self.router.decode if self.router.tokenizer is not None else None
         self.batcher = ContinuousBatcher(self.router.model, decode, BatcherConfig(**self.settings.batcher))
+        self.batcher.observer = self.router.observer
+        self.router.observer.batcher_gauges = self._batcher_gauges
         self.model_name = self.settings.model_name
 
     def _authorize(self, grpc_context) -> None:
@@ -102,11 +112,16 @@ class RouterDeployment:
 
     # ---- expertmesh.v1.Inference -----------------------------------------------------------------------------
 
-    async def Generate(self, request: pb.GenerateRequest, grpc_context=None):  # noqa: N802 (proto method name)
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None,  # noqa: N802 (proto method name)
+                       trace: dict[str, str] | None = None):
+        """trace: W3C carrier from expertmesh's gRPC front; behind Serve's proxy it comes from grpc_context."""
+        if trace is None and grpc_context is not None:
+            trace = carrier_from_metadata(grpc_context.invocation_metadata())
+        span = self.router.observer.start_request(trace, rpc="Generate")
         try:
             self._authorize(grpc_context)
             gen_request = api.generation_request(request, self.cfg, self.router.encode, self.model_name)
-            async for event in self.batcher.stream(gen_request):
+            async for event in self.batcher.stream(gen_request, span=span):
                 if isinstance(event, DoneEvent):
                     yield api.done_message(event)
                 else:
@@ -115,6 +130,9 @@ class RouterDeployment:
             raise  # client cancel or deadline: batcher.stream's finally frees the sequence
         except Exception as exc:
             raise _set_status(grpc_context, _classify(exc)) from None
+        finally:
+            if span is not None:
+                span.end()
 
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:  # noqa: N802
         try:
@@ -182,7 +200,18 @@ class RouterDeployment:
             steps=s["steps"], max_batch_seen=s["max_batch_seen"],
             replica=serve.get_replica_context().replica_id.unique_id,
             retried_calls=backend.retried_calls, degraded_slots=backend.degraded_slots,
+            load_json=json.dumps(self.router.load_snapshot()),
         )
+
+    def _batcher_gauges(self) -> dict:
+        s = self.batcher.stats()
+        return {"expertmesh_queue_depth": s["waiting"], "expertmesh_active_sequences": s["active"],
+                "expertmesh_kv_cache_sequences": s["live_caches"],
+                "expertmesh_kv_cache_bytes": self.batcher.kv_cache_bytes()}
+
+    async def load_snapshot(self) -> dict:
+        """This replica's load statistics (plain dict; README: Load statistics)."""
+        return self.router.load_snapshot()
 
     async def GetClusterState(self, request, grpc_context=None):  # noqa: N802
         self._authorize(grpc_context)
@@ -219,6 +248,13 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
     except Exception:
         state.controller_alive = False
     state.epoch = controller_state.get("epoch", 0)
+    merged = None
+    if state.controller_alive:
+        try:
+            merged = await asyncio.wait_for(controller.load.remote(), timeout=5)
+        except Exception:  # an older controller without load reports, or a slow one: show this router's
+            merged = None
+    state.load_json = json.dumps(merged) if merged is not None else stats.load_json
     drained = set(controller_state.get("drained", []))
     restoring = {n for n, a in controller_state.get("actors", {}).items() if a.get("restoring")}
 

@@ -26,6 +26,7 @@ class PoolSpec:
     model_dir: str
     dtype: str
     actor_shards: dict[str, list[Shard]]  # actor name -> shards it hosts
+    tracing: dict | None = None  # TracingConfig fields for the actors (experts/telemetry.py); None = off
 
 
 def default_actor_groups(cfg: MoEModelConfig, replicas_per_expert: int) -> dict[str, list[Shard]]:
@@ -81,7 +82,8 @@ class ExpertPool:
                 name=slot.name, namespace=NAMESPACE, num_cpus=slot.num_cpus, num_gpus=slot.num_gpus,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node_id, soft=False),
                 lifetime="detached" if self.detached else None, get_if_exists=self.reuse,
-            ).remote(slot.name, self.spec.model_dir, self.spec.actor_shards[slot.name], self.spec.dtype)
+            ).remote(slot.name, self.spec.model_dir, self.spec.actor_shards[slot.name], self.spec.dtype,
+                     tracing=self.spec.tracing)
         self._wait_ready()
 
     def _wait_ready(self) -> None:

@@ -22,6 +22,7 @@ from ray import serve
 from ..cluster.controller import CONTROLLER_NAME, ControllerConfig, start_controller
 from ..cluster.naming import NAMESPACE
 from ..experts.checkpoint import CheckpointReader
+from ..experts.telemetry import TracingConfig
 from ..experts.tokenizer import DEFAULT_MODEL_DIR
 from ..experts.weights import check_checkpoint
 from .batching import BatcherConfig
@@ -51,6 +52,7 @@ class ServeConfig:
     controller: ControllerConfig = ControllerConfig()
     num_cpus_per_actor: float | None = None
     router_threads: int = 1
+    tracing: TracingConfig = TracingConfig()  # routers and expert actors (README: Metrics and traces)
 
     def validate(self) -> ServeConfig:
         if self.model_dir is not None and not Path(self.model_dir).is_dir():
@@ -69,6 +71,7 @@ class ServeConfig:
         self.batcher.validate()
         self.failover.validate()
         self.controller.validate()
+        self.tracing.validate()
         return self
 
     @property
@@ -91,13 +94,15 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
     server = None
     try:
         spec = PoolSpec(str(config.resolved_model_dir), "float32",
-                        default_actor_groups(reader.config, config.replicas_per_expert))
+                        default_actor_groups(reader.config, config.replicas_per_expert),
+                        tracing=config.tracing.as_dict() if config.tracing.enabled else None)
         pool = ExpertPool(spec, config.num_cpus_per_actor)
         start_controller(RouterSettings.pool_dict(spec), pool.slots, config.controller)
         settings = RouterSettings(
             pool=RouterSettings.pool_dict(spec), model_name=config.resolved_model_name,
             capacity_factor=config.capacity_factor, batcher=vars(config.batcher).copy(),
             torch_threads=config.router_threads, failover=vars(config.failover).copy(),
+            tracing=config.tracing.as_dict() if config.tracing.enabled else {},
         )
         serve.start(proxy_location="Disabled")
         options: dict = {"num_replicas": config.router_replicas}

@@ -16,8 +16,10 @@ from ..experts.arrays import readonly_tensor
 
 
 class Transport(Protocol):
-    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray) -> Any:
-        """Start one call; returns a handle for `gather`."""
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
+               trace: dict[str, str] | None = None) -> Any:
+        """Start one call; returns a handle for `gather`. trace: a W3C carrier dict (opentelemetry.propagate
+        .inject) naming the dispatch span as parent, handed to ExpertActor.forward(..., trace=); None when off."""
         ...
 
     def gather_settled(self, handles: list[Any], timeout: float) -> list[torch.Tensor | BaseException]:
@@ -30,8 +32,11 @@ class RayRefTransport:
     def __init__(self, actors: dict[str, ray.actor.ActorHandle]):
         self.actors = actors
 
-    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray) -> ray.ObjectRef:
-        return self.actors[actor].forward.remote(layer, experts, counts, x)
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
+               trace: dict[str, str] | None = None) -> ray.ObjectRef:
+        if trace is None:
+            return self.actors[actor].forward.remote(layer, experts, counts, x)
+        return self.actors[actor].forward.remote(layer, experts, counts, x, trace=trace)
 
     def gather_settled(self, handles: list[ray.ObjectRef], timeout: float) -> list[torch.Tensor | BaseException]:
         ready, _ = ray.wait(handles, num_returns=len(handles), timeout=timeout)
