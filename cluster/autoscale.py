@@ -1,0 +1,153 @@
+"""Per-expert autoscaling policy: how many replicas each shard should have. Pure (numpy); no Ray.
+
+In the style of Ray Serve's autoscaling policy: `decide(ctx, state, config) -> (decision, state)`, the state passed
+in and returned, time read only from `ctx.now`, so it is tested with a fake clock. The controller runs it once per
+control interval, hands `decision.replicas` to the planner as the replica counts, places what fits, and calls
+`ray.autoscaler.sdk.request_resources(bundles=[{"GPU": 1}] * decision.request_gpus)` (0 releases the request).
+
+Rules, per shard (layer, expert), with r replicas and load x over the window (target t per replica):
+- scale up when x / r > t x upscale_threshold, to ceil(x / t) replicas (each then carries ≤ t);
+- scale down when even ceil(x / (t x downscale_threshold)) < r replicas would each carry ≤ t x downscale_threshold,
+  and only after the shard has been that cold for downscale_delay_s without a break.
+Hysteresis: downscale_threshold < 1 ≤ upscale_threshold, so a count reached by scaling up is never cold and a count
+reached by scaling down is never hot at the same load: noise of less than that gap cannot flap.
+
+Budget, per MoE layer (each GPU has slots_per_gpu slots in every layer, as in the planner): replicas in a layer never
+exceed max_gpus x slots_per_gpu. Adds go to the hottest shards first (highest load per replica). Adds that fit in
+the free slots of the `ctx.gpus` live GPUs are placed now; the rest, up to the budget, are pending and make the
+policy ask for GPUs: request_gpus = the GPUs the pool needs for placed + pending replicas when that is more than
+`base_gpus` (what the cluster has without autoscaling), else 0, so a scale-down that brings the pool back within
+base_gpus releases the request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    target_load_per_replica: float  # load (same unit as ctx.load) one replica should carry over the window
+    max_gpus: int  # GPU budget for expert replicas
+    base_gpus: int  # GPUs the cluster has without asking Ray's autoscaler
+    slots_per_gpu: int = 1  # shards per GPU per layer
+    upscale_threshold: float = 1.2  # add replicas when load per replica > target x this
+    downscale_threshold: float = 0.6  # remove when the fewer replicas would each carry ≤ target x this
+    downscale_delay_s: float = 120.0  # a shard must stay cold this long before it loses a replica
+    min_replicas: int = 1
+    max_replicas_per_shard: int = 8
+
+    def validate(self) -> AutoscaleConfig:
+        if not self.target_load_per_replica > 0:
+            raise ValueError(f"target_load_per_replica: must be > 0, got {self.target_load_per_replica}")
+        for name in ("max_gpus", "base_gpus", "slots_per_gpu", "min_replicas", "max_replicas_per_shard"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer ≥ 1, got {value!r}")
+        if self.base_gpus > self.max_gpus:
+            raise ValueError(f"base_gpus: {self.base_gpus} exceeds max_gpus {self.max_gpus}")
+        if self.max_replicas_per_shard < self.min_replicas:
+            raise ValueError(f"max_replicas_per_shard: {self.max_replicas_per_shard} < min_replicas "
+                             f"{self.min_replicas}")
+        if not self.upscale_threshold >= 1:
+            raise ValueError(f"upscale_threshold: must be ≥ 1, got {self.upscale_threshold}")
+        if not 0 < self.downscale_threshold < 1:
+            raise ValueError(f"downscale_threshold: must be in (0, 1) (below the target: hysteresis), got "
+                             f"{self.downscale_threshold}")
+        if not self.downscale_delay_s >= 0:
+            raise ValueError(f"downscale_delay_s: must be ≥ 0, got {self.downscale_delay_s}")
+        return self
+
+
+@dataclass(frozen=True)
+class AutoscaleContext:
+    now: float  # seconds (monotonic; a fake clock in tests)
+    load: np.ndarray  # [layers, experts] load per shard over the window, all replicas together
+    replicas: np.ndarray  # [layers, experts] replicas each shard has now
+    gpus: int  # live GPUs now
+
+
+@dataclass(frozen=True)
+class AutoscaleState:
+    cold_since: np.ndarray | None = None  # [layers, experts] when the shard became cold; nan while it is not
+    request_gpus: int = 0
+
+
+@dataclass(frozen=True)
+class AutoscaleDecision:
+    replicas: np.ndarray  # [layers, experts] counts to plan with now (placed adds and removals applied)
+    add: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, expert, replicas to add now)
+    remove: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, expert, replicas to remove)
+    pending: np.ndarray | None = None  # [layers, experts] replicas wanted that wait for GPUs
+    request_gpus: int = 0  # GPU bundles to keep requested from Ray's autoscaler; 0 = release
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.add or self.remove)
+
+
+def initial_state() -> AutoscaleState:
+    return AutoscaleState()
+
+
+def decide(ctx: AutoscaleContext, state: AutoscaleState, config: AutoscaleConfig
+           ) -> tuple[AutoscaleDecision, AutoscaleState]:
+    config.validate()
+    load = np.asarray(ctx.load, dtype=np.float64)
+    replicas = np.asarray(ctx.replicas, dtype=np.int64)
+    assert load.ndim == 2 and load.shape == replicas.shape, "load, replicas: expected [layers, experts] each"
+    assert np.isfinite(load).all() and (load >= 0).all(), "load: must be finite and ≥ 0"
+    assert (replicas >= 1).all(), "replicas: every shard needs ≥ 1"
+    assert ctx.gpus >= 1
+    layers, experts = load.shape
+    cap = min(config.max_replicas_per_shard, config.max_gpus)
+    budget = config.max_gpus * config.slots_per_gpu
+    target = config.target_load_per_replica
+
+    hot = load / replicas > target * config.upscale_threshold
+    want_up = np.clip(np.ceil(load / target), config.min_replicas, cap).astype(np.int64)
+    up = np.where(hot, np.maximum(want_up - replicas, 0), 0)  # [L, E] replicas to add
+
+    want_down = np.clip(np.ceil(load / (target * config.downscale_threshold)), config.min_replicas, cap)
+    cold = (want_down < replicas) & ~hot
+    cold_since = np.full(load.shape, np.nan) if state.cold_since is None else np.array(state.cold_since, float)
+    assert cold_since.shape == load.shape, "state: from a model of another shape"
+    cold_since = np.where(cold, np.where(np.isnan(cold_since), ctx.now, cold_since), np.nan)
+    due = cold & (ctx.now - cold_since >= config.downscale_delay_s)
+    down = np.where(due, replicas - want_down.astype(np.int64), 0)
+    cold_since = np.where(due, np.nan, cold_since)  # the next step down waits a full delay again
+
+    counts = replicas - down
+    pending = np.zeros_like(counts)
+    add = np.zeros_like(counts)
+    free = ctx.gpus * config.slots_per_gpu - counts.sum(axis=1)  # [L]
+    room = budget - counts.sum(axis=1)
+    for layer in np.flatnonzero(up.sum(axis=1)):
+        # Hottest first: one replica at a time to the shard with the highest load per replica.
+        wanted = up[layer].copy()
+        have = counts[layer].copy()
+        placed = 0
+        while wanted.any() and placed < max(room[layer], 0):
+            per = np.where(wanted > 0, load[layer] / have, -np.inf)
+            e = int(per.argmax())
+            wanted[e] -= 1
+            have[e] += 1
+            if placed < free[layer]:
+                add[layer, e] += 1
+            else:
+                pending[layer, e] += 1
+            placed += 1
+    counts = counts + add
+    needed = int(max(math.ceil(s / config.slots_per_gpu) for s in (counts + pending).sum(axis=1)))
+    request = min(needed, config.max_gpus) if needed > config.base_gpus else 0
+    decision = AutoscaleDecision(
+        replicas=counts,
+        add=[(int(a), int(b), int(add[a, b])) for a, b in np.argwhere(add > 0)],
+        remove=[(int(a), int(b), int(down[a, b])) for a, b in np.argwhere(down > 0)],
+        pending=pending,
+        request_gpus=request,
+    )
+    return decision, AutoscaleState(cold_since=cold_since, request_gpus=request)
