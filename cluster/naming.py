@@ -2,7 +2,9 @@
 
 Every actor lives in the Ray namespace `expertmesh`. An expert actor is `expert-e{group}-r{replica}`: with the
 default grouping the group is the logical expert id and the actor hosts that expert for every MoE layer, so
-`expert-e3-r0` is replica 0 of expert 3.
+`expert-e3-r0` is replica 0 of expert 3. A planned placement (cluster/planner.py) runs one actor per GPU hosting
+that GPU's shards, `expert-g{gpu}-v{version}`; a new version replaces it when its shard set changes.
+`parse_expert_actor_name` reads both forms as (group, replica): (gpu, version) for the second.
 """
 
 from __future__ import annotations
@@ -11,15 +13,27 @@ import re
 
 NAMESPACE = "expertmesh"
 _EXPERT_ACTOR = re.compile(r"expert-e([0-9]+)-r([0-9]+)")  # ASCII digits only; used with fullmatch
+_GPU_ACTOR = re.compile(r"expert-g([0-9]+)-v([0-9]+)")
 
 
 def expert_actor_name(group: int, replica: int) -> str:
     return f"expert-e{group}-r{replica}"
 
 
+def gpu_actor_name(gpu: int, version: int) -> str:
+    """The actor hosting GPU `gpu`'s shards of a planned placement, `version`-th of its shard sets."""
+    return f"expert-g{gpu}-v{version}"
+
+
+def parse_gpu_actor_name(name: str) -> tuple[int, int] | None:
+    """'expert-g5-v2' -> (5, 2); None for any other name."""
+    match = _GPU_ACTOR.fullmatch(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 def parse_expert_actor_name(name: str) -> tuple[int, int]:
-    """'expert-e3-r1' -> (3, 1); ValueError for anything else."""
-    match = _EXPERT_ACTOR.fullmatch(name)
+    """'expert-e3-r1' -> (3, 1); 'expert-g5-v2' -> (5, 2); ValueError for anything else."""
+    match = _EXPERT_ACTOR.fullmatch(name) or _GPU_ACTOR.fullmatch(name)
     if not match:
         raise ValueError(f"not an expert actor name: {name!r} (expected expert-e<group>-r<replica>)")
     return int(match.group(1)), int(match.group(2))
