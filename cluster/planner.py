@@ -10,18 +10,20 @@ Objective, per MoE layer (layers run one after another, so each layer's slowest 
 
 How (vectorised over layers):
   a. replica counts: greedy water-filling (EPLB's replicate_experts) for the replica budget;
-  b. candidate G: greedy replicate-then-pack (EPLB's global policy, `eplb_greedy`), then a local search that swaps
-     a shard on the most loaded GPU with one (or an empty slot) on one of the least loaded GPUs while that lowers the
-     pair's maximum below the old peak. It starts from greedy and only accepts such swaps, so its peak is never
-     above greedy's, layer by layer;
-  c. without `current`: G's GPUs are permuted within each layer (free for balance) so bins go to nodes
-     heaviest first, each to the node where its shards have the fewest replicas already, then the least loaded node;
-  d. with `current`: candidate R repairs the current placement (drops failed GPUs, removes surplus replicas from
-     the most loaded GPUs, adds missing ones greedily), candidate S packs greedily but keeps a replica on a GPU
-     that hosted its shard when it fits under the goal; both run the local search until they reach the goal, then
-     repack their k most and k least loaded GPUs (k = 1, 2, 4, ...) while above it; candidate G is relabelled to
-     overlap `current` as much as possible (greedy matching of its GPU bins to current GPUs). Per layer the
-     candidate under the goal with the fewest moves wins (G always qualifies).
+  b. greedy replicate-then-pack (EPLB's global policy, `eplb_greedy`), then a local search: swap a shard on the
+     most loaded GPU with one (or an empty slot) on another GPU when that lowers the pair's maximum below the old
+     peak, the best such swap per layer per round. It starts from greedy and only accepts such swaps, so its peak is
+     never above greedy's, layer by layer. Partners: the 8 least loaded GPUs, then a short polish against all GPUs
+     (which finds swaps with near-peak GPUs holding lighter shards, the case of very hot experts);
+  c. without `current`: the GPUs are permuted within each layer (free for balance) so bins go to nodes heaviest
+     first, each to the node where its shards have the fewest replicas already, ties to the least loaded node;
+  d. with `current`: repair it (empty failed GPUs, drop surplus replicas from the most loaded GPUs hosting them, add
+     missing ones greedily) and run the local search (all partners) only until the layer's peak reaches the goal.
+     Layers still above it get three candidates and keep the one under the goal with the fewest moves:
+     the repair escaped from its local optimum by repacking its k most and k least loaded GPUs (k = 1, 2, 4, ...);
+     a "sticky" greedy pack that keeps a replica on a GPU that hosted its shard when it fits under the goal (same
+     search and escape); the from-scratch plan relabelled to overlap `current` most (greedy matching of GPU bins),
+     which always qualifies.
 """
 
 from __future__ import annotations
@@ -34,17 +36,21 @@ from .shard_placement import Placement, Topology, _check_load
 # With `current`, a plan within this fraction of our best from-scratch balance (and never above greedy's) is good
 # enough: the last percent or two of balance would cost many moves.
 MOVE_SAVING = 0.02
+# With `current`, replica counts stay as they are while their max load per replica is within this of the optimum:
+# counts that follow every bit of noise each cost a move.
+COUNT_SLACK = 0.03
 
 
 def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
          extra_replicas: int | None = None, balance_slack: float = 0.0, partners: int = 8,
-         max_rounds: int | None = None) -> Placement:
+         max_rounds: int | None = None, polish_rounds: int = 32) -> Placement:
     """load: [layers, experts] shard load over a window; topology: nodes, GPUs, slots per GPU per layer, failed GPUs;
     current: the placement now serving (same layers and experts; GPUs matched by index) or None;
     extra_replicas: replicas per layer beyond one per expert (None: fill every live slot);
     balance_slack: with `current`, how far (a fraction) a move-saving plan's peak may exceed the goal of
       min(greedy's peak, our from-scratch peak x (1 + MOVE_SAVING)); 0 keeps every layer ≤ greedy's peak;
-    partners: least loaded GPUs the local search tries per step; max_rounds: local-search steps (default 4 x GPUs).
+    partners: least loaded GPUs the first local search tries per step; max_rounds: its steps (default 4 x GPUs);
+    polish_rounds: steps of the polish against every GPU.
 
     Returns a Placement: every shard ≥ 1 replica, at most one per GPU, ≤ slots_per_gpu per GPU per layer, none on
     failed GPUs, each layer's peak GPU load ≤ greedy replicate-then-pack's on the same input (x (1 + balance_slack)
@@ -63,30 +69,87 @@ def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
     greedy = pack_greedy(order, weight, topology)
     greedy_peak = _peak(greedy, weight, topology)
     best = local_search(greedy, weight, topology, rounds=rounds, partners=partners)
+    everyone = topology.num_live
     if current is None:
+        # A short polish against every GPU finds swaps with near-peak GPUs that hold lighter shards (hot experts).
+        best = local_search(best, weight, topology, rounds=polish_rounds, partners=everyone)
         return Placement(topology, experts, spread_over_nodes(best, weight, topology))
 
     assert (current.layers, current.experts) == (layers, experts), \
         f"current: placement of {current.layers} layers x {current.experts} experts, load is {layers} x {experts}"
     now = _fit_current(current, topology)
-    best_peak = _peak(best, weight, topology)
-    goal = np.minimum(greedy_peak, best_peak * (1 + MOVE_SAVING)) * (1 + balance_slack)
+    goal = np.minimum(greedy_peak, _peak(best, weight, topology) * (1 + MOVE_SAVING)) * (1 + balance_slack)
     keep = _hosts(now, experts)
-    repaired = repair(now, counts, weight, topology)
-    sticky = pack_greedy(order, weight, topology, prefer=keep, bound=goal)
-    candidates = [match_gpus(best, now, topology)]  # always eligible: the fallback
-    for slots in (repaired, sticky):
-        slots = local_search(slots, weight, topology, rounds=rounds, partners=partners, target=goal)
-        candidates.append(_escape(slots, weight, topology, goal, rounds, partners))
-    stacked = np.stack(candidates)  # [C, L, G, S]
-    cost = np.stack([(_hosts(c, experts) & ~keep).sum(axis=(1, 2)) for c in candidates])  # [C, L]
-    ok = np.stack([_peak(c, weight, topology) <= goal * (1 + 1e-12) + 1e-12 for c in candidates])
+    # Repair with two count choices: the current counts where their max load per replica is within COUNT_SLACK of
+    # the optimum (fewer changes), and the water-filling counts; per layer the one reaching the goal with fewer
+    # moves.
+    optimum = weight.max(axis=1)  # the least possible max load per replica
+    near = nearby_counts(load, keep.sum(axis=1), total, topology.num_live, good_enough=optimum * (1 + COUNT_SLACK))
+    tries = []
+    for c in (near, counts):
+        slots = local_search(repair(now, c, load / c, topology), load / c, topology, rounds=rounds,
+                             partners=everyone, target=goal)
+        tries.append((slots, _reached(slots, load / c, topology, goal), (_hosts(slots, experts) & ~keep).sum((1, 2))))
+    (near_out, near_ok, near_cost), (out, ok, cost) = tries
+    use_near = near_ok & (~ok | (near_cost < cost))
+    out = np.where(use_near[:, None, None], near_out, out)
+    sub = np.flatnonzero(~(ok | near_ok))
+    if not len(sub):
+        return Placement(topology, experts, out)
+    # Layers neither repair brought to the goal: three candidates each (water-filling counts), the one under the
+    # goal with the fewest moves wins (the relabelled from-scratch plan always qualifies).
+    w, g, keep = weight[sub], goal[sub], keep[sub]
+    sticky = pack_greedy(order[sub], w, topology, prefer=keep, bound=g)
+    sticky = local_search(sticky, w, topology, rounds=rounds, partners=everyone, target=g)
+    polished = local_search(best[sub], w, topology, rounds=polish_rounds, partners=everyone)
+    candidates = [match_gpus(polished, now[sub], topology),
+                  _escape(out[sub], w, topology, g, rounds, everyone),
+                  _escape(sticky, w, topology, g, rounds, everyone)]
+    cost = np.stack([(_hosts(c, experts) & ~keep).sum(axis=(1, 2)) for c in candidates])  # [C, sub]
+    ok = np.stack([_reached(c, w, topology, g) for c in candidates])
     ok[0] = True
-    pick = np.where(ok, cost, np.iinfo(np.int64).max).argmin(axis=0)  # [L]
-    return Placement(topology, experts, stacked[pick, np.arange(layers)])
+    pick = np.where(ok, cost, np.iinfo(np.int64).max).argmin(axis=0)
+    out[sub] = np.stack(candidates)[pick, np.arange(len(sub))]
+    return Placement(topology, experts, out)
 
 
 # ---- steps -------------------------------------------------------------------------------------------------------
+
+
+def nearby_counts(load: np.ndarray, current: np.ndarray, total: int, cap: int,
+                  good_enough: np.ndarray | None = None) -> np.ndarray:
+    """Replica counts [L, E] summing to `total` per layer with the same (optimal) max load per replica as greedy
+    water-filling, reached from `current` [L, E] by as few single-replica changes as possible: fix the total, then
+    move one replica at a time from the shard that misses it least (min load / (c - 1)) to the one that needs it
+    most (max load / c) while that lowers the peak. good_enough: [L] stop a layer once its max load per replica is
+    at or below this (default: the optimum)."""
+    layers, experts = load.shape
+    c = np.clip(current, 1, cap).astype(np.int64)
+    rows = np.arange(layers)
+    for _ in range(experts * cap):
+        diff = c.sum(axis=1) - total
+        if not diff.any():
+            break
+        give = np.where(c > 1, load / np.maximum(c - 1, 1), np.inf).argmin(axis=1)  # loses least
+        take = np.where(c < cap, load / c, -np.inf).argmax(axis=1)  # gains most
+        c[rows[diff > 0], give[diff > 0]] -= 1
+        c[rows[diff < 0], take[diff < 0]] += 1
+    for _ in range(experts * cap):
+        per = np.where(c < cap, load / c, -np.inf)
+        take = per.argmax(axis=1)
+        after = np.where(c > 1, load / np.maximum(c - 1, 1), np.inf)
+        after[rows, take] = np.inf
+        give = after.argmin(axis=1)
+        # The layer's peak per replica is max(load / c) over all shards, capped ones included.
+        peak = (load / c).max(axis=1)
+        move = (per[rows, take] >= peak) & (after[rows, give] < per[rows, take] * (1 - 1e-12))
+        if good_enough is not None:
+            move &= peak > good_enough
+        if not move.any():
+            break
+        c[rows[move], take[move]] += 1
+        c[rows[move], give[move]] -= 1
+    return c
 
 
 def local_search(slots: np.ndarray, weight: np.ndarray, topology: Topology, rounds: int, partners: int = 8,
@@ -109,7 +172,9 @@ def local_search(slots: np.ndarray, weight: np.ndarray, topology: Topology, roun
     idx = np.where(slots < 0, experts, slots)  # [L, G, S]; `experts` = empty
     w = np.take_along_axis(wpad, idx.reshape(layers, -1), axis=1).reshape(idx.shape)
     loads = w.sum(axis=-1)  # [L, G]
-    hosted = _hosts(slots, experts, pad=True)  # [L, G, E + 1]; column E (empty) stays False
+    # [L, E + 1, G]: which GPUs host a shard, one contiguous row per shard; row E (empty) stays False.
+    hosted = _hosts(slots, experts, pad=True).transpose(0, 2, 1).copy()
+    full = k >= topology.num_live - 1  # every other GPU is a partner: no selection needed
     active = np.ones(layers, dtype=bool)
     stop = np.full(layers, -np.inf) if target is None else target * (1 + 1e-12) + 1e-12
     rows = np.arange(layers)
@@ -123,25 +188,33 @@ def local_search(slots: np.ndarray, weight: np.ndarray, topology: Topology, roun
             break
         h, peak, n = h[act], peak[act], len(act)
         ar = np.arange(n)
-        offer = np.where(dead, np.inf, loads[act])
+        offer = np.where(dead, np.inf, loads[act])  # a failed GPU or h itself never takes a shard
         offer[ar, h] = np.inf
-        part = np.argpartition(offer, k - 1, axis=1)[:, :k]  # [n, k] least loaded other live GPUs
         a, wa = idx[act, h], w[act, h]  # [n, S]
-        b, wb = idx[act[:, None], part], w[act[:, None], part]  # [n, k, S]
-        lg = offer[ar[:, None], part]  # [n, k]
-        new_h = (peak[:, None] - wa)[:, :, None, None] + wb[:, None, :, :]  # [n, S, k, S]
-        new_g = (lg[:, None, :, None] - wb[:, None, :, :]) + wa[:, :, None, None]
-        a_on_g = hosted[act[:, None, None], part[:, None, :], a[:, :, None]]  # [n, S, k]
-        b_on_h = hosted[act[:, None, None], h[:, None, None], b]  # [n, k, S]
-        valid = (a < experts)[:, :, None, None] & ~a_on_g[..., None] & ~b_on_h[:, None]
-        worst = np.where(valid, np.maximum(new_h, new_g), np.inf).reshape(n, -1)
+        a_on = hosted[act[:, None], a]  # [n, S, G]
+        if full:
+            part = np.broadcast_to(np.arange(gpus), (n, gpus))
+            b, wb, lg, a_on_g = idx[act], w[act], offer, a_on
+        else:
+            part = np.argpartition(offer, k - 1, axis=1)[:, :k]  # [n, k] least loaded other live GPUs
+            b, wb = idx[act[:, None], part], w[act[:, None], part]  # [n, k, S]
+            lg = np.take_along_axis(offer, part, axis=1)  # [n, k]
+            a_on_g = np.take_along_axis(a_on, np.broadcast_to(part[:, None, :], (n, cap, k)), axis=2)
+        b_on_h = hosted[act[:, None, None], b, h[:, None, None]]  # [n, k, S]
+        delta = wa[:, :, None, None] - wb[:, None, :, :]  # [n, S, k, S] load leaving h
+        worst = lg[:, None, :, None] + delta  # the partner's new load
+        np.maximum(worst, peak[:, None, None, None] - delta, out=worst)
+        invalid = a_on_g[..., None] | b_on_h[:, None]
+        invalid |= (a == experts)[:, :, None, None]
+        np.putmask(worst, invalid, np.inf)
+        worst = worst.reshape(n, -1)
         pick = worst.argmin(axis=1)
         better = worst[ar, pick] < peak * (1 - 1e-9)
         active[act[~better]] = False
         sel = np.flatnonzero(better)
         if not len(sel):
             continue
-        i, kk, j = np.unravel_index(pick[sel], (cap, k, cap))
+        i, kk, j = np.unravel_index(pick[sel], (cap, part.shape[1], cap))
         layer, gh, gg = act[sel], h[sel], part[sel, kk]
         sa, sb = a[sel, i], b[sel, kk, j]
         wsa, wsb = wa[sel, i], wb[sel, kk, j]
@@ -149,11 +222,11 @@ def local_search(slots: np.ndarray, weight: np.ndarray, topology: Topology, roun
         w[layer, gh, i], w[layer, gg, j] = wsb, wsa
         loads[layer, gh] += wsb - wsa
         loads[layer, gg] += wsa - wsb
-        hosted[layer, gh, sa] = False
-        hosted[layer, gg, sa] = True
-        hosted[layer, gg, sb] = False
-        hosted[layer, gh, sb] = True
-        hosted[:, :, experts] = False
+        hosted[layer, sa, gh] = False
+        hosted[layer, sa, gg] = True
+        hosted[layer, sb, gg] = False
+        hosted[layer, sb, gh] = True
+        hosted[:, experts] = False
     return _compact(np.where(idx == experts, -1, idx))
 
 
@@ -284,16 +357,17 @@ def _escape(slots: np.ndarray, weight: np.ndarray, topology: Topology, goal: np.
             partners: int) -> np.ndarray:
     """Layers still above `goal` after the local search: repack their extreme GPUs, 1, 2, 4, ... at a time, keeping a
     repack only where it lowers the peak."""
+    slots = slots.copy()
     k = 1
     while k <= topology.num_live // 2:
-        peak = _peak(slots, weight, topology)
-        need = peak > goal * (1 + 1e-12) + 1e-12
-        if not need.any():
+        need = np.flatnonzero(~_reached(slots, weight, topology, goal))
+        if not len(need):
             break
-        trial = local_search(repack_extremes(slots, weight, topology, k), weight, topology, rounds=rounds,
-                             partners=partners, target=goal)
-        better = need & (_peak(trial, weight, topology) < peak)
-        slots = np.where(better[:, None, None], trial, slots)
+        w = weight[need]
+        trial = local_search(repack_extremes(slots[need], w, topology, k), w, topology, rounds=rounds,
+                             partners=partners, target=goal[need])
+        better = _peak(trial, w, topology) < _peak(slots[need], w, topology)
+        slots[need[better]] = trial[better]
         k *= 2
     return slots
 
@@ -333,6 +407,11 @@ def _loads(slots: np.ndarray, weight: np.ndarray) -> np.ndarray:
     wpad = np.concatenate([weight, np.zeros((layers, 1))], axis=1)
     idx = np.where(slots < 0, weight.shape[1], slots)
     return np.take_along_axis(wpad, idx.reshape(layers, -1), axis=1).reshape(idx.shape).sum(axis=-1)
+
+
+def _reached(slots: np.ndarray, weight: np.ndarray, topology: Topology, goal: np.ndarray) -> np.ndarray:
+    """[L] the layer's peak is at or under its goal (up to rounding)."""
+    return _peak(slots, weight, topology) <= goal * (1 + 1e-12) + 1e-12
 
 
 def _peak(slots: np.ndarray, weight: np.ndarray, topology: Topology) -> np.ndarray:

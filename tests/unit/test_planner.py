@@ -127,7 +127,7 @@ def test_same_load_same_current_moves_nothing():
     assert plan(load, t, current=p) == p
 
 
-@pytest.mark.parametrize("s", [0.6, 1.0])
+@pytest.mark.parametrize("s", [0.6, 1.0, 1.2])
 def test_small_drift_moves_far_fewer_than_from_scratch(s):
     rng = np.random.default_rng(11)
     load = zipf_load(rng, 8, 64, s)
@@ -136,7 +136,11 @@ def test_small_drift_moves_far_fewer_than_from_scratch(s):
     noisy = load * rng.uniform(0.95, 1.05, size=load.shape)
     q, scratch = plan(noisy, t, current=p), plan(noisy, t)
     assert (peaks(q, noisy) <= peaks(greedy_plan(noisy, t), noisy) * (1 + 1e-9)).all()
-    assert moves(p, q) <= 0.3 * moves(p, scratch)
+    assert moves(p, q) <= 0.25 * moves(p, scratch)
+    # Allowing 2% above greedy's peak, almost nothing moves.
+    relaxed = plan(noisy, t, current=p, balance_slack=0.02)
+    assert (peaks(relaxed, noisy) <= peaks(greedy_plan(noisy, t), noisy) * 1.02 * (1 + 1e-9)).all()
+    assert moves(p, relaxed) <= 0.05 * moves(p, scratch)
 
 
 def test_failed_gpu_replans_around_it_with_few_moves():
@@ -151,6 +155,8 @@ def test_failed_gpu_replans_around_it_with_few_moves():
     hosted_there = int((p.slots[:, lost] >= 0).sum())
     assert moves(p, q) <= 4 * hosted_there  # the lost GPU's shards and some rebalancing, not a reshuffle
     assert moves(p, q) < 0.75 * moves(p, plan(load, t2))
+    relaxed = plan(load, t2, current=p, balance_slack=0.1)
+    assert (relaxed.slots[:, lost] == -1).all() and moves(p, relaxed) <= 1.5 * hosted_there
 
 
 def test_too_few_slots_names_the_field():
