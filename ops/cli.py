@@ -23,6 +23,13 @@ def _token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--token-ids must be comma-separated integers, got {text!r}") from exc
 
 
+def _gpu_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--failed-gpus must be comma-separated GPU indices, got {text!r}") from exc
+
+
 def _autoscale(text: str) -> tuple[int, int]:
     try:
         low, high = (int(x) for x in text.split(":"))
@@ -121,6 +128,29 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument("--requests-per-stream", type=int, default=2)
     serve_bench.add_argument("--json", action="store_true", help="print only the JSON result")
     serve_bench.add_argument("--out", metavar="FILE", help="also write the JSON here")
+    placement_bench = bench_sub.add_parser("placement", help="placement planner vs greedy replicate-then-pack")
+    placement_bench.add_argument("--seed", type=int, default=0)
+    placement_bench.add_argument("--repeats", type=int, default=3, help="timing: best of this many runs")
+    placement_bench.add_argument("--balance-slack", type=float, default=0.02,
+                                 help="also report drift moves at this slack (0 is always reported)")
+    placement_bench.add_argument("--quick", action="store_true", help="8 layers instead of 58")
+    placement_bench.add_argument("--json", action="store_true", help="print only the JSON result")
+    placement_bench.add_argument("--out", metavar="FILE", help="also write the JSON here")
+
+    plan_cmd = sub.add_parser("plan", help="plan a shard placement offline from a load file (writes JSON)")
+    plan_cmd.add_argument("--load", required=True, metavar="LOAD.json",
+                          help='{"load": [[per expert] per MoE layer]} or the nested list alone')
+    plan_cmd.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    plan_cmd.add_argument("--slots-per-gpu", type=int, required=True, help="shards per GPU per MoE layer")
+    plan_cmd.add_argument("--nodes", type=int, default=1, help="nodes the GPUs split evenly over")
+    plan_cmd.add_argument("--current", metavar="PLACEMENT.json", help="placement now serving: move few shards")
+    plan_cmd.add_argument("--out", metavar="PLACEMENT.json", help="write the placement here (default: stdout)")
+    plan_cmd.add_argument("--extra-replicas", type=int, default=None,
+                          help="replicas per layer beyond one per expert (default: fill every slot)")
+    plan_cmd.add_argument("--failed-gpus", type=_gpu_ids, default=[], metavar="G,G", help="GPUs to leave empty")
+    plan_cmd.add_argument("--balance-slack", type=float, default=0.0,
+                          help="with --current: peak may exceed greedy's by this fraction to save moves")
+    plan_cmd.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     drill = sub.add_parser("drill", help="failover drill under load: kill actors/nodes/router/controller, report")
     drill.add_argument("--kill", choices=["actor", "fraction", "node", "router", "controller"], default="actor")
@@ -167,6 +197,22 @@ def main(argv: list[str] | None = None) -> int:
                                      requests_per_stream=args.requests_per_stream, model_dir=args.model,
                                      verbose=not args.json)
             _emit(result, args.out)
+            return 0
+        if args.command == "bench" and args.bench == "placement":
+            from .bench_placement import run_placement_bench
+
+            _emit(run_placement_bench(seed=args.seed, repeats=args.repeats, balance_slack=args.balance_slack,
+                                      quick=args.quick), args.out)
+            return 0
+        if args.command == "plan":
+            from .plan_cli import format_summary, run_plan
+
+            placement, summary = run_plan(args.load, args.gpus, args.slots_per_gpu, args.nodes, args.current,
+                                          args.out, args.extra_replicas, args.failed_gpus, args.balance_slack)
+            if not args.out:
+                sys.stdout.write(placement.dumps())
+            report = json.dumps(summary) if args.json else format_summary(summary)
+            print(report, file=sys.stdout if args.out else sys.stderr)
             return 0
         if args.command == "drill":
             from .drill import run_drill
