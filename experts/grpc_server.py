@@ -1,0 +1,54 @@
+"""The actor side of the gRPC transport: a small threaded gRPC server inside an expert actor.
+
+An actor starts it only when a router asks for its address (`ExpertActor.grpc_address`), so actors used over Ray
+calls pay nothing. Each Forward call runs the actor's own `forward` (same code path as a Ray call, trace included)
+on one of the server's threads; the actor's Ray methods keep working alongside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from ..protos import expert_transport_pb2 as pb
+from ..protos import expert_transport_pb2_grpc as pb_grpc
+from . import wire
+
+# Prefill batches of a large model exceed gRPC's 4 MiB default by far; the router is the only client.
+MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+Forward = Callable[..., np.ndarray]  # forward(layer, experts, counts, x, trace=None) -> [rows, H]
+
+
+class _Servicer(pb_grpc.ExpertTransportServicer):
+    def __init__(self, forward: Forward):
+        self.forward = forward
+
+    def Forward(self, request: pb.ExpertBatch, context: grpc.ServicerContext) -> pb.ExpertOutput:  # noqa: N802
+        try:
+            layer, experts, counts, x, trace = wire.decode_batch(request)
+            y = self.forward(layer, experts, counts, x, trace) if trace else self.forward(layer, experts, counts, x)
+        except Exception as exc:  # the router retries elsewhere; say what failed
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return pb.ExpertOutput(y=wire.encode(y))
+
+
+class ExpertGrpcServer:
+    """Serves `forward` on host:<free port>; `address` is what routers dial."""
+
+    def __init__(self, forward: Forward, host: str, threads: int = 4):
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="expert-grpc"),
+                                  options=MESSAGE_OPTIONS)
+        pb_grpc.add_ExpertTransportServicer_to_server(_Servicer(forward), self.server)
+        bind_host = f"[{host}]" if ":" in host else host
+        port = self.server.add_insecure_port(f"{bind_host}:0")
+        if port == 0:
+            raise RuntimeError(f"could not bind a gRPC port on {host}")
+        self.server.start()
+        self.address = f"{bind_host}:{port}"
+
+    def stop(self, grace: float | None = None) -> None:
+        self.server.stop(grace)

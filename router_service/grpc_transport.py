@@ -1,0 +1,132 @@
+"""Expert calls over gRPC: one channel per expert actor, one unary Forward per actor per layer step, all in flight.
+
+Each actor serves its shards on a gRPC port it opens when first asked (`ExpertActor.grpc_address`). Handles are
+looked up in `actors`, the same dict NameReviver swaps restored replicas into; a handle whose actor id changed
+means a new incarnation, so the transport asks it for its new address and dials again.
+
+Errors are mapped so dispatch's failover treats them like Ray's: when a channel is UNAVAILABLE (connection refused
+or reset) the transport asks Ray whether the actor is alive, and a dead actor comes back as Ray's own
+RayActorError (dispatch marks it dead and the reviver looks for its restore); anything else is a plain failed call
+(retried on another replica, counted by the breaker).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import ray
+import torch
+
+from ..experts import wire
+from ..experts.arrays import readonly_tensor
+from ..experts.grpc_server import MESSAGE_OPTIONS
+from ..protos import expert_transport_pb2_grpc as pb_grpc
+
+LIVENESS_TIMEOUT_S = 5.0  # how long a liveness check through Ray may take before the actor counts as unreachable
+
+
+class ExpertUnreachable(ConnectionError):
+    """The actor's gRPC server did not answer, but Ray does not (yet) report the actor dead."""
+
+
+@dataclass
+class _Connection:
+    actor_id: Any  # the incarnation this channel belongs to
+    address: str
+    channel: grpc.Channel
+    stub: pb_grpc.ExpertTransportStub
+
+
+@dataclass
+class _Call:
+    actor: str
+    connection: _Connection | None
+    future: Any = None  # grpc.Future
+    error: BaseException | None = None  # failed before it was sent (e.g. the actor is gone)
+
+
+class GrpcTransport:
+    def __init__(self, actors: dict[str, ray.actor.ActorHandle], address_timeout_s: float = 60.0):
+        self.actors = actors
+        self.address_timeout_s = address_timeout_s
+        self.connections: dict[str, _Connection] = {}
+        self.reconnects = 0  # channels dialled again for a new incarnation (tests check restores)
+
+    def connect_all(self) -> None:
+        """Open every actor's server and channel now, so the first step does not pay for it."""
+        names = [n for n in self.actors if self._stale(n)]
+        refs = [self.actors[n].grpc_address.remote() for n in names]
+        for name, address in zip(names, ray.get(refs, timeout=self.address_timeout_s)):
+            self._dial(name, address)
+
+    def _stale(self, name: str) -> bool:
+        conn = self.connections.get(name)
+        return conn is None or conn.actor_id != self.actors[name]._actor_id
+
+    def _dial(self, name: str, address: str) -> _Connection:
+        old = self.connections.pop(name, None)
+        if old is not None:
+            old.channel.close()
+            self.reconnects += 1
+        channel = grpc.insecure_channel(address, options=MESSAGE_OPTIONS)
+        conn = _Connection(self.actors[name]._actor_id, address, channel, pb_grpc.ExpertTransportStub(channel))
+        self.connections[name] = conn
+        return conn
+
+    def _connection(self, name: str) -> _Connection:
+        if self._stale(name):
+            address = ray.get(self.actors[name].grpc_address.remote(), timeout=self.address_timeout_s)
+            return self._dial(name, address)
+        return self.connections[name]
+
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
+               trace: dict[str, str] | None = None) -> _Call:
+        try:
+            conn = self._connection(actor)
+        except Exception as exc:  # a dead incarnation fails here with RayActorError
+            return _Call(actor, None, error=exc)
+        request = wire.encode_batch(layer, experts, counts, x, trace)
+        return _Call(actor, conn, future=conn.stub.Forward.future(request))
+
+    def gather_settled(self, handles: list[_Call], timeout: float) -> list[torch.Tensor | BaseException]:
+        deadline = time.monotonic() + timeout
+        results: list[torch.Tensor | BaseException] = []
+        for call in handles:
+            if call.error is not None:
+                results.append(call.error)
+                continue
+            try:
+                reply = call.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                results.append(readonly_tensor(wire.decode(reply.y)))
+            except grpc.FutureTimeoutError:
+                call.future.cancel()
+                results.append(TimeoutError(f"expert call to {call.actor} did not finish within {timeout}s"))
+            except grpc.RpcError as exc:
+                results.append(self._failure(call, exc))
+            except Exception as exc:  # a malformed reply
+                results.append(exc)
+        return results
+
+    def _failure(self, call: _Call, exc: grpc.RpcError) -> BaseException:
+        code = exc.code()
+        if code != grpc.StatusCode.UNAVAILABLE:
+            return RuntimeError(f"expert call to {call.actor} failed: {code.name}: {exc.details()}")
+        # The server is gone or unreachable: ask Ray whether the actor itself is.
+        if self.connections.get(call.actor) is call.connection:
+            self.connections.pop(call.actor).channel.close()  # dial again next time (a restore has a new port)
+        try:
+            ray.get(self.actors[call.actor].ready.remote(), timeout=LIVENESS_TIMEOUT_S)
+        except ray.exceptions.RayActorError as dead:
+            return dead
+        except Exception as other:
+            return ExpertUnreachable(f"{call.actor} at {call.connection.address}: {exc.details()} ({other!r})")
+        return ExpertUnreachable(f"{call.actor} at {call.connection.address}: {exc.details()} (actor alive)")
+
+    def close(self) -> None:
+        for conn in self.connections.values():
+            conn.channel.close()
+        self.connections.clear()

@@ -1,0 +1,171 @@
+"""Every expert transport (Ray refs, gRPC, compiled graph) against the in-process reference, on one local Ray and
+one pool of expert actors (two replicas per expert, controller restoring): identical logits, failover when an actor
+is killed under a running compiled graph, a gRPC reconnect after a restore, and a teardown that leaves nothing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from expertmesh.cluster.naming import NAMESPACE
+from expertmesh.experts.reference import load_reference_model
+from expertmesh.router_service.compiled_transport import CompiledGraphTransport
+from expertmesh.router_service.engine import ExpertMesh, MeshConfig
+from expertmesh.router_service.expert_pool import connect_actors
+from expertmesh.router_service.grpc_transport import GrpcTransport
+from expertmesh.router_service.router import Router
+from tests.integration.test_failover import kill_and_wait
+from tests.tiny_checkpoints import VOCAB, greedy_tokens
+
+TOL = 1e-4
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    return load_reference_model(checkpoints["mixtral"])
+
+
+@pytest.fixture(scope="module")
+def expected(reference) -> list[int]:
+    return greedy_tokens(reference, PROMPT, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def mesh(checkpoints):
+    with ExpertMesh(MeshConfig(model_dir=str(checkpoints["mixtral"]), replicas_per_expert=2,
+                               restore_experts=True)) as mesh:
+        names = list(mesh.pool.spec.actor_shards)
+        yield mesh
+
+    def no_expert_alive() -> bool:
+        for name in names:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+                return False
+            except ValueError:
+                continue
+        return True
+
+    wait_until(no_expert_alive, 30, "every expert actor to stop")
+
+
+@pytest.fixture(scope="module")
+def routers(mesh):
+    """A router per transport over the same actors (the refs one is the mesh's own)."""
+    out = {"refs": mesh.router}
+    for name in ("grpc", "compiled"):
+        out[name] = Router(mesh.pool.spec, mesh.actors, transport=name)
+    yield out
+    for name in ("grpc", "compiled"):
+        out[name].close()
+
+
+def sequences() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (17, 5, 1)]
+
+
+def wait_until(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_every_transport_gives_the_reference_logits(routers, reference):
+    seqs = sequences()
+    want = reference.forward([torch.tensor(s) for s in seqs])
+    got = {name: router.score_batch(seqs) for name, router in routers.items()}
+    for name, logits in got.items():
+        for w, g in zip(want, logits):
+            assert (g - w).abs().max().item() <= TOL, name
+        # Same actors, same bytes, same combine order: the transports agree bit for bit.
+        assert all(torch.equal(a, b) for a, b in zip(logits, got["refs"])), name
+    compiled = routers["compiled"].transport
+    assert isinstance(compiled, CompiledGraphTransport) and compiled.compiled_rounds > 0
+    assert compiled.fallback_rounds == 0  # built before the first step: every round went through the graph
+    assert isinstance(routers["grpc"].transport, GrpcTransport)
+
+
+def test_generation_is_identical_on_every_transport(routers, expected):
+    for name, router in routers.items():
+        assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected, name
+
+
+def test_killing_an_actor_under_the_compiled_graph_fails_over_then_rebuilds(routers, expected):
+    router = routers["compiled"]
+    transport: CompiledGraphTransport = router.transport
+    assert transport.graph is not None
+    victim = "expert-e0-r0"
+    old_key = transport.graph.key
+    builds, fallbacks = transport.builds, transport.fallback_rounds
+    kill_and_wait(victim)  # its execution loop dies with it; the graph's next round fails
+    assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
+    assert transport.fallback_rounds > fallbacks and transport.torn_down >= 1
+    assert router.backend.retried_calls > 0
+    # The controller restores the victim under its name; the reviver swaps it in and the graph is rebuilt on
+    # the new incarnation.
+    def rebuilt() -> bool:
+        assert router.generate(token_ids=PROMPT, max_tokens=2).token_ids == expected[:2]
+        graph = transport.graph
+        return graph is not None and graph.key != old_key and not router.backend.dead
+
+    wait_until(rebuilt, 90, "a compiled graph on the restored actor")
+    assert transport.builds > builds
+    rounds = transport.compiled_rounds
+    assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
+    assert transport.compiled_rounds > rounds
+
+
+def test_grpc_transport_reconnects_after_a_restore(routers, expected):
+    router = routers["grpc"]
+    transport: GrpcTransport = router.transport
+    victim = "expert-e1-r0"
+    assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
+    old = transport.connections[victim]
+    kill_and_wait(victim)
+    assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
+    assert victim in router.backend.dead  # UNAVAILABLE was reported as Ray's actor death
+
+    def reconnected() -> bool:
+        assert router.generate(token_ids=PROMPT, max_tokens=2).token_ids == expected[:2]
+        conn = transport.connections.get(victim)
+        return not router.backend.dead and conn is not None and conn.actor_id != old.actor_id
+
+    wait_until(reconnected, 90, "the gRPC transport to dial the restored actor")
+    new = transport.connections[victim]
+    assert new.actor_id == ray.get_actor(victim, namespace=NAMESPACE)._actor_id
+    calls = ray.get(ray.get_actor(victim, namespace=NAMESPACE).info.remote())["calls"]
+    assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
+    assert ray.get(ray.get_actor(victim, namespace=NAMESPACE).info.remote())["calls"] >= calls
+
+
+def test_compiled_teardown_leaves_no_loop_or_channel(mesh):
+    actors = connect_actors(mesh.pool.spec)  # the current incarnations (earlier tests had two restored)
+    router = Router(mesh.pool.spec, actors, transport="compiled")
+    transport: CompiledGraphTransport = router.transport
+    graph = transport.graph
+    assert graph is not None
+    loops = list(graph.dag.worker_task_refs.values())
+    router.close()
+    assert transport.graph is None and graph.dag._is_teardown
+    done, running = ray.wait(loops, num_returns=len(loops), timeout=30)
+    assert not running  # every actor's execution loop has exited
+    assert all(not t.is_alive() for t in transport._teardowns)
+    # The actors are free again: plain calls, and a new graph compiles on them.
+    assert all(ray.get([h.ready.remote() for h in actors.values()], timeout=30))
+    again = CompiledGraphTransport(actors, background=False)
+    assert again.wait_built(60)
+    again.close()
