@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROTOS = ["inference.proto", "kserve_v2.proto", "admin.proto"]
+PROTOS = ["inference.proto", "kserve_v2.proto", "admin.proto", "expert_transport.proto"]
 # kserve_v2.proto keeps its messages out of the `inference` package (see the comment there); its service is
 # served under the standard KServe v2 path so clients find it.
 SERVICE_PATHS = {
