@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import ray
+import torch
 from opentelemetry import trace as otel
 from opentelemetry.context import Context
 
@@ -97,8 +98,11 @@ class RouterObserver:
             self.window.forget(dead)
             for k in dead:
                 del self._sequences[k]
-        for layer, routing in step_trace.routings.items():
-            self.window.record_routing(layer, routing.experts, routing.probs, lengths, keys)
+        routings = step_trace.routings
+        if routings:
+            probs = [r.probs for r in routings.values()]
+            self.window.record_step(list(routings), torch.stack([r.experts for r in routings.values()]),
+                                    None if any(p is None for p in probs) else torch.stack(probs), lengths, keys)
         if self.metrics is not None and self.metrics.due():
             b = self.backend
             self.metrics.flush(self.metrics.table_gauges(b.table, b.dead, b.breakers))

@@ -158,3 +158,23 @@ def test_config_errors_name_the_field():
         LoadStatsConfig(window_s=1.0, bucket_s=5.0).validate()
     with pytest.raises(ValueError, match="bucket_s"):
         LoadStatsConfig(bucket_s=0).validate()
+
+
+def test_record_step_over_layers_equals_layer_by_layer():
+    gen = torch.Generator().manual_seed(0)
+    clock = FakeClock()
+    a, b = window(clock), window(clock)
+    for lengths in [[3, 2], [1, 1], [1, 0, 2]]:
+        keys = ["x", "y", "z"][: len(lengths)]
+        t = sum(lengths)
+        experts = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(2 * t)]).reshape(2, t, 2)
+        experts[0, 0, 1] = -1  # a dropped slot
+        probs = torch.softmax(torch.randn(2, t, 4, generator=gen), dim=-1)
+        a.record_step([1, 3], experts, probs, lengths, keys)
+        for i, layer in enumerate([1, 3]):
+            b.record_routing(layer, experts[i], probs[i], lengths, keys)
+    ca, cb = a.counts(), b.counts()
+    for key in ("tokens", "switches", "pairs", "distinct_sum", "hit_sum", "steps"):
+        assert ca[key] == cb[key], key
+    assert ca["entropy_sum"] == pytest.approx(cb["entropy_sum"])
+    assert ca["pairs"] == [7.0, 7.0]  # x: 2 + 1 + 1 pairs, y: 1 + 1 + 0, z (new in step 3): 1

@@ -1,0 +1,51 @@
+"""The router observer's step hook without Ray: sequences are followed across steps by their KV cache, and a new
+sequence whose cache reuses a freed cache's id does not inherit its history."""
+
+from __future__ import annotations
+
+import torch
+
+from expertmesh.experts.gating import Routing
+from expertmesh.experts.modeling import KVCache, StepTrace
+from expertmesh.router_service.observability import RouterObserver
+
+
+class Cfg:
+    num_experts = 4
+    top_k = 1
+    moe_layers = (0,)
+
+
+class Backend:
+    transport = None
+
+
+def step(observer: RouterObserver, caches: list[KVCache], top1: list[list[int]]) -> None:
+    lengths = [len(t) for t in top1]
+    for cache, n in zip(caches, lengths):
+        cache.length += n  # as MoEDecoder.forward does before calling the observer
+    experts = torch.tensor([e for t in top1 for e in t])[:, None]
+    observer.on_step(StepTrace({0: Routing(experts=experts, weights=torch.ones_like(experts, dtype=torch.float))}),
+                     lengths, caches)
+
+
+def test_switches_follow_each_sequence_across_steps():
+    obs = RouterObserver(Cfg, Backend(), "test")
+    assert obs.metrics is None and obs.tracer is None  # no Ray, no tracing: nothing to record into
+    a, b = KVCache.empty(1), KVCache.empty(1)
+    step(obs, [a, b], [[0, 0, 1], [2]])  # prefill: a has pairs (0,0) (0,1)
+    step(obs, [a, b], [[1], [3]])  # decode: a (1,1), b (2,3)
+    counts = obs.window.counts()
+    assert (counts["switches"], counts["pairs"]) == ([2.0], [4.0])
+
+
+def test_a_new_sequence_starts_without_history():
+    obs = RouterObserver(Cfg, Backend(), "test")
+    a = KVCache.empty(1)
+    step(obs, [a], [[0, 3]])
+    a.length = 0  # the same object (same id) now holds a fresh prompt
+    step(obs, [a], [[1]])
+    assert obs.window.counts()["pairs"] == [1.0]  # only (0,3); the fresh prompt's first token pairs with nothing
+    del a
+    step(obs, [KVCache.empty(1)], [[2]])
+    assert obs.window.tracked_sequences == 1  # the dead cache's state was dropped
