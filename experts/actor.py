@@ -16,11 +16,15 @@ import torch
 from .arrays import readonly_tensor
 from .checkpoint import CheckpointReader
 from .ffn import activation, gated_mlp
+from .telemetry import ExpertMetrics, TracingConfig, build_tracer, context_of
 from .weights import Shard, load_expert_shards
 
 
 class ExpertActor:
-    def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "float32", generation: int = 0):
+    def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "float32", generation: int = 0,
+                 tracing: dict | None = None, metrics: bool = True):
+        """tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
+        expertmesh_expert_seconds through Ray's metrics API."""
         self.name = name
         self.generation = generation  # 0 for the first actor of this name; +1 each time it is restored
         self.started = time.time()
@@ -36,6 +40,11 @@ class ExpertActor:
         self.shards = load_expert_shards(reader, shards, self.dtype, self.device)
         self.calls = 0
         self.tokens = 0
+        self.tracer = build_tracer(TracingConfig(**tracing), f"expert:{name}") if tracing else None
+        self.metrics = ExpertMetrics(name) if metrics else None
+        self.compute_s = 0.0  # time inside forward (benchmarks subtract it from a round to get the transport's cost)
+        self.compute_cpu_s = 0.0  # CPU time of this thread inside forward: unlike wall time, not inflated by waiting
+        self._grpc = None  # the gRPC transport server, started on first `grpc_address`
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -45,9 +54,21 @@ class ExpertActor:
                 gated_mlp(torch.zeros(1, weights.gate_up.shape[1], device=self.device, dtype=self.dtype), weights,
                           self.act)
 
-    def forward(self, layer: int, experts: list[int], counts: list[int], x: np.ndarray) -> np.ndarray:
-        """x: [sum(counts), H], rows grouped by expert in `experts` order -> unweighted expert outputs, same layout."""
+    def forward(self, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
+                trace: dict[str, str] | None = None) -> np.ndarray:
+        """x: [sum(counts), H], rows grouped by expert in `experts` order -> unweighted expert outputs, same layout.
+        trace: W3C carrier of the router's dispatch span (None: tracing off, no span is made)."""
+        if trace is not None and self.tracer is not None:
+            with self.tracer.start_as_current_span(
+                "expertmesh.expert", context=context_of(trace),
+                attributes={"actor": self.name, "layer": layer, "experts": list(experts), "tokens": int(sum(counts))},
+            ):
+                return self._forward(layer, experts, counts, x)
+        return self._forward(layer, experts, counts, x)
+
+    def _forward(self, layer: int, experts: list[int], counts: list[int], x: np.ndarray) -> np.ndarray:
         # Arrays from Ray's object store are read-only views; we never write to them.
+        started, cpu_started = time.perf_counter(), time.thread_time()
         inputs = readonly_tensor(x).to(self.device, self.dtype)
         with torch.inference_mode():
             outs = [
@@ -57,7 +78,13 @@ class ExpertActor:
             result = torch.cat(outs) if len(outs) > 1 else outs[0]
         self.calls += 1
         self.tokens += int(x.shape[0])
-        return result.to("cpu").numpy()
+        out = result.to("cpu").numpy()
+        elapsed = time.perf_counter() - started
+        self.compute_s += elapsed
+        self.compute_cpu_s += time.thread_time() - cpu_started
+        if self.metrics is not None:
+            self.metrics.observe(elapsed)
+        return out
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
@@ -73,7 +100,30 @@ class ExpertActor:
             "calls": self.calls,
             "tokens": self.tokens,
             "generation": self.generation,
+            "compute_s": self.compute_s,
+            "compute_cpu_s": self.compute_cpu_s,
         }
 
     def ready(self) -> bool:
         return True
+
+    def grpc_address(self) -> str:
+        """host:port of this actor's gRPC transport server, started on the first ask (on the node's IP) so actors
+        only reached over Ray calls pay nothing for it."""
+        if self._grpc is None:
+            from .grpc_server import ExpertGrpcServer
+
+            self._grpc = ExpertGrpcServer(self.forward, ray.util.get_node_ip_address())
+        return self._grpc.address
+
+    def forward_step(self, step: tuple) -> np.ndarray | None:
+        """One layer step of a compiled graph that feeds every actor the same input:
+        step = (layer, {actor name: (experts, counts, x)}, trace) -> this actor's outputs, None when it has no rows."""
+        layer, calls, trace = step
+        call = calls.get(self.name)
+        if call is None:
+            return None
+        experts, counts, x = call
+        if trace:
+            return self.forward(layer, experts, counts, x, trace=trace)
+        return self.forward(layer, experts, counts, x)
