@@ -43,13 +43,15 @@ def embedded_load() -> np.ndarray | None:
         return None
 
 
-def _timed(fn, repeats: int) -> tuple[object, float]:
-    best, out = float("inf"), None
+def _timed(fn, repeats: int) -> tuple[object, dict]:
+    """Best of `repeats`: wall time and this process's CPU time (the honest one on a shared machine)."""
+    wall, cpu, out = float("inf"), float("inf"), None
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         out = fn()
-        best = min(best, time.perf_counter() - start)
-    return out, best * 1e3
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - start_cpu)
+    return out, {"plan_ms": round(wall * 1e3, 1), "plan_cpu_ms": round(cpu * 1e3, 1)}
 
 
 def _balance(p: Placement, load: np.ndarray) -> dict:
@@ -71,8 +73,8 @@ def bench_trace(name: str, load: np.ndarray, topology: Topology, rng: np.random.
         "extra_replicas_per_layer": int(ours.total_replicas() / layers - experts),
         "extra_replicas_pct": round(100 * (ours.total_replicas() / layers / experts - 1), 1),
         "before": _balance(before, load),
-        "greedy": {**_balance(greedy, load), "plan_ms": round(greedy_ms, 1)},
-        "planner": {**_balance(ours, load), "plan_ms": round(ours_ms, 1),
+        "greedy": {**_balance(greedy, load), **greedy_ms},
+        "planner": {**_balance(ours, load), **ours_ms,
                     "peak_vs_greedy_worst": round(float(peak_ratio.max()), 6),
                     "layers_better_than_greedy": int((peak_ratio < 1 - 1e-9).sum())},
         "drift": [],
@@ -90,7 +92,7 @@ def bench_trace(name: str, load: np.ndarray, topology: Topology, rng: np.random.
                 "moves": moves(ours, kept),
                 "moves_vs_scratch": round(moves(ours, kept) / max(1, moves(ours, scratch)), 3),
                 "max_over_mean_worst_layer": round(float(kept.imbalance(drifted).max()), 4),
-                "peak_vs_greedy_worst": round(float(ratio.max()), 4), "plan_ms": round(kept_ms, 1)}
+                "peak_vs_greedy_worst": round(float(ratio.max()), 4), **kept_ms}
         row["total_replicas"] = ours.total_replicas()
         result["drift"].append(row)
     return result
@@ -110,6 +112,8 @@ def run_placement_bench(seed: int = 0, repeats: int = 3, balance_slack: float = 
                                        repeats, balance_slack))
     return {"seed": seed, "repeats": repeats, "balance_slack": balance_slack, "traces": results,
             "summary": {
-                "plan_ms_58x256_on_64_gpus": None if quick else results[1]["planner"]["plan_ms"],
+                "plan_ms_58x256_on_64_gpus": None if quick else max(r["planner"]["plan_ms"] for r in results[:4]),
+                "plan_cpu_ms_58x256_on_64_gpus": None if quick else max(r["planner"]["plan_cpu_ms"]
+                                                                         for r in results[:4]),
                 "never_worse_than_greedy": all(r["planner"]["peak_vs_greedy_worst"] <= 1 + 1e-9 for r in results),
                 "worst_max_over_mean": max(r["planner"]["max_over_mean_worst_layer"] for r in results)}}
