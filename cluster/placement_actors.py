@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .naming import gpu_actor_name, parse_gpu_actor_name
+from .placement import ActorSlot, NodeResources
 from .routing_table import RoutingTable, Shard
-from .shard_placement import Placement
+from .shard_placement import Placement, Topology
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,25 @@ def transition(running: dict[str, list[Shard]], new: Placement, layer_ids: list[
         loads += len(set(plan.shards) - had.get(plan.gpu, set()))
     drain = sorted(set(running) - set(keep))
     return Transition(actors=actors, keep=sorted(keep), start=start, drain=drain, shards_to_load=loads)
+
+
+def topology_for_nodes(nodes: list[NodeResources], slots_per_gpu: int) -> tuple[Topology, list[str]]:
+    """The planner's view of a Ray cluster: GPU nodes sorted by id, each with the most GPUs any has; the GPUs a
+    smaller node lacks count as failed, so nothing lands on them. Returns (topology, node_ids by node index)."""
+    gpu_nodes = sorted((n for n in nodes if n.num_gpus > 0), key=lambda n: n.node_id)
+    if not gpu_nodes:
+        raise ValueError("nodes: no node has a GPU; planned placements need GPUs")
+    per = max(n.num_gpus for n in gpu_nodes)
+    missing = frozenset(i * per + g for i, n in enumerate(gpu_nodes) for g in range(n.num_gpus, per))
+    return Topology(len(gpu_nodes), per, slots_per_gpu, missing), [n.node_id for n in gpu_nodes]
+
+
+def actor_slots(plans: dict[str, ActorPlan], node_ids: list[str], num_cpus_per_actor: float,
+                gpus_per_node: int) -> list[ActorSlot]:
+    """What each planned actor asks Ray for: its node (NodeAffinity) and one whole GPU (one actor per GPU, so Ray's
+    packing gives each a GPU of its own), gpu_slot = the GPU's index within its node."""
+    return [ActorSlot(name=p.name, node_id=node_ids[p.node], num_cpus=num_cpus_per_actor, num_gpus=1.0,
+                      gpu_slot=p.gpu % gpus_per_node) for p in plans.values()]
 
 
 def _layer_ids(placement: Placement, layer_ids: list[int] | None) -> list[int]:

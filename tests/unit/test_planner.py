@@ -8,7 +8,15 @@ import pytest
 
 from expertmesh.cluster.eplb_greedy import greedy_plan
 from expertmesh.cluster.naming import gpu_actor_name, parse_expert_actor_name, parse_gpu_actor_name
-from expertmesh.cluster.placement_actors import actor_shards, routing_table, transition
+from expertmesh.cluster.placement import NodeResources
+from expertmesh.cluster.placement_actors import (
+    actor_plans,
+    actor_shards,
+    actor_slots,
+    routing_table,
+    topology_for_nodes,
+    transition,
+)
 from expertmesh.cluster.planner import plan
 from expertmesh.cluster.shard_placement import Placement, Topology, moves
 
@@ -236,3 +244,17 @@ def test_gpu_actor_names_parse():
     assert parse_gpu_actor_name("expert-e5-r2") is None
     with pytest.raises(ValueError):
         parse_expert_actor_name("expert-g5-r2")
+
+
+def test_topology_for_ray_nodes_and_actor_slots():
+    nodes = [NodeResources("b", 8, 2), NodeResources("head", 4, 0), NodeResources("a", 8, 4)]
+    t, ids = topology_for_nodes(nodes, slots_per_gpu=3)
+    assert ids == ["a", "b"] and (t.nodes, t.gpus_per_node) == (2, 4)
+    assert t.failed_gpus == {6, 7}  # node b has only GPUs 0 and 1
+    load = np.arange(1.0, 13.0).reshape(1, 12)
+    p = plan(load, t)
+    slots = actor_slots(actor_plans(p), ids, num_cpus_per_actor=1.0, gpus_per_node=t.gpus_per_node)
+    assert len(slots) == 6 and all(s.num_gpus == 1.0 for s in slots)
+    assert {(s.node_id, s.gpu_slot) for s in slots} == {("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0), ("b", 1)}
+    with pytest.raises(ValueError, match="nodes"):
+        topology_for_nodes([NodeResources("cpu", 8, 0)], 1)
