@@ -18,11 +18,15 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .elastic import ElasticConfig, ElasticState, actor_slots, cluster_devices, control_step, current_placement
+from .load_stats import merge_snapshots
 from .naming import NAMESPACE
-from .placement import ActorSlot
+from .placement import ActorSlot, NodeResources
+from .table_store import clear_table, publish_table, read_table
 
 log = logging.getLogger(__name__)
 CONTROLLER_NAME = "controller"
@@ -35,10 +39,24 @@ class ControllerConfig:
     ping_timeout_s: float = 5.0
     restore_timeout_s: float = 300.0
     restore: bool = True  # False: only watch and report (for drills of the wait/degrade policies)
+    drain_timeout_s: float = 60.0  # a remap stops replaced replicas when every router switched, or after this
+    router_ttl_s: float = 10.0  # a router silent this long (scaled in, died) is not waited for
+    elastic: dict | None = None  # ElasticConfig fields (cluster/elastic.py); None: no rebalancing or autoscaling
 
     def validate(self) -> ControllerConfig:
-        assert self.check_interval_s > 0 and self.ping_timeout_s > 0 and self.restore_timeout_s > 0
+        for name in ("check_interval_s", "ping_timeout_s", "restore_timeout_s", "drain_timeout_s", "router_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0")
+        self.elastic_config()
         return self
+
+    def elastic_config(self) -> ElasticConfig | None:
+        if self.elastic is None:
+            return None
+        try:
+            return ElasticConfig(**self.elastic).validate()
+        except TypeError as exc:
+            raise ValueError(f"elastic: {exc}") from None
 
 
 def _kv_get() -> dict:
@@ -58,8 +76,15 @@ class Controller:
     """Runs as an async Ray actor (see `start_controller`)."""
 
     def __init__(self, spec: dict, slots: list[dict], config: dict | None = None):
-        self.spec = spec  # PoolSpec as a dict: model_dir, dtype, actor_shards
+        self.spec = dict(spec)  # PoolSpec as a dict: model_dir, dtype, actor_shards
         self.slots = {s["name"]: ActorSlot(**s) for s in slots}
+        published = read_table()
+        if published is not None:
+            # Ray restarts a crashed controller with its first arguments; the placement may have changed since.
+            self.spec["actor_shards"] = published["actor_shards"]
+            self.slots.update({name: ActorSlot(**slot) for name, slot in published["slots"].items()})
+        self.router_epochs: dict[str, tuple[float, int]] = {}  # router id -> (heard at, epoch it routes with)
+        self._remap_lock = threading.Lock()  # one remap at a time, whichever thread's event loop asks
         self.config = ControllerConfig(**(config or {})).validate()
         saved = _kv_get()
         self.epoch = int(saved.get("epoch", 0))
@@ -68,12 +93,20 @@ class Controller:
         self.nodes: dict[str, str] = {}  # actor -> node id it was last seen on
         self.restoring: set[str] = set()
         self.events: list[dict] = []
+        self.loads: dict[str, tuple[float, dict]] = {}  # router id -> (received at, its latest load snapshot)
         self.started_at = time.time()
         self.restarted = bool(saved)  # a previous incarnation left a record
         self._first_pass = threading.Event()
         # The watch starts here, on a thread with its own event loop, so that every incarnation watches, including
         # one Ray restarted after a crash (nobody calls a method on it then).
         threading.Thread(target=lambda: asyncio.run(self._watch()), name="controller-watch", daemon=True).start()
+        self.elastic = self.config.elastic_config()
+        self.elastic_state = ElasticState()
+        self.control_log: list[dict] = []  # the latest control steps (status shows imbalance before/after)
+        self.requested_gpus = 0
+        if self.elastic is not None:
+            threading.Thread(target=lambda: asyncio.run(self._control_loop()), name="controller-elastic",
+                             daemon=True).start()
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -123,20 +156,10 @@ class Controller:
             return None
 
     async def _restore(self, name: str) -> None:
-        from ..experts.actor import ExpertActor
-
         started = time.time()
         try:
-            slot = self.slots[name]
-            node = self._node_for(slot)
             generation = self.generations.get(name, 0) + 1
-            handle = ray.remote(ExpertActor).options(
-                name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=slot.num_cpus,
-                # soft: if that node turns out to be gone (ray.nodes() can still call it alive for a few seconds
-                # after it died), Ray places the replacement on any node with room instead of failing it.
-                num_gpus=slot.num_gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
-            ).remote(name, self.spec["model_dir"], [tuple(s) for s in self.spec["actor_shards"][name]],
-                     self.spec["dtype"], generation)
+            handle = self._spawn(name, self.spec["actor_shards"][name], self.slots[name], generation)
             info = await asyncio.wait_for(handle.info.remote(), self.config.restore_timeout_s)  # after warm-up
             self.generations[name] = generation
             self.nodes[name] = info["node_id"]
@@ -148,6 +171,17 @@ class Controller:
             self._event("restore_failed", name, error=f"{type(exc).__name__}: {exc}"[:500])
         finally:
             self.restoring.discard(name)
+
+    def _spawn(self, name: str, shards: list, slot: ActorSlot, generation: int) -> ray.actor.ActorHandle:
+        from ..experts.actor import ExpertActor
+
+        return ray.remote(ExpertActor).options(
+            name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=slot.num_cpus,
+            # soft: if that node turns out to be gone (ray.nodes() can still call it alive for a few seconds
+            # after it died), Ray places the actor on any node with room instead of failing it.
+            num_gpus=slot.num_gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_for(slot), soft=True),
+        ).remote(name, self.spec["model_dir"], [tuple(s) for s in shards], self.spec["dtype"], generation,
+                 tracing=self.spec.get("tracing"))
 
     def _node_for(self, slot: ActorSlot) -> str:
         """The slot's own node while it is alive; otherwise the live node (with GPUs, if the slot wants one)
@@ -167,6 +201,11 @@ class Controller:
     def _persist(self) -> None:
         _kv_put({"epoch": self.epoch, "drained": sorted(self.drained)})
 
+    def _publish(self) -> None:
+        """Publish the current placement (minus drained replicas) as the routing table at the current epoch."""
+        serving = {n: s for n, s in self.spec["actor_shards"].items() if n not in self.drained}
+        publish_table(self.epoch, serving, {n: asdict(self.slots[n]) for n in serving if n in self.slots})
+
     # ---- API (admin and routers) ---------------------------------------------------------------------------
 
     async def get_state(self) -> dict:
@@ -179,7 +218,163 @@ class Controller:
             "events": list(self.events),
             "restarted": self.restarted,
             "started_at": self.started_at,
+            "control": list(self.control_log),
+            "requested_gpus": self.requested_gpus,
         }
+
+    async def report_load(self, router_id: str, snapshot: dict) -> None:
+        """A router's latest load snapshot (cluster/load_stats.py format); routers push it every few seconds."""
+        self.loads[router_id] = (time.time(), snapshot)
+
+    async def load(self, max_age_s: float = 30.0) -> dict | None:
+        """Every router's recent snapshot merged into one (counts summed, health recomputed), or None when no
+        router reported within max_age_s. Routers that stopped reporting (scaled in, died) drop out."""
+        now = time.time()
+        for router_id in [r for r, (t, _) in self.loads.items() if now - t > max(max_age_s, 300.0)]:
+            del self.loads[router_id]
+        return merge_snapshots([snap for t, snap in self.loads.values() if now - t <= max_age_s])
+
+    # ---- live remap --------------------------------------------------------------------------------------------
+
+    async def ack_epoch(self, router_id: str, epoch: int) -> None:
+        """A router routes with `epoch` now (sent after each switch and as a heartbeat)."""
+        self.router_epochs[router_id] = (time.time(), int(epoch))
+
+    def routers_behind(self, epoch: int) -> list[str]:
+        """Live routers (heard from within router_ttl_s) that still route with an older table."""
+        now = time.time()
+        return sorted(r for r, (heard, e) in self.router_epochs.items()
+                      if e < epoch and now - heard <= self.config.router_ttl_s)
+
+    async def apply_placement(self, actor_shards: dict[str, list], slots: dict[str, dict]) -> dict:
+        """Move to a new placement live: start the actors it adds and wait until each has loaded and warmed up,
+        then publish the table (routers switch between steps), then wait until every router routes with it, and
+        only then stop the actors it no longer names. No call ever goes to an actor that is not ready or already
+        stopped, so no request fails and, since every replica of a shard computes the same thing, no result changes.
+
+        actor_shards: the whole new placement, actor name -> [[layer, expert], ...]; an actor that stays must keep
+        its shards (actors load their weights once). slots: ActorSlot fields for every actor this adds."""
+        await asyncio.get_running_loop().run_in_executor(None, self._remap_lock.acquire)
+        try:
+            return await self._apply_placement(actor_shards, slots)
+        finally:
+            self._remap_lock.release()
+
+    async def _apply_placement(self, actor_shards: dict[str, list], slots: dict[str, dict]) -> dict:
+        target = {name: [tuple(s) for s in shards] for name, shards in actor_shards.items()}
+        current = {n: s for n, s in self.spec["actor_shards"].items() if n not in self.drained}
+        changed = sorted(n for n in target if n in current and sorted(map(tuple, current[n])) != sorted(target[n]))
+        if changed:
+            raise ValueError(f"actor_shards: actors {changed} would change shards; give them new names")
+        added = [n for n in target if n not in current]
+        missing = [n for n in added if n not in slots]
+        if missing:
+            raise ValueError(f"slots: no slot for new actors {missing}")
+        retired = sorted(n for n in current if n not in target)
+        started = time.time()
+        new_slots = {n: ActorSlot(**slots[n]) for n in added}
+        handles = {}
+        for name in added:
+            self.slots[name] = new_slots[name]
+            handles[name] = self._spawn(name, target[name], new_slots[name], 0)
+        infos = await asyncio.gather(
+            *(asyncio.wait_for(h.info.remote(), self.config.restore_timeout_s) for h in handles.values()),
+            return_exceptions=True)
+        failed = {n: i for n, i in zip(handles, infos) if isinstance(i, BaseException)}
+        if failed:
+            for name, handle in handles.items():
+                ray.kill(handle, no_restart=True)
+                self.slots.pop(name, None)
+            self._event("remap_failed", ",".join(sorted(failed)), error=repr(next(iter(failed.values())))[:500])
+            return {"ok": False, "epoch": self.epoch, "failed": sorted(failed)}
+        for name, info in zip(handles, infos):
+            self.generations[name] = info["generation"]
+            self.nodes[name] = info["node_id"]
+        self.spec["actor_shards"] = {**target}
+        self.drained -= set(retired)
+        self.epoch += 1
+        epoch = self.epoch
+        self._publish()
+        self._persist()
+        ready_s = round(time.time() - started, 3)
+        self._event("remap", ",".join(added) or "-", epoch=epoch, added=added, retired=retired, ready_s=ready_s)
+        deadline = time.time() + self.config.drain_timeout_s
+        while self.routers_behind(epoch) and time.time() < deadline:
+            await asyncio.sleep(0.1)
+        behind = self.routers_behind(epoch)
+        for name in retired:
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass
+            self.slots.pop(name, None)
+            self._event("retired", name, epoch=epoch)
+        return {"ok": True, "epoch": epoch, "added": added, "retired": retired, "ready_s": ready_s,
+                "switch_s": round(time.time() - started - ready_s, 3), "routers_behind": behind}
+
+    # ---- elasticity ----------------------------------------------------------------------------------------------
+
+    async def _control_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.elastic.control_interval_s)
+            try:
+                await self.control_once()
+            except Exception:  # the loop must outlive any one bad pass
+                log.exception("elastic control pass failed")
+
+    async def control_once(self) -> dict:
+        """One elastic control step: merged router load -> autoscale policy + planner -> live remap. Returns what
+        it decided (also kept for `expertmesh status`)."""
+        cfg = self.elastic or ElasticConfig()
+        snapshot = await self.load(max_age_s=max(3 * cfg.control_interval_s, 10.0))
+        if snapshot is None:
+            return self._log_control({"reason": "no load reported"})
+        layer_ids = list(snapshot["layers"])
+        load = np.asarray(snapshot["counts"]["shard_load"], dtype=np.float64)
+        nodes = [NodeResources(n["NodeID"], n["Resources"].get("CPU", 0.0), int(n["Resources"].get("GPU", 0)))
+                 for n in ray.nodes() if n["Alive"]]
+        devices = cluster_devices(nodes, cfg.slots_per_gpu)
+        running = {n: [tuple(x) for x in sh] for n, sh in self.spec["actor_shards"].items() if n not in self.drained}
+        actor_device = {}
+        for name in running:
+            slot = self.slots.get(name)
+            node = self.nodes.get(name) or (slot.node_id if slot else None)
+            if node not in devices.node_ids or name in self.restoring:
+                return self._log_control({"reason": f"{name} is not placed on a live device yet (failover first)"})
+            local = slot.gpu_slot if (slot is not None and devices.has_gpus and slot.gpu_slot is not None) else 0
+            actor_device[name] = devices.node_ids.index(node) * devices.topology.gpus_per_node + local
+        current = current_placement(running, actor_device, devices, layer_ids, int(snapshot["num_experts"]))
+        outcome, self.elastic_state = control_step(time.monotonic(), load, current, running, layer_ids,
+                                                   self.elastic_state, cfg)
+        entry = {"reason": outcome.reason, "imbalance_before": outcome.imbalance_before,
+                 "imbalance_after": outcome.imbalance_after, "replicas_before": outcome.replicas_before,
+                 "replicas_after": outcome.replicas_after, "window_slots": float(load.sum())}
+        if outcome.request_gpus is not None and outcome.request_gpus != self.requested_gpus:
+            self._request_gpus(outcome.request_gpus)
+            entry["request_gpus"] = outcome.request_gpus
+        if outcome.transition is not None:
+            step = outcome.transition
+            per_node: dict[str, int] = {}
+            for name in running:
+                node = devices.node_ids[actor_device[name] // devices.topology.gpus_per_node]
+                per_node[node] = per_node.get(node, 0) + 1
+            slots = actor_slots(step.start, devices, cfg, per_node)
+            entry["remap"] = await self.apply_placement(step.actors, {n: asdict(s) for n, s in slots.items()})
+        return self._log_control(entry)
+
+    def _request_gpus(self, count: int) -> None:
+        """Ask Ray's autoscaler for a cluster that can hold `count` one-GPU bundles (0 releases the request)."""
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[{"GPU": 1}] * count)
+        self.requested_gpus = count
+        self._event("request_resources", "-", gpus=count)
+
+    def _log_control(self, entry: dict) -> dict:
+        entry = {"t": time.time(), **entry}
+        self.control_log.append(entry)
+        del self.control_log[:-50]
+        return entry
 
     async def kill_replica(self, name: str) -> bool:
         try:
@@ -196,6 +391,7 @@ class Controller:
         self.drained.add(name)
         self.epoch += 1
         self._persist()
+        self._publish()  # routers stop sending it calls at their next step
         self._event("draining", name)
 
         def stop_later() -> None:
@@ -216,6 +412,7 @@ def start_controller(spec: dict, slots: list[ActorSlot], config: ControllerConfi
     earlier deployment on this cluster."""
     if fresh:
         _kv_put({})
+        clear_table()
     try:
         handle = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     except ValueError:

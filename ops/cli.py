@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=9000, help="0 picks a free port (printed on the ready line)")
     srv.add_argument("--address", default="local", help="Ray cluster to join (default: start an embedded one)")
     srv.add_argument("--replicas-per-expert", type=int, default=1)
+    srv.add_argument("--transport", choices=["refs", "grpc", "compiled"], default="refs",
+                     help="how routers reach expert actors (README: Transports)")
     srv.add_argument("--router-replicas", type=int, default=1)
     srv.add_argument("--router-autoscale", type=_autoscale, metavar="MIN:MAX", help="autoscale router replicas")
     srv.add_argument("--capacity-factor", type=float, default=None)
@@ -86,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--call-timeout", type=float, default=30.0, help="an expert call slower than this is retried "
                                                                        "on another replica")
     srv.add_argument("--no-restore", action="store_true", help="do not restore lost expert actors")
-    srv.add_argument("--trace", choices=["none", "console", "otlp"], default="none",
-                     help="OpenTelemetry traces of requests, steps, layer dispatches and expert calls (default off)")
+    srv.add_argument("--trace", choices=["none", "console", "otlp", "file"], default="none",
+                     help="OpenTelemetry traces of requests, steps, layer dispatches and expert calls (default off); "
+                          "file: JSON lines at --trace-file")
+    srv.add_argument("--trace-file", metavar="PATH", help="where --trace file appends spans (one JSON per line)")
     srv.add_argument("--otlp-endpoint", metavar="URL", help="OTLP gRPC collector for --trace otlp "
                                                             "(default: the exporter's, http://localhost:4317)")
 
@@ -118,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch = bench_sub.add_parser("dispatch", help="distributed forward vs transformers in one process")
     dispatch.add_argument("--workload", choices=["prefill", "decode", "both"], default="both")
     dispatch.add_argument("--repeats", type=int, default=5)
+    dispatch.add_argument("--transport", choices=["refs", "grpc", "compiled"], default="refs",
+                          help="how expert calls travel (README: Transports)")
     dispatch.add_argument("--json", action="store_true", help="print only the JSON result")
     dispatch.add_argument("--out", metavar="FILE", help="also write the JSON here")
     serve_bench = bench_sub.add_parser("serve", help="concurrent gRPC streams: tokens/s and inter-token latency")
@@ -186,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench == "dispatch":
             from .bench_dispatch import run_dispatch_bench
 
-            result = run_dispatch_bench(args.workload, repeats=args.repeats, verbose=not args.json)
+            result = run_dispatch_bench(args.workload, repeats=args.repeats, verbose=not args.json,
+                                        transport=args.transport)
             _emit(result, args.out)
             return 0
         if args.command == "bench" and args.bench == "serve":
@@ -264,7 +271,8 @@ def _serve(args: argparse.Namespace) -> int:
         failover=FailoverConfig(no_replica_policy=args.no_replica_policy, call_timeout_s=args.call_timeout,
                                 wait_timeout_s=args.wait_timeout),
         controller=ControllerConfig(restore=not args.no_restore),
-        tracing=TracingConfig(exporter=args.trace, endpoint=args.otlp_endpoint),
+        tracing=TracingConfig(exporter=args.trace, endpoint=args.otlp_endpoint, path=args.trace_file),
+        transport=args.transport,
     )
     asyncio.run(serve_forever(config))
     return 0
@@ -275,7 +283,7 @@ def _status(args: argparse.Namespace) -> int:
 
     from ..protos import admin_pb2, admin_pb2_grpc
     from . import client
-    from .load_report import load_lines
+    from .load_report import control_lines, load_lines
 
     chan = client.channel(args.target, args.tls_ca)
     state = admin_pb2_grpc.AdminStub(chan).GetClusterState(
@@ -285,6 +293,7 @@ def _status(args: argparse.Namespace) -> int:
         # The load snapshots travel as JSON strings; print them as objects.
         out["load"] = json.loads(out.pop("load_json", "null"))
         out.get("router", {})["load"] = json.loads(out.get("router", {}).pop("load_json", "null"))
+        out["control"] = json.loads(out.pop("control_json", "[]"))
         print(json.dumps(out))
         return 0
     r = state.router
@@ -294,6 +303,8 @@ def _status(args: argparse.Namespace) -> int:
           f"caches, {r.steps} steps, largest batch {r.max_batch_seen}, {r.retried_calls} retried calls, "
           f"{r.degraded_slots} degraded slots")
     for line in load_lines(json.loads(state.load_json) if state.load_json else None):
+        print(line)
+    for line in control_lines(json.loads(state.control_json) if state.control_json else [], state.requested_gpus):
         print(line)
     print(f"{'actor':<16}{'node':<14}{'gpu':<6}{'device':<8}{'state':<10}{'gen':>4}  {'breaker':<10}"
           f"{'calls':>8}{'tokens':>10}")

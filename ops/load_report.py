@@ -27,3 +27,27 @@ def load_lines(snap: dict | None, max_experts_shown: int = 16) -> list[str]:
             f"{h['expert_coverage'][i]:>10.2f}  {shown}"
         )
     return lines
+
+
+def control_lines(log: list[dict], requested_gpus: int = 0, shown: int = 5) -> list[str]:
+    """The elastic controller's latest steps: GPU imbalance (worst layer) before and after each decision."""
+    if not log:
+        return ["elastic: off (or no control step yet)"]
+    lines = [f"elastic: last {min(shown, len(log))} of {len(log)} control steps"
+             + (f", asking Ray's autoscaler for {requested_gpus} GPUs" if requested_gpus else "")]
+    for entry in log[-shown:]:
+        before = entry.get("imbalance_before")
+        after = entry.get("imbalance_after")
+        text = f"  {entry['reason']:<22}"
+        if before:
+            text += f" GPU imbalance {max(before):.2f}"
+        if after:
+            text += f" -> {max(after):.2f} (planned)"
+        if entry.get("replicas_after"):
+            text += f", replicas {entry['replicas_before']} -> {entry['replicas_after']}"
+        remap = entry.get("remap")
+        if remap:
+            text += (f", epoch {remap.get('epoch')}: +{len(remap.get('added', []))} "
+                     f"-{len(remap.get('retired', []))} actors" if remap.get("ok") else ", remap FAILED")
+        lines.append(text)
+    return lines

@@ -89,7 +89,7 @@ class ClusterEvent(_message.Message):
     def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., actor: _Optional[str] = ..., detail_json: _Optional[str] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("epoch", "controller_alive", "replicas", "shards", "events", "router", "no_replica_policy", "model", "load_json")
+    __slots__ = ("epoch", "controller_alive", "replicas", "shards", "events", "router", "no_replica_policy", "model", "load_json", "control_json", "requested_gpus")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_ALIVE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,8 @@ class ClusterState(_message.Message):
     NO_REPLICA_POLICY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LOAD_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_JSON_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_GPUS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     controller_alive: bool
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaState]
@@ -108,7 +110,9 @@ class ClusterState(_message.Message):
     no_replica_policy: str
     model: str
     load_json: str
-    def __init__(self, epoch: _Optional[int] = ..., controller_alive: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., router: _Optional[_Union[RouterStats, _Mapping]] = ..., no_replica_policy: _Optional[str] = ..., model: _Optional[str] = ..., load_json: _Optional[str] = ...) -> None: ...
+    control_json: str
+    requested_gpus: int
+    def __init__(self, epoch: _Optional[int] = ..., controller_alive: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., router: _Optional[_Union[RouterStats, _Mapping]] = ..., no_replica_policy: _Optional[str] = ..., model: _Optional[str] = ..., load_json: _Optional[str] = ..., control_json: _Optional[str] = ..., requested_gpus: _Optional[int] = ...) -> None: ...
 
 class ReplicaRequest(_message.Message):
     __slots__ = ("actor",)

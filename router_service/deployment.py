@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -23,6 +23,7 @@ from ray import serve
 
 from ..cluster.controller import CONTROLLER_NAME
 from ..cluster.naming import NAMESPACE, parse_expert_actor_name
+from ..cluster.table_store import read_table
 from ..experts.telemetry import TracingConfig, carrier_from_metadata
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
@@ -52,6 +53,7 @@ class RouterSettings:
     failover: dict = field(default_factory=dict)  # FailoverConfig fields
     tracing: dict = field(default_factory=dict)  # TracingConfig fields (experts/telemetry.py); empty = off
     observability: dict = field(default_factory=dict)  # ObservabilityConfig: load window, metrics switches
+    transport: str = "refs"  # expert transport: "refs" | "grpc" | "compiled" (README: Transports)
 
     def pool_spec(self) -> PoolSpec:
         shards = {name: [tuple(s) for s in shards] for name, shards in self.pool["actor_shards"].items()}
@@ -90,8 +92,12 @@ class RouterDeployment:
         self.settings = RouterSettings(**settings)
         torch.set_num_threads(max(1, self.settings.torch_threads))
         spec = self.settings.pool_spec()
+        published = read_table()
+        if published is not None:
+            # A router replica started (or restarted by Serve) after a remap starts from the live placement.
+            spec = replace(spec, actor_shards=published["actor_shards"])
         self.router = Router(spec, connect_actors(spec), self.settings.capacity_factor,
-                             failover=FailoverConfig(**self.settings.failover),
+                             failover=FailoverConfig(**self.settings.failover), transport=self.settings.transport,
                              observability=ObservabilityConfig.from_dict(self.settings.observability),
                              tracing=TracingConfig(**self.settings.tracing),
                              router_id=serve.get_replica_context().replica_id.unique_id)
@@ -226,7 +232,7 @@ class RouterDeployment:
         return await self._replica_action("drain_replica", request.actor, grpc_context)
 
     async def _replica_action(self, method: str, actor: str, grpc_context) -> admin_pb2.ReplicaReply:
-        if actor not in self.router.spec.actor_shards:
+        if actor not in self.router.table.actors:
             raise _set_status(grpc_context, api.ApiError("NOT_FOUND", f"actor: no expert replica named {actor!r}"))
         try:
             controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
@@ -255,6 +261,8 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
         except Exception:  # an older controller without load reports, or a slow one: show this router's
             merged = None
     state.load_json = json.dumps(merged) if merged is not None else stats.load_json
+    state.control_json = json.dumps(controller_state.get("control", []))
+    state.requested_gpus = int(controller_state.get("requested_gpus", 0))
     drained = set(controller_state.get("drained", []))
     restoring = {n for n, a in controller_state.get("actors", {}).items() if a.get("restoring")}
 
@@ -265,10 +273,13 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
         except Exception:
             return None
 
-    names = list(router.spec.actor_shards)
+    names = list(router.table.actors)
     infos = await asyncio.gather(*(info(n) for n in names))
     for name, got in zip(names, infos):
-        expert, replica = parse_expert_actor_name(name)
+        try:
+            expert, replica = parse_expert_actor_name(name)
+        except ValueError:  # an actor a remap added with a mixed set of shards: no single expert id
+            expert, replica = -1, -1
         replica_state = admin_pb2.ReplicaState(
             # A replica the controller is still restoring is not serving yet, even if its new actor answers.
             actor=name, expert=expert, replica=replica, alive=got is not None and name not in restoring,
@@ -320,7 +331,8 @@ def bootstrap_pool(args: dict) -> dict:
     reader = CheckpointReader(model_dir)
     check_checkpoint(reader)
     spec = PoolSpec(str(model_dir), args.pop("dtype", "float32"),
-                    default_actor_groups(reader.config, int(args.pop("replicas_per_expert", 1))))
+                    default_actor_groups(reader.config, int(args.pop("replicas_per_expert", 1))),
+                    tracing=args.get("tracing") or None)  # the routers' tracing config, for the actors too
     pool = ExpertPool(spec, args.pop("num_cpus_per_actor", None), detached=True, reuse=True)
     start_controller(asdict(spec), pool.slots, ControllerConfig(**args.pop("controller", {})), fresh=False)
     args["pool"] = asdict(spec)

@@ -8,6 +8,7 @@ decoder uses, wiring the plan to a Transport, the breakers and the no-replica po
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,16 @@ class RemoteExperts:
         self.retried_calls = 0
         self.degraded_slots = 0
         self.effective: dict[int, Routing] = {}  # layer -> routing actually served (after degrade)
+        # Observability (router_service/observability.py); None = off, and then no call is made at all.
+        self.observer = None  # .on_layer(layer, served, calls, seconds), .on_retry(actor)
+        self.tracer = None  # OpenTelemetry tracer: a span per layer, its context sent along with every call
+        # Live remap: a newer table (and handles to its new actors) waits here until the next step starts.
+        self._staged: tuple[RoutingTable, dict] | None = None
+        self._staged_lock = threading.Lock()
+        self._last_layer = 1 << 30  # the layer of the previous `run`; a smaller or equal one starts a new step
+        self._run_lock = threading.Lock()  # held while a layer runs, so an idle-time switch never lands inside one
+        self._last_run_at = 0.0
+        self.on_table_applied: Callable[[int], None] | None = None  # called with the epoch after each switch
 
     # ---- health --------------------------------------------------------------------------------------------
 
@@ -160,7 +171,68 @@ class RemoteExperts:
 
     # ---- one layer -----------------------------------------------------------------------------------------
 
+    # ---- live remap --------------------------------------------------------------------------------------------
+
+    def stage_table(self, table: RoutingTable, new_actors: dict) -> None:
+        """Switch to `table` when the next step starts (never within a step, so a step uses one placement).
+        new_actors: handles of actors the current table does not name yet (already loaded and warm)."""
+        with self._staged_lock:
+            self._staged = (table, dict(new_actors))
+
+    def _apply_staged(self) -> None:
+        with self._staged_lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        table, new_actors = staged
+        actors = self.transport.actors  # every transport keeps its name -> handle map here
+        actors.update(new_actors)
+        for name in [n for n in actors if n not in table.actors]:
+            # Retired by the controller: no call of a later step goes to it. Calls of the step that just ended
+            # are done; the controller stops the actor only after every router reported this epoch.
+            del actors[name]
+            self.dead.discard(name)
+            self.breakers.states.pop(name, None)
+        self.table = table
+        if self.on_table_applied is not None:
+            self.on_table_applied(table.epoch)
+
+    def apply_if_idle(self, idle_s: float) -> bool:
+        """Switch to a staged table now when no layer ran for idle_s (an idle router would otherwise hold on to
+        the old table, and the controller wait for it, until its next request)."""
+        if self._staged is None or time.monotonic() - self._last_run_at < idle_s:
+            return False
+        if not self._run_lock.acquire(blocking=False):
+            return False
+        try:
+            if time.monotonic() - self._last_run_at < idle_s:
+                return False
+            self._apply_staged()
+            return True
+        finally:
+            self._run_lock.release()
+
     def run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+        with self._run_lock:
+            try:
+                if layer <= self._last_layer and self._staged is not None:
+                    self._apply_staged()
+                self._last_layer = layer
+                return self._traced_run(layer, hidden, routing)
+            finally:
+                self._last_run_at = time.monotonic()
+
+    def _traced_run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if self.tracer is None:
+            return self._run(layer, hidden, routing, None)
+        from ..experts.telemetry import carrier_of
+
+        with self.tracer.start_as_current_span("expertmesh.dispatch", attributes={"layer": layer}) as span:
+            result = self._run(layer, hidden, routing, carrier_of(span))
+            span.set_attribute("calls", self.calls_per_layer[layer])
+            return result
+
+    def _run(self, layer: int, hidden: torch.Tensor, routing: Routing, trace: dict[str, str] | None) -> torch.Tensor:
         started = time.perf_counter()
         self._revive()
         deadline = self.clock() + self.failover.wait_timeout_s
@@ -172,7 +244,7 @@ class RemoteExperts:
                 raise NoReplicaError(f"layer {layer}: expert calls kept failing over {attempt} attempts")
             served = self._apply_policy(layer, routing, deadline)
             calls = plan_calls(layer, served, self.table, self.live_replicas)
-            outputs = self._execute(layer, hidden, calls, give_up)
+            outputs = self._execute(layer, hidden, calls, give_up, trace)
             if outputs is not None:
                 break
             # A shard lost its last replica mid-step: route again under the policy (the step is redone, so its
@@ -181,7 +253,10 @@ class RemoteExperts:
         self.effective[layer] = served
         self.degraded_slots += served.degraded
         result = combine(hidden, served, calls, outputs)
-        self.round_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.round_seconds += seconds
+        if self.observer is not None:
+            self.observer.on_layer(layer, served, calls, seconds)
         return result
 
     def _apply_policy(self, layer: int, routing: Routing, deadline: float) -> Routing:
@@ -202,11 +277,13 @@ class RemoteExperts:
             self._revive(force=True)
 
     def _execute(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall],
-                 give_up: float = float("inf")) -> list[torch.Tensor] | None:
+                 give_up: float = float("inf"), trace: dict[str, str] | None = None) -> list[torch.Tensor] | None:
         """Run the calls; re-send a failed call's tokens to other replicas of the same shards until all succeed.
         Returns outputs aligned with `calls` (which it extends in place), or None when a shard ran out of replicas."""
         done: dict[int, torch.Tensor] = {}
         pending = list(range(len(calls)))
+        # `trace` only when tracing is on, so a transport without it still works with tracing off.
+        extra = {} if trace is None else {"trace": trace}
         for _ in range(MAX_CALL_ROUNDS):
             if not pending:
                 break
@@ -214,7 +291,7 @@ class RemoteExperts:
             for i in pending:
                 call = calls[i]
                 x = hidden[torch.cat(call.token_idx)].contiguous().numpy()  # [n, H]
-                handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, x))
+                handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, x, **extra))
             remaining = give_up - self.clock()
             if remaining <= 0:
                 raise NoReplicaError(f"layer {layer}: expert calls did not complete within "
@@ -228,6 +305,8 @@ class RemoteExperts:
                     done[i] = result
                     continue
                 self.retried_calls += 1
+                if self.observer is not None:
+                    self.observer.on_retry(call.actor)
                 self.mark_failed(call.actor, result)
                 replacement = self._replan(layer, call)
                 if replacement is None:

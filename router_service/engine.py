@@ -14,14 +14,19 @@ from pathlib import Path
 
 import ray
 
-from ..cluster.controller import start_controller
+from ..cluster.controller import ControllerConfig, start_controller
+from ..cluster.elastic import ElasticConfig
 from ..cluster.naming import NAMESPACE
 from ..experts.checkpoint import CheckpointReader
+from ..experts.telemetry import TracingConfig
 from ..experts.tokenizer import DEFAULT_MODEL_DIR
 from ..experts.weights import check_checkpoint
 from .dispatch import FailoverConfig
-from .expert_pool import ExpertPool, PoolSpec, default_actor_groups
+from .expert_pool import ExpertPool, PoolSpec, cluster_nodes, default_actor_groups
+from .observability import ObservabilityConfig
+from .pool_layout import load_placement, planned_layout
 from .router import Generation, RequestError, Router
+from .transports import TRANSPORTS
 
 __all__ = ["ExpertMesh", "MeshConfig", "Generation", "RequestError"]
 DTYPES = ("float32", "bfloat16", "float16")
@@ -39,8 +44,20 @@ class MeshConfig:
     ray_num_cpus: int | None = None  # only for an embedded Ray
     restore_experts: bool = False  # run the controller, which restores killed expert actors
     failover: FailoverConfig = field(default_factory=FailoverConfig)
+    transport: str = "refs"  # how expert calls travel: "refs" | "grpc" | "compiled" (README: Transports)
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # off by default (README: Metrics and traces)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)  # load window, metrics
+    placement: str | None = None  # a PLACEMENT.json (`expertmesh plan`): start one actor per GPU from it
+    elastic: ElasticConfig | None = None  # rebalance / autoscale replicas from load (runs the controller)
 
     def validate(self) -> MeshConfig:
+        for name in ("tracing", "observability"):
+            try:
+                getattr(self, name).validate()
+            except ValueError as exc:
+                raise RequestError(name, str(exc)) from None
+        if self.transport not in TRANSPORTS:
+            raise RequestError("transport", f"must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.model_dir is not None and not Path(self.model_dir).is_dir():
             raise RequestError("model_dir", f"{self.model_dir} is not a folder")
         if not isinstance(self.replicas_per_expert, int) or self.replicas_per_expert < 1:
@@ -53,6 +70,13 @@ class MeshConfig:
             raise RequestError("capacity_factor", f"must be a positive finite number, got {self.capacity_factor}")
         if self.num_cpus_per_actor is not None and not self.num_cpus_per_actor > 0:
             raise RequestError("num_cpus_per_actor", f"must be > 0, got {self.num_cpus_per_actor}")
+        if self.elastic is not None:
+            try:
+                self.elastic.validate()
+            except ValueError as exc:
+                raise RequestError("elastic", str(exc)) from None
+        if (self.placement is not None or self.elastic is not None) and self.replicas_per_expert != 1:
+            raise RequestError("replicas_per_expert", "a planned placement sets the replicas; leave it at 1")
         return self
 
     @property
@@ -81,16 +105,28 @@ class ExpertMesh:
         reader = CheckpointReader(self.config.resolved_model_dir)
         check_checkpoint(reader)  # fail here, naming file and key, before any actor starts
         self._owns_ray = connect_ray(self.config.address, self.config.ray_num_cpus)
-        spec = PoolSpec(str(self.config.resolved_model_dir), self.config.dtype,
-                        default_actor_groups(reader.config, self.config.replicas_per_expert))
+        tracing = self.config.tracing
+        slots = None
+        if self.config.placement is not None or self.config.elastic is not None:
+            elastic = self.config.elastic or ElasticConfig(num_cpus_per_actor=self.config.num_cpus_per_actor)
+            placement = load_placement(self.config.placement) if self.config.placement else None
+            groups, slots = planned_layout(reader.config, cluster_nodes(), elastic, placement)
+        else:
+            groups = default_actor_groups(reader.config, self.config.replicas_per_expert)
+        spec = PoolSpec(str(self.config.resolved_model_dir), self.config.dtype, groups,
+                        tracing=tracing.as_dict() if tracing.enabled else None)
         self.pool: ExpertPool | None = None
         self.controller = None
         try:
-            self.pool = ExpertPool(spec, self.config.num_cpus_per_actor, self.config.actor_start_timeout_s)
-            self.controller = (start_controller(asdict(spec), self.pool.slots)
-                               if self.config.restore_experts else None)
+            self.pool = ExpertPool(spec, self.config.num_cpus_per_actor, self.config.actor_start_timeout_s,
+                                   slots=slots)
+            controller_config = ControllerConfig(
+                elastic=asdict(self.config.elastic) if self.config.elastic is not None else None)
+            self.controller = (start_controller(asdict(spec), self.pool.slots, controller_config)
+                               if self.config.restore_experts or self.config.elastic is not None else None)
             self.router = Router(spec, self.pool.actors, self.config.capacity_factor, reader=reader,
-                                 failover=self.config.failover)
+                                 failover=self.config.failover, transport=self.config.transport,
+                                 observability=self.config.observability, tracing=tracing)
         except BaseException:
             self.shutdown()
             raise
@@ -129,9 +165,18 @@ class ExpertMesh:
         return self.router.generate(*args, **kwargs)
 
     def shutdown(self) -> None:
+        added: list[str] = []
+        if getattr(self, "router", None) is not None:
+            self.router.close()  # a compiled graph goes before its actors
+            added = [n for n in self.router.table.actors if self.pool is None or n not in self.pool.actors]
         if self.controller is not None:
             ray.kill(self.controller, no_restart=True)
             self.controller = None
+        for name in added:  # replicas a live remap added: the pool did not start them, so it does not stop them
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass
         if self.pool is not None:
             self.pool.shutdown()
         if self._owns_ray and ray.is_initialized():

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from ..cluster.naming import NAMESPACE, expert_actor_name
 from ..cluster.placement import ActorSlot, NodeResources, plan_actor_slots
+from ..cluster.table_store import clear_table
 from ..experts.actor import ExpertActor
 from ..experts.config import MoEModelConfig
 from ..experts.weights import Shard
@@ -53,14 +54,18 @@ def connect_actors(spec: PoolSpec) -> dict[str, ray.actor.ActorHandle]:
 
 class ExpertPool:
     def __init__(self, spec: PoolSpec, num_cpus_per_actor: float | None = None, start_timeout_s: float = 180.0,
-                 detached: bool = False, reuse: bool = False):
+                 detached: bool = False, reuse: bool = False, slots: list[ActorSlot] | None = None):
         """detached: actors outlive this process (Serve-config deployments, where the builder exits).
         reuse: adopt actors that already run under these names instead of refusing to start."""
         self.spec = spec
         self.start_timeout_s = start_timeout_s
         self.detached = detached
         self.reuse = reuse
-        self.slots: list[ActorSlot] = plan_actor_slots(list(spec.actor_shards), cluster_nodes(), num_cpus_per_actor)
+        if not reuse:
+            clear_table()  # a fresh pool: a routing table an earlier deployment published on this cluster is stale
+        # slots: a planned layout's (router_service/pool_layout.py); otherwise spread the actors over the cluster.
+        self.slots: list[ActorSlot] = slots or plan_actor_slots(list(spec.actor_shards), cluster_nodes(),
+                                                                num_cpus_per_actor)
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self._spawn()
 

@@ -15,12 +15,16 @@ from ..cluster.naming import NAMESPACE
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
 from ..experts.modeling import KVCache, MoEDecoder
+from ..experts.telemetry import TracingConfig, build_tracer
 from ..experts.tokenizer import load_tokenizer
 from ..experts.weights import load_dense_weights
 from .dispatch import FailoverConfig, RemoteExperts
 from .errors import RequestError, check_budget, check_token_ids
 from .expert_pool import PoolSpec
-from .transport import NameReviver, RayRefTransport
+from .observability import ObservabilityConfig, RouterObserver, default_router_id
+from .table_sync import TableFollower
+from .transport import NameReviver
+from .transports import close_transport, make_transport
 
 __all__ = ["Router", "Generation", "RequestError"]
 
@@ -41,16 +45,49 @@ class Router:
         capacity_factor: float | None = None,
         reader: CheckpointReader | None = None,
         failover: FailoverConfig | None = None,
+        transport: str = "refs",
+        observability: ObservabilityConfig | None = None,
+        tracing: TracingConfig | None = None,
+        router_id: str | None = None,
     ):
         self.spec = spec
         self.reader = reader or CheckpointReader(spec.model_dir)
         self.model_config = self.reader.config
         self.tokenizer = load_tokenizer(spec.model_dir)
-        self.table = RoutingTable.from_actor_shards(spec.actor_shards)
-        transport = RayRefTransport(dict(actors))
-        self.backend = RemoteExperts(self.table, transport, failover, reviver=NameReviver(transport, NAMESPACE))
+        self.transport = make_transport(transport, dict(actors))
+        self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport, failover,
+                                     reviver=NameReviver(self.transport, NAMESPACE))
         dense = load_dense_weights(self.reader, getattr(torch, spec.dtype), progress="router weights")
         self.model = MoEDecoder(self.model_config, dense, self.backend, capacity_factor)
+        # Load statistics, metrics, traces (router_service/observability.py).
+        self.observer = RouterObserver(self.model_config, self.backend, router_id or default_router_id(),
+                                       observability, build_tracer(tracing, "router"))
+        self.enable_tracing(self.observer.tracer)
+        self.backend.observer = self.observer
+        self.model.step_observer = self.observer.on_step
+        self.observer.start_reporter()
+        # Follow the placement the controller publishes (live remap); switches happen between steps.
+        self.follower = TableFollower(self.backend, self.observer.router_id).start()
+
+    @property
+    def table(self):
+        """The routing table this router uses now (it changes when the controller remaps)."""
+        return self.backend.table
+
+    def enable_tracing(self, tracer) -> None:
+        """Trace with `tracer` (an OpenTelemetry tracer; None turns tracing off)."""
+        self.observer.tracer = tracer
+        self.backend.tracer = tracer
+
+    def load_snapshot(self) -> dict:
+        """This router's load statistics as a plain JSON-able dict (README: Load statistics)."""
+        return self.observer.snapshot()
+
+    def close(self) -> None:
+        """Release the transport (a compiled graph's channels, gRPC channels); the actors stay up."""
+        self.observer.stop()
+        self.follower.stop()
+        close_transport(self.transport)
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -78,9 +115,18 @@ class Router:
 
     def generate(
         self, token_ids: list[int] | None = None, prompt: str | None = None, max_tokens: int = 32,
-        stop_at_eos: bool = True,
+        stop_at_eos: bool = True, trace: dict[str, str] | None = None,
     ) -> Generation:
-        """Greedy decoding with a KV cache: one forward for the prompt, then one per new token."""
+        """Greedy decoding with a KV cache: one forward for the prompt, then one per new token.
+        trace: W3C carrier of the caller's span (with tracing on, the request span becomes its child)."""
+        span = self.observer.start_request(trace, max_tokens=max_tokens)
+        try:
+            return self._generate(token_ids, prompt, max_tokens, stop_at_eos, span)
+        finally:
+            if span is not None:
+                span.end()
+
+    def _generate(self, token_ids, prompt, max_tokens, stop_at_eos, span) -> Generation:
         if (token_ids is None) == (prompt is None):
             raise RequestError("prompt", "give exactly one of prompt or token_ids")
         ids = self.encode(prompt) if prompt is not None else list(token_ids)
@@ -93,7 +139,8 @@ class Router:
         step_input = tokens
         finish = "length"
         for _ in range(max_tokens):
-            logits = self.model.forward([step_input], [cache])[0]  # [S, V]
+            with self.observer.step_span([span], int(step_input.numel())):
+                logits = self.model.forward([step_input], [cache])[0]  # [S, V]
             for layer, routing in self.model.last_trace.routings.items():
                 counts = routing.tokens_per_expert(self.model_config.num_experts)
                 routed[layer] = routed.get(layer, 0) + counts

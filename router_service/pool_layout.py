@@ -1,0 +1,55 @@
+"""Which expert actors to start, and where: the default layout (one actor per logical expert) or a planned one.
+
+A planned layout (a PLACEMENT.json from `expertmesh plan`, or, with elasticity on, a round-robin start) runs one
+actor per GPU hosting that GPU's shards (`expert-g{gpu}-v{version}`, cluster/placement_actors.py). The controller
+then replaces actors GPU by GPU as load moves; each takes `gpu_fraction` of its GPU so the next version can load
+beside it before it drains.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..cluster.elastic import ElasticConfig, actor_slots, cluster_devices
+from ..cluster.placement import ActorSlot, NodeResources
+from ..cluster.placement_actors import actor_plans
+from ..cluster.routing_table import Shard
+from ..cluster.shard_placement import Placement
+from ..experts.config import MoEModelConfig
+from .errors import RequestError
+
+
+def load_placement(path: str | Path) -> Placement:
+    try:
+        return Placement.loads(Path(path).read_text())
+    except OSError as exc:
+        raise RequestError("placement", f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise RequestError("placement", f"{path}: {exc}") from None
+
+
+def planned_layout(cfg: MoEModelConfig, nodes: list[NodeResources], elastic: ElasticConfig,
+                   placement: Placement | None = None) -> tuple[dict[str, list[Shard]], list[ActorSlot]]:
+    """actor name -> shards and their slots for a planned pool. placement None: round-robin over the cluster's
+    devices with elastic.slots_per_gpu slots each. A given placement must match the cluster's devices (nodes x GPUs
+    per node) and the model (MoE layers x experts)."""
+    devices = cluster_devices(nodes, elastic.slots_per_gpu if placement is None
+                              else placement.topology.slots_per_gpu)
+    layers = len(cfg.moe_layers)
+    if placement is None:
+        try:
+            placement = Placement.round_robin(devices.topology, layers, cfg.num_experts)
+        except AssertionError:
+            raise RequestError("slots_per_gpu", f"{elastic.slots_per_gpu} slots on {devices.topology.num_live} "
+                               f"devices cannot hold {cfg.num_experts} experts per layer") from None
+    else:
+        t, have = placement.topology, devices.topology
+        if (t.nodes, t.gpus_per_node) != (have.nodes, have.gpus_per_node):
+            raise RequestError("placement", f"planned for {t.nodes} nodes x {t.gpus_per_node} GPUs, the cluster has "
+                                            f"{have.nodes} x {have.gpus_per_node}")
+        if (placement.layers, placement.experts) != (layers, cfg.num_experts):
+            raise RequestError("placement", f"planned for {placement.layers} MoE layers x {placement.experts} "
+                                            f"experts, the model has {layers} x {cfg.num_experts}")
+    plans = actor_plans(placement, layer_ids=list(cfg.moe_layers))
+    slots = actor_slots(plans, devices, elastic)
+    return {name: list(p.shards) for name, p in plans.items()}, list(slots.values())

@@ -1,0 +1,127 @@
+"""Live remap on the router side (no Ray): a staged routing table takes effect only when the next step starts, the
+switch drops retired actors from the transport, and results stay those of the in-process reference throughout.
+Also the published-table record format (cluster/table_store.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertmesh.cluster.routing_table import RoutingTable
+from expertmesh.cluster.table_store import decode_table, encode_table, table_of
+from expertmesh.experts.gating import route
+from expertmesh.experts.reference import LocalExperts
+from expertmesh.router_service.dispatch import RemoteExperts
+from tests.unit.test_dispatch_plan import HIDDEN, FakeTransport, _weights
+
+LAYERS, EXPERTS = 3, 4
+
+
+class NamedFakeTransport(FakeTransport):
+    """FakeTransport with the name -> handle map every real transport keeps (the switch edits it)."""
+
+    def __init__(self, table: RoutingTable, shards):
+        super().__init__(table, shards)
+        self.actors = {name: object() for name in table.actors}
+
+
+def _tables():
+    old = {f"a{e}": [(layer, e) for layer in range(LAYERS)] for e in range(EXPERTS)}
+    new = dict(old)
+    new["hot0"] = [(layer, 0) for layer in range(LAYERS)]  # a replica of expert 0 on a new actor
+    del new["a1"]
+    new["moved1"] = [(layer, 1) for layer in range(LAYERS)]  # expert 1 moved to another actor
+    union = RoutingTable.from_actor_shards({**old, **new})
+    return RoutingTable.from_actor_shards(old, epoch=0), RoutingTable.from_actor_shards(new, epoch=7), union
+
+
+def _step(backend: RemoteExperts, local: LocalExperts, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One 'forward': every layer in order; returns (remote, local) outputs per layer."""
+    outs = []
+    for layer in range(LAYERS):
+        hidden = torch.randn(12, HIDDEN, generator=gen)
+        routing = route(torch.randn(12, EXPERTS, generator=gen), top_k=2, renormalize=True)
+        outs.append((backend.run(layer, hidden, routing), local.run(layer, hidden, routing)))
+    return outs
+
+
+def test_staged_table_applies_at_the_next_step_only():
+    old, new, union = _tables()
+    shards = _weights(LAYERS, EXPERTS)
+    transport = NamedFakeTransport(union, shards)
+    transport.actors = {name: object() for name in old.actors}
+    backend = RemoteExperts(old, transport)
+    applied: list[int] = []
+    backend.on_table_applied = applied.append
+    local = LocalExperts(shards, "silu")
+    gen = torch.Generator().manual_seed(0)
+
+    _step(backend, local, gen)
+    # Stage in the middle of a step: layers 1.. of this step must still use the old table.
+    hidden = torch.randn(12, HIDDEN, generator=gen)
+    routing = route(torch.randn(12, EXPERTS, generator=gen), top_k=2, renormalize=True)
+    backend.run(0, hidden, routing)
+    backend.stage_table(new, {"hot0": object(), "moved1": object()})
+    transport.submitted.clear()
+    for layer in (1, 2):
+        routing = route(torch.randn(12, EXPERTS, generator=gen), 2, True)
+        backend.run(layer, torch.randn(12, HIDDEN, generator=gen), routing)
+    assert backend.table is old and applied == []
+    assert {a for a, *_ in transport.submitted} <= set(old.actors)
+
+    transport.submitted.clear()
+    for remote, reference in _step(backend, local, gen):
+        torch.testing.assert_close(remote, reference, rtol=0, atol=1e-6)
+    assert backend.table is new and applied == [7]
+    used = {a for a, *_ in transport.submitted}
+    assert "a1" not in used and used <= set(new.actors)
+    assert "moved1" in used  # expert 1 is only there now, and some token routes to it in 3 layers of 12 tokens
+    assert set(transport.actors) == set(new.actors)  # the retired actor left the transport's map
+
+
+def test_replicas_added_by_a_remap_share_the_load():
+    old, new, union = _tables()
+    shards = _weights(LAYERS, EXPERTS)
+    transport = NamedFakeTransport(union, shards)
+    backend = RemoteExperts(old, transport)
+    backend.stage_table(new, {"hot0": object(), "moved1": object()})
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.zeros(64, EXPERTS)
+    logits[:, 0] = 10.0  # every token's first choice is expert 0
+    backend.run(0, torch.randn(64, HIDDEN, generator=gen), route(logits, top_k=2, renormalize=True))
+    counts = {a: sum(c) for a, layer, e, c, _ in transport.submitted if 0 in e}
+    assert counts == {"a0": 32, "hot0": 32}
+
+
+def test_dead_replica_retired_by_a_remap_is_forgotten():
+    old, new, union = _tables()
+    transport = NamedFakeTransport(union, _weights(LAYERS, EXPERTS))
+    backend = RemoteExperts(old, transport)
+    backend.dead.add("a1")
+    backend.stage_table(new, {"hot0": object(), "moved1": object()})
+    backend._apply_staged()
+    assert "a1" not in backend.dead and "a1" not in backend.breakers.states
+
+
+def test_table_record_round_trips():
+    raw = encode_table(5, {"x": [(0, 1), (2, 3)], "y": [(0, 1)]}, {"x": {"name": "x", "node_id": "n"}})
+    record = decode_table(raw)
+    assert record["epoch"] == 5 and record["actor_shards"] == {"x": [(0, 1), (2, 3)], "y": [(0, 1)]}
+    table = table_of(record)
+    assert table.epoch == 5 and table.replicas[(0, 1)] == ("x", "y")
+    with pytest.raises(ValueError, match="routing-table record"):
+        decode_table(b'{"epoch": 1}')
+
+
+def test_an_idle_router_switches_without_waiting_for_a_step():
+    old, new, union = _tables()
+    transport = NamedFakeTransport(union, _weights(LAYERS, EXPERTS))
+    backend = RemoteExperts(old, transport)
+    gen = torch.Generator().manual_seed(2)
+    backend.run(0, torch.randn(4, HIDDEN, generator=gen), route(torch.randn(4, EXPERTS, generator=gen), 2, True))
+    backend.stage_table(new, {"hot0": object(), "moved1": object()})
+    assert not backend.apply_if_idle(idle_s=60.0)  # a layer ran just now: maybe mid-step, so wait
+    assert backend.table is old
+    assert backend.apply_if_idle(idle_s=0.0)
+    assert backend.table is new and not backend.apply_if_idle(idle_s=0.0)  # nothing staged any more
