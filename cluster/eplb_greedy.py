@@ -48,14 +48,19 @@ def replicate_counts(load: np.ndarray, total: int, cap: int) -> np.ndarray:
 
 def replica_items(load: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every replica as an item, heaviest first. load, counts: [layers, experts] -> (expert [layers, P],
-    weight [layers, P]) with P = replicas per layer; equal weights keep the lower expert id first."""
+    weight [layers, P]) with P = the most replicas of any layer; a layer with fewer is padded with expert -1
+    (weight -inf) at the end; equal weights keep the lower expert id first."""
     layers, experts = load.shape
     per_layer = counts.sum(axis=1)
-    assert (per_layer == per_layer[0]).all(), "every layer must have the same number of replicas"
-    expert = np.repeat(np.tile(np.arange(experts), layers), counts.ravel()).reshape(layers, -1)
-    weight = np.take_along_axis(load / counts, expert, axis=1)
+    most = int(per_layer.max())
+    # Pad each layer to `most` items with a dummy column (id `experts`) that sorts last.
+    padded = np.concatenate([counts, (most - per_layer)[:, None]], axis=1)
+    expert = np.repeat(np.tile(np.arange(experts + 1), layers), padded.ravel()).reshape(layers, most)
+    per = np.concatenate([load / counts, np.full((layers, 1), -np.inf)], axis=1)
+    weight = np.take_along_axis(per, expert, axis=1)
     order = np.argsort(-weight, axis=1, kind="stable")
-    return np.take_along_axis(expert, order, axis=1), np.take_along_axis(weight, order, axis=1)
+    expert = np.take_along_axis(expert, order, axis=1)
+    return np.where(expert == experts, -1, expert), np.take_along_axis(weight, order, axis=1)
 
 
 def pack_greedy(expert: np.ndarray, per_replica: np.ndarray, topology: Topology,
@@ -150,13 +155,17 @@ def _make_room(layer: int, e: int, slots: np.ndarray, fill: np.ndarray, hosted: 
     raise AssertionError("unreachable: a movable shard always exists")
 
 
-def greedy_plan(load: np.ndarray, topology: Topology, extra_replicas: int | None = None) -> Placement:
-    """EPLB's global policy. load: [layers, experts]; extra_replicas per layer (None: fill every live slot)."""
+def greedy_plan(load: np.ndarray, topology: Topology, extra_replicas: int | None = None,
+                replicas: np.ndarray | None = None) -> Placement:
+    """EPLB's global policy. load: [layers, experts]; extra_replicas per layer (None: fill every live slot);
+    replicas: [layers, experts] counts to pack instead of water-filling ones."""
     load = np.asarray(load, dtype=np.float64)
     assert load.ndim == 2, "load: expected [layers, experts]"
     layers, experts = load.shape
     load = _check_load(load, layers, experts)
-    total = replica_budget(topology, experts, extra_replicas)
-    counts = replicate_counts(load, total, topology.num_live)
+    if replicas is None:
+        counts = replicate_counts(load, replica_budget(topology, experts, extra_replicas), topology.num_live)
+    else:
+        counts = np.asarray(replicas, dtype=np.int64)
     expert, _ = replica_items(load, counts)
     return Placement(topology, experts, pack_greedy(expert, load / counts, topology))

@@ -43,14 +43,16 @@ COUNT_SLACK = 0.03
 
 def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
          extra_replicas: int | None = None, balance_slack: float = 0.0, partners: int = 8,
-         max_rounds: int | None = None, polish_rounds: int = 32) -> Placement:
+         max_rounds: int | None = None, polish_rounds: int = 32, replicas: np.ndarray | None = None) -> Placement:
     """load: [layers, experts] shard load over a window; topology: nodes, GPUs, slots per GPU per layer, failed GPUs;
     current: the placement now serving (same layers and experts; GPUs matched by index) or None;
     extra_replicas: replicas per layer beyond one per expert (None: fill every live slot);
     balance_slack: with `current`, how far (a fraction) a move-saving plan's peak may exceed the goal of
       min(greedy's peak, our from-scratch peak x (1 + MOVE_SAVING)); 0 keeps every layer ≤ greedy's peak;
     partners: least loaded GPUs the first local search tries per step; max_rounds: its steps (default 4 x GPUs);
-    polish_rounds: steps of the polish against every GPU.
+    polish_rounds: steps of the polish against every GPU;
+    replicas: [layers, experts] replica counts to place (e.g. the autoscaler's decision.replicas) instead of
+      choosing them; each ≥ 1 and ≤ live GPUs, each layer's sum ≤ live GPUs x slots_per_gpu (extra_replicas unused).
 
     Returns a Placement: every shard ≥ 1 replica, at most one per GPU, ≤ slots_per_gpu per GPU per layer, none on
     failed GPUs, each layer's peak GPU load ≤ greedy replicate-then-pack's on the same input (x (1 + balance_slack)
@@ -62,8 +64,11 @@ def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
     load = _check_load(load, layers, experts)
     assert balance_slack >= 0 and partners >= 1
     rounds = 4 * topology.num_gpus if max_rounds is None else max_rounds
-    total = replica_budget(topology, experts, extra_replicas)
-    counts = replicate_counts(load, total, topology.num_live)  # [L, E]
+    if replicas is None:
+        total = replica_budget(topology, experts, extra_replicas)
+        counts = replicate_counts(load, total, topology.num_live)  # [L, E]
+    else:
+        counts = _check_replicas(replicas, layers, experts, topology)
     weight = load / counts  # [L, E] load of one replica
     order, _ = replica_items(load, counts)
     greedy = pack_greedy(order, weight, topology)
@@ -84,8 +89,9 @@ def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
     # the optimum (fewer changes), and the water-filling counts; per layer the one reaching the goal with fewer
     # moves.
     optimum = weight.max(axis=1)  # the least possible max load per replica
-    near = nearby_counts(load, keep.sum(axis=1), total, topology.num_live, good_enough=optimum * (1 + COUNT_SLACK))
     tries = []
+    near = counts if replicas is not None else nearby_counts(load, keep.sum(axis=1), total, topology.num_live,
+                                                             good_enough=optimum * (1 + COUNT_SLACK))
     for c in (near, counts):
         slots = local_search(repair(now, c, load / c, topology), load / c, topology, rounds=rounds,
                              partners=everyone, target=goal)
@@ -373,6 +379,19 @@ def _escape(slots: np.ndarray, weight: np.ndarray, topology: Topology, goal: np.
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------------
+
+
+def _check_replicas(replicas: np.ndarray, layers: int, experts: int, topology: Topology) -> np.ndarray:
+    counts = np.asarray(replicas)
+    if counts.shape != (layers, experts) or not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"replicas: expected integers [layers={layers}, experts={experts}], got "
+                         f"{counts.dtype} {list(counts.shape)}")
+    if (counts < 1).any() or (counts > topology.num_live).any():
+        raise ValueError(f"replicas: each shard needs 1..{topology.num_live} (live GPUs) replicas")
+    room = topology.num_live * topology.slots_per_gpu
+    if (counts.sum(axis=1) > room).any():
+        raise ValueError(f"replicas: a layer has more than {room} replicas (live GPUs x slots_per_gpu)")
+    return counts.astype(np.int64)
 
 
 def _fit_current(current: Placement, topology: Topology) -> np.ndarray:

@@ -119,6 +119,25 @@ def test_random_and_zipf_loads_never_worse_than_greedy(seed):
     assert (peaks(q, drifted) <= peaks(greedy_plan(drifted, t, extra), drifted) * (1 + 1e-9) + 1e-9).all()
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_given_replica_counts_are_placed_exactly(seed):
+    # The autoscaler decides counts per shard (layers may differ in total); the planner places exactly those.
+    rng = np.random.default_rng(100 + seed)
+    load = zipf_load(rng, 4, 12, 1.2)
+    t = Topology(2, 3, 4, frozenset({int(rng.integers(6))}))
+    counts = np.ones((4, 12), dtype=np.int64)
+    for layer in range(4):
+        for e in rng.choice(12, size=int(rng.integers(0, 8)), replace=True):
+            counts[layer, e] = min(5, counts[layer, e] + 1)
+    p = plan(load, t, replicas=counts)
+    assert (p.replica_counts() == counts).all()
+    assert (peaks(p, load) <= peaks(greedy_plan(load, t, replicas=counts), load) * (1 + 1e-9)).all()
+    q = plan(load * rng.uniform(0.8, 1.2, size=load.shape), t, current=p, replicas=counts)
+    assert (q.replica_counts() == counts).all()
+    with pytest.raises(ValueError, match="replicas"):
+        plan(load, t, replicas=np.zeros((4, 12), dtype=np.int64))
+
+
 def test_planner_beats_greedy_somewhere():
     rng = np.random.default_rng(7)
     load = zipf_load(rng, 16, 64, 1.0)
