@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     placement_bench.add_argument("--quick", action="store_true", help="8 layers instead of 58")
     placement_bench.add_argument("--json", action="store_true", help="print only the JSON result")
     placement_bench.add_argument("--out", metavar="FILE", help="also write the JSON here")
+    obs_bench = bench_sub.add_parser("observability", help="cost of load statistics and tracing per layer and step")
+    obs_bench.add_argument("--sequences", type=int, default=32, help="sequences in the decode step")
+    obs_bench.add_argument("--json", action="store_true", help="print only the JSON result")
+    obs_bench.add_argument("--out", metavar="FILE", help="also write the JSON here")
 
     plan_cmd = sub.add_parser("plan", help="plan a shard placement offline from a load file (writes JSON)")
     plan_cmd.add_argument("--load", required=True, metavar="LOAD.json",
@@ -204,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
                                      requests_per_stream=args.requests_per_stream, model_dir=args.model,
                                      verbose=not args.json)
             _emit(result, args.out)
+            return 0
+        if args.command == "bench" and args.bench == "observability":
+            from .bench_observability import run_observability_bench
+
+            _emit(run_observability_bench(sequences=args.sequences), args.out)
             return 0
         if args.command == "bench" and args.bench == "placement":
             from .bench_placement import run_placement_bench
