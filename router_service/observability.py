@@ -135,7 +135,9 @@ class RouterObserver:
     def snapshot(self) -> dict:
         """This router's load snapshot (cluster/load_stats.py, LoadWindow.snapshot) plus `router`."""
         self._refresh_placement()
-        snap = self.window.snapshot(self.placement, epoch=self.backend.table.epoch)
+        serving = self.backend.table.actors  # after a remap, retired actors' GPU slots are not idle GPUs
+        placement = {a: slot for a, slot in self.placement.items() if a in serving}
+        snap = self.window.snapshot(placement, epoch=self.backend.table.epoch)
         snap["router"] = self.router_id
         return snap
 

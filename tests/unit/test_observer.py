@@ -3,8 +3,12 @@ sequence whose cache reuses a freed cache's id does not inherit its history."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import torch
 
+from expertmesh.cluster.routing_table import RoutingTable
 from expertmesh.experts.gating import Routing
 from expertmesh.experts.modeling import KVCache, StepTrace
 from expertmesh.router_service.observability import RouterObserver
@@ -18,6 +22,7 @@ class Cfg:
 
 class Backend:
     transport = None
+    table = RoutingTable.from_actor_shards({"a": [(0, 0), (0, 1)], "b": [(0, 2), (0, 3)]}, epoch=2)
 
 
 def step(observer: RouterObserver, caches: list[KVCache], top1: list[list[int]]) -> None:
@@ -49,3 +54,15 @@ def test_a_new_sequence_starts_without_history():
     del a
     step(obs, [KVCache.empty(1)], [[2]])
     assert obs.window.tracked_sequences == 1  # the dead cache's state was dropped
+
+
+def test_snapshot_names_only_serving_actors_gpu_slots():
+    obs = RouterObserver(Cfg, Backend(), "router-1")
+    obs.placement = {"a": "n/gpu0", "b": "n/gpu1", "retired": "n/gpu2"}  # as learned from actors' info()
+    obs.window.record_dispatch(0, np.array([3, 1, 0, 0]), {"a": 4})
+    snap = obs.snapshot()
+    json.dumps(snap, allow_nan=False)
+    assert snap["router"] == "router-1" and snap["epoch"] == 2
+    assert snap["placement"] == {"a": "n/gpu0", "b": "n/gpu1"}
+    assert snap["health"]["gpu_load"] == {"n/gpu0": 4.0, "n/gpu1": 0.0}  # a retired actor's GPU is not idle
+    assert snap["health"]["gpu_imbalance"] == 2.0
