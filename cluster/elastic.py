@@ -38,7 +38,9 @@ class ElasticConfig:
     min_window_tokens: float = 64.0  # act only on a window with at least this many routed slots per layer
     gpu_fraction: float = 0.5  # of a GPU per actor: room for the next version beside it while it drains
     num_cpus_per_actor: float | None = None  # None: share of the node's CPUs (see actor_slots)
-    autoscale: dict | None = None  # AutoscaleConfig fields (max_gpus, base_gpus, target_load_per_replica, ...)
+    # AutoscaleConfig fields (target_load_per_replica, max_gpus, base_gpus, ...); None: a fixed replica budget.
+    # Without base_gpus: the GPUs the cluster had at the first control step; without max_gpus: base_gpus.
+    autoscale: dict | None = None
 
     def validate(self) -> ElasticConfig:
         if not self.control_interval_s > 0:
@@ -59,9 +61,12 @@ class ElasticConfig:
             self.autoscale_config()
         return self
 
-    def autoscale_config(self) -> AutoscaleConfig:
+    def autoscale_config(self, cluster_gpus: int = 1) -> AutoscaleConfig:
+        """cluster_gpus: the GPUs the cluster had when elasticity started (the default base_gpus)."""
         cfg = dict(self.autoscale or {})
         cfg.setdefault("slots_per_gpu", self.slots_per_gpu)
+        cfg.setdefault("base_gpus", cluster_gpus)
+        cfg.setdefault("max_gpus", max(cfg["base_gpus"], 1))
         try:
             return AutoscaleConfig(**cfg).validate()
         except TypeError as exc:
@@ -153,6 +158,7 @@ class ControlOutcome:
 @dataclass(frozen=True)
 class ElasticState:
     autoscale: AutoscaleState = field(default_factory=initial_state)
+    cluster_gpus: int | None = None  # live devices at the first control step (the autoscaler's base)
 
 
 def control_step(now: float, load: np.ndarray, current: Placement, running: dict[str, list[Shard]],
@@ -170,8 +176,10 @@ def control_step(now: float, load: np.ndarray, current: Placement, running: dict
 
     topology = current.topology
     request = None
+    if state.cluster_gpus is None:
+        state = replace(state, cluster_gpus=topology.num_live)
     if config.autoscale is not None:  # it runs on little load too: cold shards scale in, requests are released
-        auto = config.autoscale_config()
+        auto = config.autoscale_config(state.cluster_gpus)
         ctx = AutoscaleContext(now=now, load=load, replicas=replicas_now, gpus=topology.num_live)
         decision, auto_state = decide(ctx, state.autoscale, auto)
         state = replace(state, autoscale=auto_state)

@@ -94,6 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--trace-file", metavar="PATH", help="where --trace file appends spans (one JSON per line)")
     srv.add_argument("--otlp-endpoint", metavar="URL", help="OTLP gRPC collector for --trace otlp "
                                                             "(default: the exporter's, http://localhost:4317)")
+    srv.add_argument("--placement", metavar="FILE", help="start from a PLACEMENT.json (`expertmesh plan`): one "
+                                                         "expert actor per GPU hosting that GPU's shards")
+    srv.add_argument("--elastic", action="store_true", help="rebalance replicas live from observed load "
+                                                           "(README: Elasticity)")
+    srv.add_argument("--slots-per-gpu", type=int, default=2, help="with --elastic: shards per GPU per MoE layer")
+    srv.add_argument("--control-interval", type=float, default=10.0, help="with --elastic: seconds between "
+                                                                          "control steps")
+    srv.add_argument("--extra-replicas", type=float, default=0.25, help="with --elastic: replicas per layer "
+                                                                        "beyond one per expert, as a fraction")
+    srv.add_argument("--autoscale-target", type=float, metavar="LOAD", help="with --elastic: autoscale replicas "
+                     "so each carries about LOAD routed tokens per load window")
+    srv.add_argument("--max-gpus", type=int, help="with --autoscale-target: GPU budget (asks Ray's autoscaler "
+                                                  "for GPUs beyond what the cluster has)")
 
     status = sub.add_parser("status", help="cluster state: replicas, nodes, GPUs, breakers, load, epoch, events")
     _add_client_args(status)
@@ -260,6 +273,22 @@ def _emit(result: dict, out: str | None) -> None:
             handle.write(text + "\n")
 
 
+def _elastic(args: argparse.Namespace) -> dict | None:
+    """ElasticConfig fields from the serve flags (None without --elastic)."""
+    if not args.elastic:
+        if args.autoscale_target is not None:
+            raise ValueError("autoscale_target: needs --elastic")
+        return None
+    config: dict = {"control_interval_s": args.control_interval, "slots_per_gpu": args.slots_per_gpu,
+                    "extra_replica_fraction": args.extra_replicas}
+    if args.autoscale_target is not None:
+        # base_gpus: what the cluster has when serving starts (ElasticConfig fills it in).
+        config["autoscale"] = {"target_load_per_replica": args.autoscale_target}
+        if args.max_gpus is not None:
+            config["autoscale"]["max_gpus"] = args.max_gpus
+    return config
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -279,9 +308,9 @@ def _serve(args: argparse.Namespace) -> int:
         batcher=BatcherConfig(max_active=args.max_active, max_waiting=args.max_waiting),
         failover=FailoverConfig(no_replica_policy=args.no_replica_policy, call_timeout_s=args.call_timeout,
                                 wait_timeout_s=args.wait_timeout),
-        controller=ControllerConfig(restore=not args.no_restore),
+        controller=ControllerConfig(restore=not args.no_restore, elastic=_elastic(args)),
         tracing=TracingConfig(exporter=args.trace, endpoint=args.otlp_endpoint, path=args.trace_file),
-        transport=args.transport,
+        transport=args.transport, placement=args.placement,
     )
     asyncio.run(serve_forever(config))
     return 0

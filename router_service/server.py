@@ -20,7 +20,9 @@ import ray
 from ray import serve
 
 from ..cluster.controller import CONTROLLER_NAME, ControllerConfig, start_controller
+from ..cluster.elastic import ElasticConfig
 from ..cluster.naming import NAMESPACE
+from ..cluster.table_store import read_table
 from ..experts.checkpoint import CheckpointReader
 from ..experts.telemetry import TracingConfig
 from ..experts.tokenizer import DEFAULT_MODEL_DIR
@@ -29,8 +31,10 @@ from .batching import BatcherConfig
 from .deployment import RouterDeployment, RouterSettings
 from .dispatch import FailoverConfig
 from .engine import connect_ray
-from .expert_pool import ExpertPool, PoolSpec, default_actor_groups
+from .expert_pool import ExpertPool, PoolSpec, cluster_nodes, default_actor_groups
 from .grpc_front import FrontSettings, start_front
+from .pool_layout import load_placement, planned_layout
+from .transports import check_transport
 
 log = logging.getLogger(__name__)
 APP_NAME = "expertmesh"
@@ -53,6 +57,8 @@ class ServeConfig:
     num_cpus_per_actor: float | None = None
     router_threads: int = 1
     tracing: TracingConfig = TracingConfig()  # routers and expert actors (README: Metrics and traces)
+    transport: str = "refs"  # expert transport: "refs" | "grpc" | "compiled" (README: Transports)
+    placement: str | None = None  # PLACEMENT.json from `expertmesh plan`: one actor per GPU from it
 
     def validate(self) -> ServeConfig:
         if self.model_dir is not None and not Path(self.model_dir).is_dir():
@@ -72,6 +78,9 @@ class ServeConfig:
         self.failover.validate()
         self.controller.validate()
         self.tracing.validate()
+        check_transport(self.transport)
+        if (self.placement is not None or self.controller.elastic is not None) and self.replicas_per_expert != 1:
+            raise ValueError("replicas_per_expert: a planned placement sets the replicas; leave it at 1")
         return self
 
     @property
@@ -93,15 +102,21 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
     pool = None
     server = None
     try:
-        spec = PoolSpec(str(config.resolved_model_dir), "float32",
-                        default_actor_groups(reader.config, config.replicas_per_expert),
+        slots = None
+        if config.placement is not None or config.controller.elastic is not None:
+            elastic = config.controller.elastic_config() or ElasticConfig(num_cpus_per_actor=config.num_cpus_per_actor)
+            placement = load_placement(config.placement) if config.placement else None
+            groups, slots = planned_layout(reader.config, cluster_nodes(), elastic, placement)
+        else:
+            groups = default_actor_groups(reader.config, config.replicas_per_expert)
+        spec = PoolSpec(str(config.resolved_model_dir), "float32", groups,
                         tracing=config.tracing.as_dict() if config.tracing.enabled else None)
-        pool = ExpertPool(spec, config.num_cpus_per_actor)
+        pool = ExpertPool(spec, config.num_cpus_per_actor, slots=slots)
         start_controller(RouterSettings.pool_dict(spec), pool.slots, config.controller)
         settings = RouterSettings(
             pool=RouterSettings.pool_dict(spec), model_name=config.resolved_model_name,
             capacity_factor=config.capacity_factor, batcher=vars(config.batcher).copy(),
-            torch_threads=config.router_threads, failover=vars(config.failover).copy(),
+            torch_threads=config.router_threads, failover=vars(config.failover).copy(), transport=config.transport,
             tracing=config.tracing.as_dict() if config.tracing.enabled else {},
         )
         serve.start(proxy_location="Disabled")
@@ -132,6 +147,7 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
             await server.stop(grace=5)
         if ray.is_initialized():
             stop_controller()
+            stop_remapped_actors()
         if ray.is_initialized():
             try:
                 serve.shutdown()
@@ -161,6 +177,19 @@ async def _supervise_controller(spec: dict, slots, config: ControllerConfig, eve
                 log.warning("could not start a controller; will retry", exc_info=True)
         except Exception:
             log.warning("controller did not answer; will retry", exc_info=True)
+
+
+def stop_remapped_actors() -> None:
+    """Stop the expert actors a live remap started (the pool stops the ones it started itself)."""
+    try:
+        record = read_table()
+    except Exception:
+        return
+    for name in (record or {}).get("actor_shards", {}):
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            pass
 
 
 def stop_controller() -> None:
