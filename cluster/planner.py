@@ -39,11 +39,15 @@ MOVE_SAVING = 0.02
 # With `current`, replica counts stay as they are while their max load per replica is within this of the optimum:
 # counts that follow every bit of noise each cost a move.
 COUNT_SLACK = 0.03
+# Above this many layers x experts x GPUs the planner keeps water-filling counts (the count search would cost several
+# plans' time; at that scale the local search already balances within a percent or two).
+SEARCH_COUNTS_UP_TO = 200_000
 
 
 def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
          extra_replicas: int | None = None, balance_slack: float = 0.0, partners: int = 8,
-         max_rounds: int | None = None, polish_rounds: int = 32, replicas: np.ndarray | None = None) -> Placement:
+         max_rounds: int | None = None, polish_rounds: int = 32, replicas: np.ndarray | None = None,
+         search_counts: bool | None = None) -> Placement:
     """load: [layers, experts] shard load over a window; topology: nodes, GPUs, slots per GPU per layer, failed GPUs;
     current: the placement now serving (same layers and experts; GPUs matched by index) or None;
     extra_replicas: replicas per layer beyond one per expert (None: fill every live slot);
@@ -52,7 +56,10 @@ def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
     partners: least loaded GPUs the first local search tries per step; max_rounds: its steps (default 4 x GPUs);
     polish_rounds: steps of the polish against every GPU;
     replicas: [layers, experts] replica counts to place (e.g. the autoscaler's decision.replicas) instead of
-      choosing them; each ≥ 1 and ≤ live GPUs, each layer's sum ≤ live GPUs x slots_per_gpu (extra_replicas unused).
+      choosing them; each ≥ 1 and ≤ live GPUs, each layer's sum ≤ live GPUs x slots_per_gpu (extra_replicas unused);
+    search_counts: also pack other replica counts than water-filling (count_candidates) and keep, per layer, the
+      best; default on for small problems (layers x experts x GPUs ≤ SEARCH_COUNTS_UP_TO), where few slots per GPU
+      make the counts matter and the search is cheap.
 
     Returns a Placement: every shard ≥ 1 replica, at most one per GPU, ≤ slots_per_gpu per GPU per layer, none on
     failed GPUs, each layer's peak GPU load ≤ greedy replicate-then-pack's on the same input (x (1 + balance_slack)
@@ -74,32 +81,56 @@ def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
     greedy = pack_greedy(order, weight, topology)
     greedy_peak = _peak(greedy, weight, topology)
     best = local_search(greedy, weight, topology, rounds=rounds, partners=partners)
+    best_peak = _peak(best, weight, topology)
+    if search_counts is None:
+        search_counts = replicas is None and layers * experts * topology.num_gpus <= SEARCH_COUNTS_UP_TO
+    if search_counts and replicas is None:
+        for c in count_candidates(load, total, topology.num_live):
+            trial = local_search(pack_greedy(replica_items(load, c)[0], load / c, topology), load / c, topology,
+                                 rounds=rounds, partners=partners)
+            peak = _peak(trial, load / c, topology)
+            better = peak < best_peak * (1 - 1e-9)
+            best[better], best_peak[better] = trial[better], peak[better]
+    best_weight = load / np.maximum(_hosts(best, experts).sum(axis=1), 1)
     everyone = topology.num_live
     if current is None:
         # A short polish against every GPU finds swaps with near-peak GPUs that hold lighter shards (hot experts).
-        best = local_search(best, weight, topology, rounds=polish_rounds, partners=everyone)
-        return Placement(topology, experts, spread_over_nodes(best, weight, topology))
+        best = local_search(best, best_weight, topology, rounds=polish_rounds, partners=everyone)
+        if search_counts:
+            best = recount_search(best, load, topology, rounds=polish_rounds)
+            best_weight = load / _hosts(best, experts).sum(axis=1)
+            best = local_search(best, best_weight, topology, rounds=polish_rounds, partners=everyone)
+        return Placement(topology, experts, spread_over_nodes(best, best_weight, topology))
 
     assert (current.layers, current.experts) == (layers, experts), \
         f"current: placement of {current.layers} layers x {current.experts} experts, load is {layers} x {experts}"
     now = _fit_current(current, topology)
-    goal = np.minimum(greedy_peak, _peak(best, weight, topology) * (1 + MOVE_SAVING)) * (1 + balance_slack)
+    goal = np.minimum(greedy_peak, best_peak * (1 + MOVE_SAVING)) * (1 + balance_slack)
     keep = _hosts(now, experts)
-    # Repair with two count choices: the current counts where their max load per replica is within COUNT_SLACK of
-    # the optimum (fewer changes), and the water-filling counts; per layer the one reaching the goal with fewer
-    # moves.
+    # Repair with several count choices, per layer the one reaching the goal with the fewest moves: the
+    # water-filling counts (first: layers nothing brings to the goal go on from this one), the current counts
+    # wherever their max load per replica is within COUNT_SLACK of the optimum (fewer changes), and with the count
+    # search the counts of the best plan found.
     optimum = weight.max(axis=1)  # the least possible max load per replica
-    tries = []
-    near = counts if replicas is not None else nearby_counts(load, keep.sum(axis=1), total, topology.num_live,
-                                                             good_enough=optimum * (1 + COUNT_SLACK))
-    for c in (near, counts):
+    choices = [counts]
+    if replicas is None:
+        choices.append(nearby_counts(load, keep.sum(axis=1), total, topology.num_live,
+                                     good_enough=optimum * (1 + COUNT_SLACK)))
+    if search_counts:
+        choices.append(_hosts(best, experts).sum(axis=1))
+    out, ok, cost = None, None, None
+    for c in choices:
         slots = local_search(repair(now, c, load / c, topology), load / c, topology, rounds=rounds,
                              partners=everyone, target=goal)
-        tries.append((slots, _reached(slots, load / c, topology, goal), (_hosts(slots, experts) & ~keep).sum((1, 2))))
-    (near_out, near_ok, near_cost), (out, ok, cost) = tries
-    use_near = near_ok & (~ok | (near_cost < cost))
-    out = np.where(use_near[:, None, None], near_out, out)
-    sub = np.flatnonzero(~(ok | near_ok))
+        reached, moved = _reached(slots, load / c, topology, goal), (_hosts(slots, experts) & ~keep).sum((1, 2))
+        if out is None:
+            out, ok, cost = slots, reached, moved
+            continue
+        use = reached & (~ok | (moved < cost))
+        out = np.where(use[:, None, None], slots, out)
+        cost = np.where(use, moved, cost)
+        ok |= reached
+    sub = np.flatnonzero(~ok)
     if not len(sub):
         return Placement(topology, experts, out)
     # Layers neither repair brought to the goal: three candidates each (water-filling counts), the one under the
@@ -107,7 +138,7 @@ def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
     w, g, keep = weight[sub], goal[sub], keep[sub]
     sticky = pack_greedy(order[sub], w, topology, prefer=keep, bound=g)
     sticky = local_search(sticky, w, topology, rounds=rounds, partners=everyone, target=g)
-    polished = local_search(best[sub], w, topology, rounds=polish_rounds, partners=everyone)
+    polished = local_search(best[sub], best_weight[sub], topology, rounds=polish_rounds, partners=everyone)
     candidates = [match_gpus(polished, now[sub], topology),
                   _escape(out[sub], w, topology, g, rounds, everyone),
                   _escape(sticky, w, topology, g, rounds, everyone)]
@@ -156,6 +187,80 @@ def nearby_counts(load: np.ndarray, current: np.ndarray, total: int, cap: int,
         c[rows[move], take[move]] += 1
         c[rows[move], give[move]] -= 1
     return c
+
+
+def count_candidates(load: np.ndarray, total: int, cap: int) -> list[np.ndarray]:
+    """Replica counts [L, E] other than water-filling, each summing to `total` per layer: every shard gets
+    ceil(load / T) replicas for a per-GPU target T = f x (layer load / cap live GPUs), f in 1.05 .. 1.5, and the
+    spare replicas go either to the lightest shards (near-zero "fillers", so a heavy replica can share its GPU with
+    almost nothing) or by water-filling. A layer that needs more than `total` replicas for a given T keeps the
+    water-filling counts."""
+    layers, experts = load.shape
+    rows = np.arange(layers)
+    base = replicate_counts(load, total, cap)
+    mean = load.sum(axis=1, keepdims=True) / cap
+    out = []
+    for f in (1.05, 1.1, 1.15, 1.2, 1.35, 1.5):
+        need = np.clip(np.ceil(load / np.maximum(f * mean, 1e-300) - 1e-9), 1, cap).astype(np.int64)
+        fits = need.sum(axis=1) <= total
+        for fillers in (True, False):
+            c = np.where(fits[:, None], need, base)
+            for _ in range(int((total - c.sum(axis=1)).max())):
+                spare = c.sum(axis=1) < total
+                score = np.where(c < cap, -load / (c + 1) if fillers else load / c, -np.inf)
+                c[rows[spare], score.argmax(axis=1)[spare]] += 1
+            out.append(c)
+    return out
+
+
+def recount_search(slots: np.ndarray, load: np.ndarray, topology: Topology, rounds: int) -> np.ndarray:
+    """Change replica counts where that lowers a layer's peak (water-filling counts balance replicas, not GPUs; with
+    few slots per GPU other counts can pack better). Per round and layer: on the most loaded GPU h, replace a
+    replica of a shard a (≥ 2 replicas) by a new replica of a shard b that h lacks, if max(h's new load, the new
+    load of every other GPU hosting a) stays below h's load; GPUs hosting b only get lighter, so the peak never
+    rises. slots: [L, G, S]; load: [L, E]."""
+    slots = np.array(slots, dtype=np.int64)
+    layers, gpus, cap = slots.shape
+    experts = load.shape[1]
+    dead = ~topology.live
+    active = np.ones(layers, dtype=bool)
+    for _ in range(rounds):
+        act = np.flatnonzero(active)
+        if not len(act):
+            break
+        sl = slots[act]
+        n, ar = len(act), np.arange(len(act))
+        idx = np.where(sl < 0, experts, sl)
+        hosted = _hosts(sl, experts, pad=True)  # [n, G, E + 1]
+        counts = hosted.sum(axis=1)[:, :experts]  # [n, E]
+        ld = load[act]
+        weight = ld / np.maximum(counts, 1)
+        loads = np.where(dead, -np.inf, _loads(sl, weight))
+        h = loads.argmax(axis=1)
+        peak = loads[ar, h]
+        a = idx[ar, h]  # [n, S]
+        ca = np.take_along_axis(np.concatenate([counts, np.zeros((n, 1), np.int64)], 1), a, axis=1)
+        la = np.take_along_axis(np.concatenate([ld, np.zeros((n, 1))], 1), a, axis=1)
+        droppable = (a < experts) & (ca >= 2)
+        wa = np.where(droppable, la / np.maximum(ca, 1), 0.0)
+        rise = np.where(droppable, la / np.maximum(ca - 1, 1) - wa, 0.0)  # on each other GPU hosting a
+        others = np.where(dead, -np.inf, loads).copy()
+        others[ar, h] = -np.inf
+        host_a = np.take_along_axis(hosted, np.broadcast_to(a[:, None, :], (n, gpus, cap)), axis=2)  # [n, G, S]
+        a_max = np.where(host_a, others[:, :, None], -np.inf).max(axis=1)  # [n, S]
+        wb_new = ld / (counts + 1)  # [n, E] a new replica of b
+        new_h = (peak[:, None] - wa)[:, :, None] + wb_new[:, None, :]  # [n, S, E]
+        worst = np.maximum(new_h, (a_max + rise)[:, :, None])
+        ok_b = ~hosted[ar, h, :experts] & (counts < topology.num_live)  # [n, E]
+        valid = droppable[:, :, None] & ok_b[:, None, :]
+        worst = np.where(valid, worst, np.inf).reshape(n, -1)
+        pick = worst.argmin(axis=1)
+        better = worst[ar, pick] < peak * (1 - 1e-9)
+        active[act[~better]] = False
+        sel = np.flatnonzero(better)
+        i, b = np.unravel_index(pick[sel], (cap, experts))
+        slots[act[sel], h[sel], i] = b
+    return _compact(slots)
 
 
 def local_search(slots: np.ndarray, weight: np.ndarray, topology: Topology, rounds: int, partners: int = 8,
