@@ -15,10 +15,16 @@ How (vectorised over layers):
      peak, the best such swap per layer per round. It starts from greedy and only accepts such swaps, so its peak is
      never above greedy's, layer by layer. Partners: the 8 least loaded GPUs, then a short polish against all GPUs
      (which finds swaps with near-peak GPUs holding lighter shards, the case of very hot experts);
+  b'. on small problems (search_counts), the same for other replica counts (count_candidates: per-GPU targets,
+     spare replicas as near-zero "fillers" or by water-filling), the best per layer kept, then recount_search
+     replaces a replica on the peak GPU by one of another shard while that lowers the peak. Water-filling balances
+     replicas, not GPUs: with 2 slots per GPU a filler replica of an idle expert can let a hot replica sit alone;
   c. without `current`: the GPUs are permuted within each layer (free for balance) so bins go to nodes heaviest
      first, each to the node where its shards have the fewest replicas already, ties to the least loaded node;
   d. with `current`: repair it (empty failed GPUs, drop surplus replicas from the most loaded GPUs hosting them, add
-     missing ones greedily) and run the local search (all partners) only until the layer's peak reaches the goal.
+     missing ones greedily) to the water-filling counts, to counts kept near the current ones (nearby_counts), and
+     with the count search to the best plan's counts; run the local search (all partners) only until the layer's
+     peak reaches the goal; per layer the repair under the goal with the fewest moves.
      Layers still above it get three candidates and keep the one under the goal with the fewest moves:
      the repair escaped from its local optimum by repacking its k most and k least loaded GPUs (k = 1, 2, 4, ...);
      a "sticky" greedy pack that keeps a replica on a GPU that hosted its shard when it fits under the goal (same
