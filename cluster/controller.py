@@ -161,6 +161,11 @@ class Controller:
             generation = self.generations.get(name, 0) + 1
             handle = self._spawn(name, self.spec["actor_shards"][name], self.slots[name], generation)
             info = await asyncio.wait_for(handle.info.remote(), self.config.restore_timeout_s)  # after warm-up
+            if name not in self.spec["actor_shards"] or name in self.drained:
+                # A remap retired (or an operator drained) it while it was coming back: nobody routes to it.
+                ray.kill(handle, no_restart=True)
+                self._event("restore_dropped", name)
+                return
             self.generations[name] = generation
             self.nodes[name] = info["node_id"]
             self.epoch += 1
