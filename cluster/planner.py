@@ -126,16 +126,20 @@ def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
         choices.append(_hosts(best, experts).sum(axis=1))
     out, ok, cost = None, None, None
     for c in choices:
-        slots = local_search(repair(now, c, load / c, topology), load / c, topology, rounds=rounds,
-                             partners=everyone, target=goal)
-        reached, moved = _reached(slots, load / c, topology, goal), (_hosts(slots, experts) & ~keep).sum((1, 2))
+        # Only the layers where these counts differ from the water-filling ones need another try.
+        todo = np.arange(layers) if out is None else np.flatnonzero((c != counts).any(axis=1))
+        if not len(todo):
+            continue
+        w_c = load[todo] / c[todo]
+        slots = local_search(repair(now[todo], c[todo], w_c, topology), w_c, topology, rounds=rounds,
+                             partners=everyone, target=goal[todo])
+        reached, moved = _reached(slots, w_c, topology, goal[todo]), (_hosts(slots, experts) & ~keep[todo]).sum((1, 2))
         if out is None:
             out, ok, cost = slots, reached, moved
             continue
-        use = reached & (~ok | (moved < cost))
-        out = np.where(use[:, None, None], slots, out)
-        cost = np.where(use, moved, cost)
-        ok |= reached
+        use = reached & (~ok[todo] | (moved < cost[todo]))
+        out[todo[use]], cost[todo[use]] = slots[use], moved[use]
+        ok[todo] |= reached
     sub = np.flatnonzero(~ok)
     if not len(sub):
         return Placement(topology, experts, out)
