@@ -15,7 +15,8 @@ reached by scaling down is never hot at the same load: noise of less than that g
 Budget, per MoE layer (each GPU has slots_per_gpu slots in every layer, as in the planner): replicas in a layer never
 exceed max_gpus x slots_per_gpu. Adds go to the hottest shards first (highest load per replica). Adds that fit in
 the free slots of the `ctx.gpus` live GPUs are placed now; the rest, up to the budget, are pending and make the
-policy ask for GPUs: request_gpus = the GPUs the pool needs for placed + pending replicas when that is more than
+policy ask for GPUs (so do adds that would put two replicas of a shard on one GPU: a shard has at most one replica
+per GPU): request_gpus = the GPUs the pool needs for placed + pending replicas when that is more than
 `base_gpus` (what the cluster has without autoscaling), else 0, so a scale-down that brings the pool back within
 base_gpus releases the request.
 """
@@ -125,6 +126,7 @@ def decide(ctx: AutoscaleContext, state: AutoscaleState, config: AutoscaleConfig
     add = np.zeros_like(counts)
     free = ctx.gpus * config.slots_per_gpu - counts.sum(axis=1)  # [L]
     room = budget - counts.sum(axis=1)
+    placed_now = np.zeros(layers, dtype=np.int64)
     for layer in np.flatnonzero(up.sum(axis=1)):
         # Hottest first: one replica at a time to the shard with the highest load per replica.
         wanted = up[layer].copy()
@@ -135,13 +137,16 @@ def decide(ctx: AutoscaleContext, state: AutoscaleState, config: AutoscaleConfig
             e = int(per.argmax())
             wanted[e] -= 1
             have[e] += 1
-            if placed < free[layer]:
+            # Placeable now: a free slot, and a live GPU without this shard (one replica per GPU at most).
+            if placed_now[layer] < free[layer] and counts[layer, e] + add[layer, e] < ctx.gpus:
                 add[layer, e] += 1
+                placed_now[layer] += 1
             else:
                 pending[layer, e] += 1
             placed += 1
     counts = counts + add
-    needed = int(max(math.ceil(s / config.slots_per_gpu) for s in (counts + pending).sum(axis=1)))
+    wanted = counts + pending
+    needed = int(max(max(math.ceil(s / config.slots_per_gpu) for s in wanted.sum(axis=1)), wanted.max()))
     request = min(needed, config.max_gpus) if needed > config.base_gpus else 0
     decision = AutoscaleDecision(
         replicas=counts,

@@ -57,7 +57,7 @@ def test_load_shift_scales_out_then_in_after_the_cooldown():
     hot = np.array([[500.0, 50.0, 50.0, 50.0]])
     calm = np.array([[50.0, 50.0, 50.0, 50.0]])
     loads = [hot] * 10 + [calm] * 60
-    counts, _ = run(loads, np.ones((1, 4), dtype=np.int64), config)
+    counts, _ = run(loads, np.ones((1, 4), dtype=np.int64), config, gpus=8)
     assert counts[0, 0, 0] == 5  # out at once: ceil(500 / 100)
     assert (counts[10:40, 0, 0] == 5).all()  # calm since t=10: nothing leaves before 30 s of cold
     assert counts[40, 0, 0] == 1  # t=40: cooled down for 30 s -> back to 1 (50 / 1 ≤ 60)
@@ -114,3 +114,12 @@ def test_request_when_no_room_then_release_after_scale_down():
 def test_bad_config_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         cfg(**{field: value}).validate()
+
+
+def test_a_shard_never_gets_more_replicas_than_live_gpus():
+    # 2 GPUs with 4 slots each: room for 8 replicas, but a shard can have only one per GPU.
+    config = cfg(max_gpus=6, base_gpus=2, slots_per_gpu=4)
+    d, _ = decide(AutoscaleContext(0.0, np.array([[500.0, 10.0]]), np.ones((1, 2), dtype=np.int64), gpus=2),
+                  AutoscaleState(), config)
+    assert d.replicas.tolist() == [[2, 1]] and d.pending.tolist() == [[3, 0]]
+    assert d.request_gpus == 5  # five replicas of expert 0 need five GPUs
