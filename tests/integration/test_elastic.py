@@ -102,6 +102,9 @@ def test_skewed_traffic_rebalances_live_within_target(gpu_cluster):
             after = control_log(mesh)[-1]
             assert "remap" not in after, after
             assert max(after["imbalance_before"]) <= 1.15, after
+        print("control log:", [{k: e.get(k) for k in ("reason", "imbalance_before", "imbalance_after",
+                                                      "replicas_before", "replicas_after")}
+                               for e in control_log(mesh)])
         assert not client.errors, client.errors[:3]
         assert len(client.served) >= 8
         assert all(tokens == expected[k] for k, tokens in client.served)
