@@ -67,7 +67,8 @@ def write_bench_checkpoint(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool = True) -> dict:
+def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool = True,
+                       transport: str = "refs") -> dict:
     from transformers import AutoModelForCausalLM
 
     from ..router_service.engine import ExpertMesh, MeshConfig
@@ -78,22 +79,30 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
 
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
-    result: dict = {"benchmark": "dispatch", "model": MODEL, "transport": "refs", "repeats": repeats,
+    result: dict = {"benchmark": "dispatch", "model": MODEL, "transport": transport, "repeats": repeats,
                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
         model_dir = write_bench_checkpoint(Path(tmp) / "model")
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         say("starting expert actors ...")
-        with ExpertMesh(MeshConfig(model_dir=str(model_dir))) as mesh:
+        with ExpertMesh(MeshConfig(model_dir=str(model_dir), transport=transport)) as mesh:
             result["noop_round_ms"] = _noop_round_ms(mesh)
             if workload in ("prefill", "both"):
                 say("prefill ...")
-                result["prefill"] = _bench_prefill(hf, mesh, repeats)
+                result["prefill"] = _with_floor(_bench_prefill(hf, mesh, repeats), result["noop_round_ms"])
             if workload in ("decode", "both"):
                 say("decode ...")
-                result["decode"] = _bench_decode(hf, mesh, repeats)
+                result["decode"] = _with_floor(_bench_decode(hf, mesh, repeats), result["noop_round_ms"])
+            stats = {k: getattr(mesh.router.transport, k, None) for k in ("builds", "compiled_rounds",
+                                                                            "fallback_rounds", "reconnects")}
+            result["transport_stats"] = {k: v for k, v in stats.items() if v is not None}
     return result
+
+
+def _with_floor(summary: dict, noop_round_ms: float) -> dict:
+    summary["overhead_vs_noop_floor"] = round(summary["per_layer_overhead_ms"] / noop_round_ms, 3)
+    return summary
 
 
 def _noop_round_ms(mesh, rounds: int = 20) -> float:
@@ -110,8 +119,14 @@ def _noop_round_ms(mesh, rounds: int = 20) -> float:
     return round(1000 * statistics.median(times), 3)
 
 
-def _summary(tokens: int, hf_times: list[float], mesh_times: list[float], rounds: list[float], delta: float) -> dict:
+def _summary(tokens: int, hf_times: list[float], mesh_times: list[float], rounds: list[float], delta: float,
+             compute: list[float]) -> dict:
     hf_s, mesh_s, round_s = statistics.median(hf_times), statistics.median(mesh_times), statistics.median(rounds)
+    compute_s = statistics.median(compute)
+    layers = MODEL["layers"]
+    # The experts' own work in a round: their CPU time spread over the cores the actors share (the router waits
+    # during a round). What a round takes beyond it is the transport's: serialisation, calls, scheduling, waits.
+    compute_wall_s = compute_s / (os.cpu_count() or 1)
     return {
         "tokens_per_forward": tokens,
         "transformers_tokens_per_s": round(tokens / hf_s, 2),
@@ -121,15 +136,27 @@ def _summary(tokens: int, hf_times: list[float], mesh_times: list[float], rounds
         "expertmesh_forward_s": round(mesh_s, 5),
         "expertmesh_expert_rounds_s": round(round_s, 5),  # wall time in the per-layer expert rounds
         "expertmesh_dense_s": round(mesh_s - round_s, 5),
+        "expert_compute_cpu_s": round(compute_s, 5),  # summed over actors, per forward
+        "per_layer_round_ms": round(1000 * round_s / layers, 3),
+        "per_layer_overhead_ms": round(1000 * max(0.0, round_s - compute_wall_s) / layers, 3),
         "max_abs_logit_diff": delta,
     }
 
 
-def _timed_mesh(mesh, fn):
+def _compute_cpu_s(mesh) -> float:
+    return sum(info.get("compute_cpu_s", 0.0) for info in mesh.actor_info())
+
+
+def _timed_mesh(mesh, fn, compute: list[float] | None = None):
+    """-> (output, wall s, s in expert rounds); appends the actors' compute CPU s of this forward to `compute`."""
+    cpu_before = _compute_cpu_s(mesh) if compute is not None else 0.0
     before = mesh.backend.round_seconds
     started = time.perf_counter()
     out = fn()
-    return out, time.perf_counter() - started, mesh.backend.round_seconds - before
+    elapsed, round_s = time.perf_counter() - started, mesh.backend.round_seconds - before
+    if compute is not None:
+        compute.append(_compute_cpu_s(mesh) - cpu_before)
+    return out, elapsed, round_s
 
 
 def _bench_prefill(hf, mesh, repeats: int) -> dict:
@@ -138,17 +165,17 @@ def _bench_prefill(hf, mesh, repeats: int) -> dict:
     with torch.inference_mode():
         hf(ids)  # warm-up both
     mesh.model.forward(rows)
-    hf_times, mesh_times, rounds, delta = [], [], [], 0.0
+    hf_times, mesh_times, rounds, compute, delta = [], [], [], [], 0.0
     for _ in range(repeats):
         started = time.perf_counter()
         with torch.inference_mode():
             hf_logits = hf(ids).logits
         hf_times.append(time.perf_counter() - started)
-        out, elapsed, round_s = _timed_mesh(mesh, lambda: mesh.model.forward(rows))
+        out, elapsed, round_s = _timed_mesh(mesh, lambda: mesh.model.forward(rows), compute)
         mesh_times.append(elapsed)
         rounds.append(round_s)
         delta = max(delta, float((torch.stack(out) - hf_logits).abs().max()))
-    return _summary(ids.numel(), hf_times, mesh_times, rounds, delta)
+    return _summary(ids.numel(), hf_times, mesh_times, rounds, delta, compute)
 
 
 def _bench_decode(hf, mesh, repeats: int) -> dict:
@@ -163,18 +190,20 @@ def _bench_decode(hf, mesh, repeats: int) -> dict:
     mesh_logits = torch.stack([x[-1] for x in mesh.model.forward(list(ids), caches)])
     delta = float((mesh_logits - hf_logits).abs().max())
     next_ids = hf_logits.argmax(-1)  # [n]; both continue with the same tokens
-    hf_times, mesh_times, rounds = [], [], []
+    hf_times, mesh_times, rounds, compute = [], [], [], []
     for step in range(repeats + 1):  # step 0 warms up
         started = time.perf_counter()
         with torch.inference_mode():
             hf_step = hf(next_ids[:, None], past_key_values=hf_cache, use_cache=True).logits[:, -1]
         hf_elapsed = time.perf_counter() - started
         step_tokens = [t.view(1) for t in next_ids]
-        out, elapsed, round_s = _timed_mesh(mesh, lambda: mesh.model.forward(step_tokens, caches))  # noqa: B023
+        cpu: list[float] = []
+        out, elapsed, round_s = _timed_mesh(mesh, lambda: mesh.model.forward(step_tokens, caches), cpu)  # noqa: B023
         if step:
+            compute.extend(cpu)
             hf_times.append(hf_elapsed)
             mesh_times.append(elapsed)
             rounds.append(round_s)
         delta = max(delta, float((torch.stack([x[-1] for x in out]) - hf_step).abs().max()))
         next_ids = hf_step.argmax(-1)
-    return _summary(n, hf_times, mesh_times, rounds, delta)
+    return _summary(n, hf_times, mesh_times, rounds, delta, compute)
