@@ -16,9 +16,9 @@ Budget, per MoE layer (each GPU has slots_per_gpu slots in every layer, as in th
 exceed max_gpus x slots_per_gpu. Adds go to the hottest shards first (highest load per replica). Adds that fit in
 the free slots of the `ctx.gpus` live GPUs are placed now; the rest, up to the budget, are pending and make the
 policy ask for GPUs (so do adds that would put two replicas of a shard on one GPU: a shard has at most one replica
-per GPU): request_gpus = the GPUs the pool needs for placed + pending replicas when that is more than
-`base_gpus` (what the cluster has without autoscaling), else 0, so a scale-down that brings the pool back within
-base_gpus releases the request.
+per GPU; and replicas that no longer fit after GPUs were lost): request_gpus = the GPUs the pool needs for placed +
+pending replicas when that is more than `base_gpus` (what the cluster has without autoscaling) or than the GPUs alive
+now, else 0, so a scale-down that brings the pool back within base_gpus releases the request.
 """
 
 from __future__ import annotations
@@ -123,6 +123,17 @@ def decide(ctx: AutoscaleContext, state: AutoscaleState, config: AutoscaleConfig
 
     counts = replicas - down
     pending = np.zeros_like(counts)
+    # GPUs lost since the last decision: what no longer fits (more replicas of a shard than live GPUs, more
+    # replicas in a layer than live slots) waits as pending, the coldest replicas first.
+    over = np.maximum(counts - ctx.gpus, 0)
+    counts, pending = counts - over, pending + over
+    excess = counts.sum(axis=1) - ctx.gpus * config.slots_per_gpu
+    for layer in np.flatnonzero(excess > 0):
+        for _ in range(int(excess[layer])):
+            e = int(np.where(counts[layer] > 1, load[layer] / np.maximum(counts[layer] - 1, 1), np.inf).argmin())
+            counts[layer, e] -= 1
+            pending[layer, e] += 1
+    down = down + (replicas - down - counts)
     add = np.zeros_like(counts)
     free = ctx.gpus * config.slots_per_gpu - counts.sum(axis=1)  # [L]
     room = budget - counts.sum(axis=1)
@@ -147,7 +158,8 @@ def decide(ctx: AutoscaleContext, state: AutoscaleState, config: AutoscaleConfig
     counts = counts + add
     wanted = counts + pending
     needed = int(max(max(math.ceil(s / config.slots_per_gpu) for s in wanted.sum(axis=1)), wanted.max()))
-    request = min(needed, config.max_gpus) if needed > config.base_gpus else 0
+    # Held while the pool needs more than the base cluster or than the GPUs alive now (a lost node to replace).
+    request = min(needed, config.max_gpus) if needed > min(config.base_gpus, ctx.gpus) else 0
     decision = AutoscaleDecision(
         replicas=counts,
         add=[(int(a), int(b), int(add[a, b])) for a, b in np.argwhere(add > 0)],

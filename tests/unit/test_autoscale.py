@@ -123,3 +123,15 @@ def test_a_shard_never_gets_more_replicas_than_live_gpus():
                   AutoscaleState(), config)
     assert d.replicas.tolist() == [[2, 1]] and d.pending.tolist() == [[3, 0]]
     assert d.request_gpus == 5  # five replicas of expert 0 need five GPUs
+
+
+def test_lost_gpus_trim_what_no_longer_fits():
+    config = cfg(max_gpus=4, base_gpus=4, slots_per_gpu=2, target_load_per_replica=100.0)
+    replicas = np.array([[4, 2, 1, 1]])  # 8 replicas on 4 GPUs x 2 slots
+    load = np.array([[400.0, 200.0, 100.0, 100.0]])
+    d, _ = decide(AutoscaleContext(0.0, load, replicas, gpus=3), AutoscaleState(), config)
+    # 3 GPUs: expert 0 at most 3 replicas, the layer at most 6; what is cut waits and asks for the GPU back.
+    assert d.replicas.max() <= 3 and d.replicas.sum() <= 6 and (d.replicas >= 1).all()
+    assert (d.replicas + d.pending).tolist() == [[4, 2, 1, 1]]
+    assert d.request_gpus == 4
+    assert sum(n for *_, n in d.remove) == 2
