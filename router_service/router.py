@@ -111,7 +111,9 @@ class Router:
 
     def score_batch(self, batch: list[list[int]]) -> list[torch.Tensor]:
         """Several sequences in one forward: every expert call of a layer serves all of them."""
-        return self.model.forward([self.check_token_ids(ids) for ids in batch])
+        tokens = [self.check_token_ids(ids) for ids in batch]
+        with self.observer.step_span([None] * len(tokens), sum(int(t.numel()) for t in tokens)):
+            return self.model.forward(tokens)
 
     def generate(
         self, token_ids: list[int] | None = None, prompt: str | None = None, max_tokens: int = 32,
