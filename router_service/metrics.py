@@ -14,6 +14,7 @@ the deltas to Ray at most every `flush_interval_s` (one inc per non-zero series)
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,6 +125,9 @@ class RouterMetrics:
         self.clock = clock
         self.m = {name: _make(spec) for name, spec in METRIC_SPECS.items() if name != "expertmesh_expert_seconds"}
         self._last_flush = clock()
+        # The forward thread records; the forward thread (when due) and the reporter thread (so an idle router's
+        # last counts still reach Ray) flush. The lock only guards swapping the accumulators.
+        self._lock = threading.Lock()
         self._reset()
 
     def _reset(self) -> None:
@@ -141,17 +145,19 @@ class RouterMetrics:
                      rerouted: int = 0, degraded: int = 0) -> None:
         """One layer's round: expert_slots [E]; calls: the ActorCalls that served (actor, experts, counts)."""
         r = self.row[layer]
-        self._shard_tokens[r] += expert_slots
-        for call in calls:
-            self._shard_calls[r, call.experts] += 1
-            self._replica_calls[call.actor] = self._replica_calls.get(call.actor, 0.0) + 1
-            self._replica_tokens[call.actor] = self._replica_tokens.get(call.actor, 0.0) + sum(call.counts)
-        self._rerouted[r] += rerouted
-        self._degraded[r] += degraded
-        self._dispatch.append((layer, seconds))
+        with self._lock:
+            self._shard_tokens[r] += expert_slots
+            for call in calls:
+                self._shard_calls[r, call.experts] += 1
+                self._replica_calls[call.actor] = self._replica_calls.get(call.actor, 0.0) + 1
+                self._replica_tokens[call.actor] = self._replica_tokens.get(call.actor, 0.0) + sum(call.counts)
+            self._rerouted[r] += rerouted
+            self._degraded[r] += degraded
+            self._dispatch.append((layer, seconds))
 
     def record_retry(self, actor: str) -> None:
-        self._retried[actor] = self._retried.get(actor, 0.0) + 1
+        with self._lock:
+            self._retried[actor] = self._retried.get(actor, 0.0) + 1
 
     def due(self) -> bool:
         return self.clock() - self._last_flush >= self.config.flush_interval_s
@@ -159,10 +165,14 @@ class RouterMetrics:
     def flush(self, gauges: dict | None = None) -> None:
         """Send the accumulated deltas and set gauges. gauges: name (without tags) -> value, or -> {tags: value}
         given as {(("layer", "0"),): 1.0}."""
-        self._last_flush = self.clock()
+        with self._lock:
+            self._last_flush = self.clock()
+            shard_tokens, shard_calls = self._shard_tokens, self._shard_calls
+            replica_tokens, replica_calls, retried = self._replica_tokens, self._replica_calls, self._retried
+            rerouted, degraded, dispatch = self._rerouted, self._degraded, self._dispatch
+            self._reset()
         m = self.m
-        for name, acc in (("expertmesh_shard_tokens", self._shard_tokens),
-                          ("expertmesh_shard_calls", self._shard_calls)):
+        for name, acc in (("expertmesh_shard_tokens", shard_tokens), ("expertmesh_shard_calls", shard_calls)):
             if self.per_shard:
                 for r, e in zip(*np.nonzero(acc)):
                     m[name].inc(float(acc[r, e]), tags={"layer": str(self.layers[r]), "expert": str(e)})
@@ -170,19 +180,16 @@ class RouterMetrics:
                 for r, total in enumerate(acc.sum(axis=1)):
                     if total:
                         m[name].inc(float(total), tags={"layer": str(self.layers[r]), "expert": "all"})
-        for name, acc in (("expertmesh_replica_tokens", self._replica_tokens),
-                          ("expertmesh_replica_calls", self._replica_calls),
-                          ("expertmesh_retried_calls", self._retried)):
+        for name, acc in (("expertmesh_replica_tokens", replica_tokens), ("expertmesh_replica_calls", replica_calls),
+                          ("expertmesh_retried_calls", retried)):
             for actor, value in acc.items():
                 if value:
                     m[name].inc(value, tags={"replica": actor})
-        for name, acc in (("expertmesh_rerouted_tokens", self._rerouted),
-                          ("expertmesh_degraded_tokens", self._degraded)):
+        for name, acc in (("expertmesh_rerouted_tokens", rerouted), ("expertmesh_degraded_tokens", degraded)):
             for r in np.nonzero(acc)[0]:
                 m[name].inc(float(acc[r]), tags={"layer": str(self.layers[r])})
-        for layer, seconds in self._dispatch:
+        for layer, seconds in dispatch:
             m["expertmesh_dispatch_seconds"].observe(seconds, tags={"layer": str(layer)})
-        self._reset()
         for name, value in (gauges or {}).items():
             self.set_gauge(name, value)
 

@@ -186,6 +186,7 @@ class RouterObserver:
     def report_once(self) -> dict:
         snap = self.snapshot()
         if self.metrics is not None:
+            self.metrics.flush()  # counters an idle router still holds (the forward thread flushes while busy)
             gauges = RouterMetrics.health_gauges(snap)
             if self.batcher_gauges is not None:
                 gauges.update(self.batcher_gauges())
