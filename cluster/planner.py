@@ -47,7 +47,7 @@ MOVE_SAVING = 0.02
 COUNT_SLACK = 0.03
 # Above this many layers x experts x GPUs the planner keeps water-filling counts (the count search would cost several
 # plans' time; at that scale the local search already balances within a percent or two).
-SEARCH_COUNTS_UP_TO = 200_000
+SEARCH_COUNTS_UP_TO = 20_000
 
 
 def plan(load: np.ndarray, topology: Topology, current: Placement | None = None,
@@ -352,8 +352,29 @@ def local_search(slots: np.ndarray, weight: np.ndarray, topology: Topology, roun
 
 
 def spread_over_nodes(slots: np.ndarray, weight: np.ndarray, topology: Topology) -> np.ndarray:
+    """Per layer the better of two greedy bin-to-node assignments (_assign_nodes with and without the even-spread
+    tie-break): more shards reaching min(replicas, nodes) nodes, then the lower node peak."""
+    if topology.nodes == 1:
+        return slots
+    a, b = (_assign_nodes(slots, weight, topology, even) for even in (True, False))
+    experts, nodes, per = weight.shape[1], topology.nodes, topology.gpus_per_node
+
+    def quality(out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        hosts = _hosts(out, experts)  # [L, G, E]
+        reach = hosts.reshape(len(out), nodes, per, experts).any(axis=2).sum(axis=1)
+        spread = (reach >= np.minimum(hosts.sum(axis=1), nodes)).sum(axis=1)
+        node_peak = _loads(out, weight).reshape(len(out), nodes, per).sum(axis=2).max(axis=1)
+        return spread, node_peak
+
+    (sa, pa), (sb, pb) = quality(a), quality(b)
+    use_b = (sb > sa) | ((sb == sa) & (pb < pa))
+    return np.where(use_b[:, None, None], b, a)
+
+
+def _assign_nodes(slots: np.ndarray, weight: np.ndarray, topology: Topology, even: bool) -> np.ndarray:
     """Permute each layer's GPU bins (balance unchanged): bins heaviest first, each to the node with a free live
-    GPU where its shards have the fewest replicas so far, ties to the least loaded node."""
+    GPU where the fewest of its shards would land on a node they already occupy while they still lack nodes (a shard
+    with r replicas should reach min(r, nodes) nodes), ties to the least loaded node."""
     layers, gpus, cap = slots.shape
     experts = weight.shape[1]
     nodes, per = topology.nodes, topology.gpus_per_node
@@ -374,20 +395,30 @@ def spread_over_nodes(slots: np.ndarray, weight: np.ndarray, topology: Topology)
     used = np.zeros((layers, nodes), dtype=np.int64)
     count = np.zeros((layers, nodes, experts + 1), dtype=np.int64)
     node_load = np.zeros((layers, nodes))
-    scale = np.maximum(loads.sum(axis=1, keepdims=True), 1e-30) * 2  # node load / scale < 1: conflicts dominate
+    scale = np.maximum(loads.sum(axis=1, keepdims=True), 1e-30) * 2  # node load / scale < 1: spreading dominates
     rows = np.arange(layers)
+    # A shard with r replicas should reach min(r, nodes) nodes; a bin costs one for each of its shards that it would
+    # put on a node already hosting it while the shard has not reached that many nodes yet.
+    need = np.minimum(_hosts(slots, experts, pad=True).sum(axis=1), nodes)  # [L, E + 1]
+    need[:, experts] = 0
+    covered = np.zeros((layers, experts + 1), dtype=np.int64)
     out = np.full_like(slots, -1)
     for step in range(len(live_ids)):
         b = order[:, step]
         shards = idx[rows, b]  # [L, S]
-        clash = count[rows[:, None], :, shards]  # [L, S, nodes]
-        clash = np.where((shards < experts)[..., None], clash, 0).sum(axis=1)
-        score = np.where(used < room, clash + node_load / scale, np.inf)
+        here = np.where((shards < experts)[..., None], count[rows[:, None], :, shards], 0)  # [L, S, nodes]
+        short = np.take_along_axis(covered < need, shards, axis=1)  # [L, S]
+        lost = ((here > 0) & short[..., None]).sum(axis=1)  # [L, nodes] spread lost
+        # Lexicographic: spread lost, then (even) replicas already there (even spread of hot shards), then node load.
+        score = lost * (cap * gpus + 1) + (here.sum(axis=1) if even else 0) + node_load / scale
+        score = np.where(used < room, score, np.inf)
         n = score.argmin(axis=1)
         target = node_gpus[n, used[rows, n]]
         out[rows, target] = slots[rows, b]
         used[rows, n] += 1
         node_load[rows, n] += loads[rows, b]
+        new_node = count[rows[:, None], n[:, None], shards] == 0  # [L, S]
+        np.add.at(covered, (np.broadcast_to(rows[:, None], shards.shape), shards), new_node.astype(np.int64))
         count[rows[:, None], n[:, None], shards] += 1
     return out
 

@@ -56,8 +56,22 @@ def _timed(fn, repeats: int) -> tuple[object, dict]:
 
 def _balance(p: Placement, load: np.ndarray) -> dict:
     imb = p.imbalance(load)
-    return {"max_over_mean_worst_layer": round(float(imb.max()), 4),
-            "max_over_mean_mean_layer": round(float(imb.mean()), 4)}
+    out = {"max_over_mean_worst_layer": round(float(imb.max()), 4),
+           "max_over_mean_mean_layer": round(float(imb.mean()), 4)}
+    t = p.topology
+    if t.nodes > 1:
+        # Hierarchy: node load balance, and shards whose replicas span as many nodes as they could.
+        nodes = p.node_load(load)
+        out["node_max_over_mean_worst_layer"] = round(float((nodes.max(axis=1) / np.maximum(
+            nodes.mean(axis=1), 1e-300)).max()), 4)
+        hosts = p.hosts()  # [L, G, E]
+        on_node = hosts.reshape(p.layers, t.nodes, t.gpus_per_node, p.experts).any(axis=2).sum(axis=1)  # [L, E]
+        counts = hosts.sum(axis=1)
+        multi = counts >= 2
+        spread = on_node >= np.minimum(counts, t.nodes)
+        out["replicated_shards_fully_spread_over_nodes"] = round(float(spread[multi].mean()) if multi.any() else 1.0,
+                                                                  4)
+    return out
 
 
 def bench_trace(name: str, load: np.ndarray, topology: Topology, rng: np.random.Generator, repeats: int,

@@ -89,6 +89,23 @@ def test_replicas_of_a_shard_spread_over_nodes():
     assert sorted(hosts // 2) == [0, 1]  # expert 1's two replicas: one per node
 
 
+def test_hierarchy_spreads_replicas_over_nodes_and_balances_nodes():
+    rng = np.random.default_rng(9)
+    load = zipf_load(rng, 8, 64, 1.1)
+    t = Topology(nodes=4, gpus_per_node=4, slots_per_gpu=5)
+    p, g = plan(load, t), greedy_plan(load, t)
+
+    def spread(pl):
+        hosts = pl.hosts()
+        on_node = hosts.reshape(8, 4, 4, 64).any(axis=2).sum(axis=1)
+        counts = hosts.sum(axis=1)
+        return (on_node >= np.minimum(counts, 4))[counts >= 2].mean()
+
+    assert spread(p) >= 0.95 > spread(g)
+    node = p.node_load(load)
+    assert (node.max(axis=1) / node.mean(axis=1)).max() <= 1.01
+
+
 def _random_case(rng):
     nodes, per = int(rng.integers(1, 4)), int(rng.integers(1, 5))
     gpus = nodes * per
