@@ -356,19 +356,24 @@ def spread_over_nodes(slots: np.ndarray, weight: np.ndarray, topology: Topology)
     tie-break): more shards reaching min(replicas, nodes) nodes, then the lower node peak."""
     if topology.nodes == 1:
         return slots
-    a, b = (_assign_nodes(slots, weight, topology, even) for even in (True, False))
     experts, nodes, per = weight.shape[1], topology.nodes, topology.gpus_per_node
 
-    def quality(out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def quality(out: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         hosts = _hosts(out, experts)  # [L, G, E]
         reach = hosts.reshape(len(out), nodes, per, experts).any(axis=2).sum(axis=1)
-        spread = (reach >= np.minimum(hosts.sum(axis=1), nodes)).sum(axis=1)
+        short = (reach < np.minimum(hosts.sum(axis=1), nodes)).sum(axis=1)  # shards short of nodes
         node_peak = _loads(out, weight).reshape(len(out), nodes, per).sum(axis=2).max(axis=1)
-        return spread, node_peak
+        return short, node_peak
 
-    (sa, pa), (sb, pb) = quality(a), quality(b)
-    use_b = (sb > sa) | ((sb == sa) & (pb < pa))
-    return np.where(use_b[:, None, None], b, a)
+    a = _assign_nodes(slots, weight, topology, even=True)
+    sa, pa = quality(a, weight)
+    redo = np.flatnonzero(sa > 0)  # only layers where some shard is short of nodes try the other order
+    if len(redo):
+        b = _assign_nodes(slots[redo], weight[redo], topology, even=False)
+        sb, pb = quality(b, weight[redo])
+        use = (sb < sa[redo]) | ((sb == sa[redo]) & (pb < pa[redo]))
+        a[redo[use]] = b[use]
+    return a
 
 
 def _assign_nodes(slots: np.ndarray, weight: np.ndarray, topology: Topology, even: bool) -> np.ndarray:
@@ -418,7 +423,8 @@ def _assign_nodes(slots: np.ndarray, weight: np.ndarray, topology: Topology, eve
         used[rows, n] += 1
         node_load[rows, n] += loads[rows, b]
         new_node = count[rows[:, None], n[:, None], shards] == 0  # [L, S]
-        np.add.at(covered, (np.broadcast_to(rows[:, None], shards.shape), shards), new_node.astype(np.int64))
+        # A bin holds each shard once; only the empty column `experts` repeats, and nothing reads it.
+        covered[rows[:, None], shards] += new_node
         count[rows[:, None], n[:, None], shards] += 1
     return out
 
