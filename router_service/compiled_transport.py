@@ -159,9 +159,9 @@ class CompiledGraphTransport:
 
         dag = None
         try:
-            # Only build on actors that answer: a dead one would make compile fail or hang.
-            ray.get([h.ready.remote() for h in handles.values()], timeout=WARMUP_TIMEOUT_S)
-            names = sorted(handles)
+            names = _live(handles)
+            if not names:
+                raise RuntimeError("no expert actor is alive")
             with InputNode() as step:
                 outputs = MultiOutputNode([handles[name].forward_step.bind(step) for name in names])
             dag = outputs.experimental_compile(_buffer_size_bytes=self.buffer_size_bytes)
@@ -222,6 +222,21 @@ class CompiledGraphTransport:
         for thread in self._teardowns:
             thread.join()
         self._teardowns.clear()
+
+
+def _live(handles: dict[str, ray.actor.ActorHandle]) -> list[str]:
+    """Names of the actors that answer `ready`, sorted. A dead one (drained, or lost and not restored) is left out
+    of the graph, which would otherwise fail to compile or hang; calls to it go through plain Ray calls and fail
+    there as dispatch expects. An actor that is merely slow raises GetTimeoutError (no build this time)."""
+    refs = {name: handle.ready.remote() for name, handle in handles.items()}
+    live = []
+    for name in sorted(refs):
+        try:
+            ray.get(refs[name], timeout=WARMUP_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            continue
+        live.append(name)
+    return live
 
 
 def _teardown(dag: Any) -> None:
