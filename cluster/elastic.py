@@ -23,7 +23,7 @@ import numpy as np
 
 from .autoscale import AutoscaleConfig, AutoscaleContext, AutoscaleState, decide, initial_state
 from .placement import ActorSlot, NodeResources
-from .placement_actors import ActorPlan, Transition, transition
+from .placement_actors import ActorPlan, Transition, topology_for_nodes, transition
 from .planner import plan
 from .routing_table import Shard
 from .shard_placement import Placement, Topology
@@ -86,12 +86,10 @@ class Devices:
 def cluster_devices(nodes: list[NodeResources], slots_per_gpu: int) -> Devices:
     """GPU nodes (sorted by id; GPUs per node = the most any has, missing ones marked failed) or, with no GPU
     anywhere, every node as one device."""
-    gpu_nodes = sorted((n for n in nodes if n.num_gpus > 0), key=lambda n: n.node_id)
-    if gpu_nodes:
-        per = max(n.num_gpus for n in gpu_nodes)
-        missing = {i * per + g for i, n in enumerate(gpu_nodes) for g in range(n.num_gpus, per)}
-        topology = Topology(len(gpu_nodes), per, slots_per_gpu, frozenset(missing))
-        return Devices(topology, [n.node_id for n in gpu_nodes], True, {n.node_id: n.num_cpus for n in gpu_nodes})
+    if any(n.num_gpus > 0 for n in nodes):
+        topology, node_ids = topology_for_nodes(nodes, slots_per_gpu)
+        cpus = {n.node_id: n.num_cpus for n in nodes}
+        return Devices(topology, node_ids, True, {node: cpus[node] for node in node_ids})
     cpu_nodes = sorted(nodes, key=lambda n: n.node_id)
     assert cpu_nodes, "no nodes"
     return Devices(Topology(len(cpu_nodes), 1, slots_per_gpu), [n.node_id for n in cpu_nodes], False,
@@ -196,10 +194,11 @@ def control_step(now: float, load: np.ndarray, current: Placement, running: dict
         return ControlOutcome("balanced", request_gpus=request, **base), state
 
     if target_replicas is not None:
-        # The policy sets how many replicas; the planner decides which shards get them and where.
-        extra = int(max(np.asarray(target_replicas).sum(axis=1).max() - current.experts, 0))
-    free = topology.num_live * topology.slots_per_gpu - current.experts
-    new = plan(load, topology, current, extra_replicas=min(extra, free))
+        # The policy sets how many replicas each shard gets; the planner decides where, moving few shards.
+        new = plan(load, topology, current, replicas=np.asarray(target_replicas))
+    else:
+        free = topology.num_live * topology.slots_per_gpu - current.experts
+        new = plan(load, topology, current, extra_replicas=min(extra, free))
     if new == current:
         return ControlOutcome("no better placement", request_gpus=request, **base), state
     step = transition(running, new, layer_ids)

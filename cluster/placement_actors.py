@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .naming import gpu_actor_name, parse_gpu_actor_name
-from .placement import ActorSlot, NodeResources
+from .placement import NodeResources
 from .routing_table import RoutingTable, Shard
 from .shard_placement import Placement, Topology
 
@@ -107,14 +107,6 @@ def topology_for_nodes(nodes: list[NodeResources], slots_per_gpu: int) -> tuple[
     per = max(n.num_gpus for n in gpu_nodes)
     missing = frozenset(i * per + g for i, n in enumerate(gpu_nodes) for g in range(n.num_gpus, per))
     return Topology(len(gpu_nodes), per, slots_per_gpu, missing), [n.node_id for n in gpu_nodes]
-
-
-def actor_slots(plans: dict[str, ActorPlan], node_ids: list[str], num_cpus_per_actor: float,
-                gpus_per_node: int) -> list[ActorSlot]:
-    """What each planned actor asks Ray for: its node (NodeAffinity) and one whole GPU (one actor per GPU, so Ray's
-    packing gives each a GPU of its own), gpu_slot = the GPU's index within its node."""
-    return [ActorSlot(name=p.name, node_id=node_ids[p.node], num_cpus=num_cpus_per_actor, num_gpus=1.0,
-                      gpu_slot=p.gpu % gpus_per_node) for p in plans.values()]
 
 
 def _layer_ids(placement: Placement, layer_ids: list[int] | None) -> list[int]:

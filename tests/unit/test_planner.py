@@ -12,7 +12,6 @@ from expertmesh.cluster.placement import NodeResources
 from expertmesh.cluster.placement_actors import (
     actor_plans,
     actor_shards,
-    actor_slots,
     routing_table,
     topology_for_nodes,
     transition,
@@ -300,15 +299,16 @@ def test_gpu_actor_names_parse():
         parse_expert_actor_name("expert-g5-r2")
 
 
-def test_topology_for_ray_nodes_and_actor_slots():
+def test_topology_for_ray_nodes_and_planned_actors():
     nodes = [NodeResources("b", 8, 2), NodeResources("head", 4, 0), NodeResources("a", 8, 4)]
     t, ids = topology_for_nodes(nodes, slots_per_gpu=3)
     assert ids == ["a", "b"] and (t.nodes, t.gpus_per_node) == (2, 4)
     assert t.failed_gpus == {6, 7}  # node b has only GPUs 0 and 1
     load = np.arange(1.0, 13.0).reshape(1, 12)
     p = plan(load, t)
-    slots = actor_slots(actor_plans(p), ids, num_cpus_per_actor=1.0, gpus_per_node=t.gpus_per_node)
-    assert len(slots) == 6 and all(s.num_gpus == 1.0 for s in slots)
-    assert {(s.node_id, s.gpu_slot) for s in slots} == {("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0), ("b", 1)}
+    plans = actor_plans(p).values()  # ActorSlots for them: cluster/elastic.actor_slots (tests/unit/test_elastic.py)
+    assert len(plans) == 6
+    assert {(ids[pl.node], pl.gpu % t.gpus_per_node) for pl in plans} == {("a", 0), ("a", 1), ("a", 2), ("a", 3),
+                                                                         ("b", 0), ("b", 1)}
     with pytest.raises(ValueError, match="nodes"):
         topology_for_nodes([NodeResources("cpu", 8, 0)], 1)
