@@ -88,6 +88,8 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
         say("starting expert actors ...")
         with ExpertMesh(MeshConfig(model_dir=str(model_dir), transport=transport)) as mesh:
             result["noop_round_ms"] = _noop_round_ms(mesh)
+            result["transport_round_ms"] = _transport_round_ms(mesh)
+            result["transport_round_vs_noop"] = round(result["transport_round_ms"] / result["noop_round_ms"], 3)
             if workload in ("prefill", "both"):
                 say("prefill ...")
                 result["prefill"] = _with_floor(_bench_prefill(hf, mesh, repeats), result["noop_round_ms"])
@@ -116,6 +118,27 @@ def _noop_round_ms(mesh, rounds: int = 20) -> float:
         started = time.perf_counter()
         ray.get([h.ready.remote() for h in handles])
         times.append(time.perf_counter() - started)
+    return round(1000 * statistics.median(times), 3)
+
+
+def _transport_round_ms(mesh, rounds: int = 20) -> float:
+    """The transport's own cost of one layer round: an empty batch (0 rows) to every expert actor through the
+    mesh's transport, all in flight, then gather. Same shape as a real round, with no expert compute in it."""
+    import numpy as np
+
+    transport = mesh.router.transport
+    shards = mesh.router.spec.actor_shards
+    empty = np.zeros((0, MODEL["hidden"]), np.float32)
+    times = []
+    for i in range(rounds + 3):  # 3 warm-up rounds
+        started = time.perf_counter()
+        handles = [transport.submit(name, shards[name][0][0], [shards[name][0][1]], [0], empty) for name in shards]
+        results = transport.gather_settled(handles, 30.0)
+        if i >= 3:
+            times.append(time.perf_counter() - started)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise RuntimeError(f"empty expert round failed: {failed[0]!r}")
     return round(1000 * statistics.median(times), 3)
 
 
