@@ -13,6 +13,9 @@ The graph is built for one set of actor incarnations (name -> actor id). It is n
     (RayActorError for the dead actor) and its failover works unchanged;
   - it is rebuilt once every actor answers `ready` again, e.g. after NameReviver swapped a restored replica in
     (a new actor id), or after `rebuild_interval_s`.
+  - it is torn down after `idle_teardown_s` without a round: in Ray 2.60 every actor's execution loop busy-polls
+    its input channel (measured: ~0.24 CPU per idle actor, 8 actors ≈ 2 cores), so an idle graph would burn the
+    node's CPUs; the next round goes through plain calls while it is rebuilt (~1 s).
 Expert actors keep taking normal calls while a graph runs (its loop runs in Ray's `_ray_system` concurrency group),
 so `ready`/`info` pings from the reviver and the controller still work.
 
@@ -65,8 +68,9 @@ def incarnations(actors: dict[str, ray.actor.ActorHandle]) -> tuple[tuple[str, s
 
 class CompiledGraphTransport:
     def __init__(self, actors: dict[str, ray.actor.ActorHandle], rebuild_interval_s: float = 5.0,
-                 buffer_size_bytes: int = 1 << 20, background: bool = True):
-        """background=False builds and tears down in the calling thread (deterministic tests)."""
+                 buffer_size_bytes: int = 1 << 20, background: bool = True, idle_teardown_s: float | None = 30.0):
+        """background=False builds and tears down in the calling thread (deterministic tests);
+        idle_teardown_s=None keeps an idle graph (and its polling loops) up."""
         self.actors = actors  # NameReviver swaps restored replicas in here
         self.fallback = RayRefTransport(actors)
         self.rebuild_interval_s = rebuild_interval_s
@@ -79,6 +83,14 @@ class CompiledGraphTransport:
         self._failed_key: tuple | None = None  # incarnations whose graph last failed or could not be built
         self._failed_at = 0.0
         self._closed = False
+        self.idle_teardown_s = idle_teardown_s
+        self._last_round = time.monotonic()
+        self._in_round = False
+        self._idle_stop = threading.Event()
+        self._idle_watch: threading.Thread | None = None
+        if idle_teardown_s is not None:
+            self._idle_watch = threading.Thread(target=self._watch_idle, daemon=True, name="expertmesh-idle")
+            self._idle_watch.start()
         # Counters for tests and benchmarks.
         self.builds = 0
         self.compiled_rounds = 0
@@ -92,15 +104,20 @@ class CompiledGraphTransport:
         return _Pending(actor, layer, experts, counts, x, trace)
 
     def gather_settled(self, handles: list[_Pending], timeout: float) -> list[torch.Tensor | BaseException]:
-        graph = self._current_graph()
-        if graph is not None and self._fits(graph, handles):
-            try:
-                return self._run_compiled(graph, handles, timeout)
-            except Exception as exc:  # an actor died, a call raised or timed out: fall back for this round
-                log.warning("compiled expert graph failed (%s: %s); tearing it down, plain Ray calls meanwhile",
-                            type(exc).__name__, exc)
-                self._retire(graph, failed=True)
-        return self._run_fallback(handles, timeout)
+        self._in_round = True
+        try:
+            graph = self._current_graph()
+            if graph is not None and self._fits(graph, handles):
+                try:
+                    return self._run_compiled(graph, handles, timeout)
+                except Exception as exc:  # an actor died, a call raised or timed out: fall back for this round
+                    log.warning("compiled expert graph failed (%s: %s); tearing it down, plain Ray calls meanwhile",
+                                type(exc).__name__, exc)
+                    self._retire(graph, failed=True)
+            return self._run_fallback(handles, timeout)
+        finally:
+            self._in_round = False
+            self._last_round = time.monotonic()
 
     # ---- rounds --------------------------------------------------------------------------------------------
 
@@ -197,6 +214,15 @@ class CompiledGraphTransport:
         else:
             _teardown(graph.dag)
 
+    def _watch_idle(self) -> None:
+        period = min(1.0, self.idle_teardown_s / 4)
+        while not self._idle_stop.wait(period):
+            with self._lock:
+                graph = self.graph
+            if graph is not None and not self._in_round and time.monotonic() - self._last_round > self.idle_teardown_s:
+                log.info("compiled expert graph idle for %.0f s: tearing it down", self.idle_teardown_s)
+                self._retire(graph, failed=False)
+
     def wait_built(self, timeout: float = WARMUP_TIMEOUT_S) -> bool:
         """Start a build if none is running and wait for it; True when a graph for the current actors is up."""
         deadline = time.monotonic() + timeout
@@ -213,6 +239,9 @@ class CompiledGraphTransport:
     def close(self) -> None:
         """Tear the graph down and wait for every teardown, so no execution loop or channel is left behind."""
         self._closed = True
+        self._idle_stop.set()
+        if self._idle_watch is not None:
+            self._idle_watch.join()
         if self._builder is not None:
             self._builder.join()
         with self._lock:

@@ -169,3 +169,24 @@ def test_compiled_teardown_leaves_no_loop_or_channel(mesh):
     again = CompiledGraphTransport(actors, background=False)
     assert again.wait_built(60)
     again.close()
+
+
+def test_an_idle_compiled_graph_is_torn_down_and_rebuilt_on_demand(mesh):
+    """Ray's execution loops poll while idle; the transport stops them after idle_teardown_s."""
+    actors = connect_actors(mesh.pool.spec)
+    transport = CompiledGraphTransport(actors, idle_teardown_s=1.0)
+    try:
+        assert transport.wait_built(60)
+        loops = list(transport.graph.dag.worker_task_refs.values())
+        wait_until(lambda: transport.graph is None, 20, "the idle graph to be torn down")
+        _, running = ray.wait(loops, num_returns=len(loops), timeout=30)
+        assert not running
+        name = sorted(actors)[0]
+        layer, expert = mesh.pool.spec.actor_shards[name][0]
+        x = torch.randn(3, mesh.model_config.hidden_size).numpy()
+        want = ray.get(actors[name].forward.remote(layer, [expert], [3], x))
+        got = transport.gather_settled([transport.submit(name, layer, [expert], [3], x)], 30)[0]
+        assert torch.equal(got, torch.from_numpy(want))  # served by plain calls while it rebuilds
+        assert transport.wait_built(60) and transport.builds == 2
+    finally:
+        transport.close()
