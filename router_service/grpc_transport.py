@@ -94,6 +94,8 @@ class GrpcTransport:
 
     def gather_settled(self, handles: list[_Call], timeout: float) -> list[torch.Tensor | BaseException]:
         deadline = time.monotonic() + timeout
+        for name in [n for n in self.connections if n not in self.actors]:  # retired by a remap
+            self.connections.pop(name).channel.close()
         results: list[torch.Tensor | BaseException] = []
         for call in handles:
             if call.error is not None:
