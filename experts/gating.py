@@ -130,3 +130,30 @@ def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple
     rerouted = [sum(e != DROPPED and e not in prefs[t][:top_k] for e in chosen[t]) for t in range(num_tokens)]
     experts = torch.tensor(chosen, dtype=torch.int64).reshape(num_tokens, top_k)
     return experts, torch.tensor(rerouted, dtype=torch.int64)
+
+
+def concat_routings(parts: list[Routing]) -> Routing:
+    """The routings of consecutive token ranges (e.g. the micro-batches of one step) as one Routing over all their
+    tokens, in the order given. Per-token tensors are concatenated, counters summed; an optional per-token field
+    missing from some part is None (probs, rerouted_per_token) or zeros for those tokens (degraded_per_token)."""
+    assert parts, "concat_routings needs at least one routing"
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat_or_none(name: str) -> torch.Tensor | None:
+        values = [getattr(p, name) for p in parts]
+        return None if any(v is None for v in values) else torch.cat(values)
+
+    degraded = None
+    if any(p.degraded_per_token is not None for p in parts):
+        degraded = torch.cat([p.degraded_per_token if p.degraded_per_token is not None
+                              else torch.zeros(p.num_tokens, dtype=torch.int64) for p in parts])
+    return Routing(
+        experts=torch.cat([p.experts for p in parts]),  # [T, k]
+        weights=torch.cat([p.weights for p in parts]),  # [T, k]
+        rerouted=sum(p.rerouted for p in parts),
+        dropped=sum(p.dropped for p in parts),
+        rerouted_per_token=cat_or_none("rerouted_per_token"),  # [T]
+        probs=cat_or_none("probs"),  # [T, E]
+        degraded_per_token=degraded,  # [T]
+    )

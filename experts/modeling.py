@@ -7,6 +7,10 @@ only come from the experts' dispatch.
 
 Sequences are flattened into one token axis ([T, H]) for every matmul and every expert call; only the attention core
 runs per sequence, so sequences of different lengths (and positions) share a step without padding.
+
+Overlap (`overlap=True`, README: Transports / Overlap): a step of ≥ 2 sequences is split into two micro-batches
+(contiguous halves by sequence, balanced by tokens) that take turns, so one's expert round is in flight while the
+other runs its dense part (ping-pong). Each sequence's math is the same, only matmul batch sizes change.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch.nn.functional as F
 
 from .config import MoEModelConfig
 from .ffn import activation, gated_mlp
-from .gating import Routing, route
+from .gating import Routing, concat_routings, route
 from .weights import AttentionWeights, DenseWeights
 
 
@@ -29,8 +33,13 @@ class ExpertBackend(Protocol):
         ...
 
     def effective_routing(self, layer: int, routing: Routing) -> Routing:
-        """The routing the last `run` of this layer actually served (differs only when it had to degrade)."""
+        """The routing the last `run` (or `wait`) of this layer actually served (differs only when it degraded)."""
         ...
+
+    # Optional, looked up with getattr/hasattr:
+    #   begin_step() / end_step(): called around every forward (a routing-table switch happens only between them);
+    #   submit(layer, hidden, routing) -> pending and wait(pending) -> [T, H]: `run` in two halves, so the decoder
+    #   can overlap an expert round with other work (overlap=True needs them).
 
 
 @dataclass
@@ -56,6 +65,25 @@ class StepTrace:
     routings: dict[int, Routing] = field(default_factory=dict)
 
 
+@dataclass
+class _Group:
+    """A micro-batch of a step: some consecutive sequences, their hidden states and rotary tables."""
+
+    x: torch.Tensor  # [T_g, H] residual stream
+    cos: torch.Tensor  # [T_g, 1, D]
+    sin: torch.Tensor  # [T_g, 1, D]
+    lengths: list[int]
+    starts: list[int]
+    caches: list[KVCache]
+    pending: tuple | None = None  # (layer, h [T_g, H], routing, backend handle) of a submitted expert round
+
+    def part(self, first: int, last: int) -> _Group:
+        """Sequences first..last-1 of this group."""
+        lo, hi = sum(self.lengths[:first]), sum(self.lengths[:last])
+        return _Group(self.x[lo:hi], self.cos[lo:hi], self.sin[lo:hi], self.lengths[first:last],
+                      self.starts[first:last], self.caches[first:last])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
@@ -75,11 +103,16 @@ class MoEDecoder:
         weights: DenseWeights,
         experts: ExpertBackend,
         capacity_factor: float | None = None,
+        overlap: bool = False,
     ):
+        if overlap and capacity_factor is not None:
+            # Capacity is per expert call: splitting a step into micro-batches would change which tokens overflow.
+            raise ValueError("overlap: cannot be combined with capacity_factor (capacity is per step)")
         self.cfg = cfg
         self.w = weights
         self.experts = experts
         self.capacity_factor = capacity_factor
+        self.overlap = overlap  # ping-pong two micro-batches when the step and the backend allow it
         self.act = activation(cfg.hidden_act)
         dim = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [D/2]
@@ -109,23 +142,23 @@ class MoEDecoder:
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         cos, sin = emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]  # [T, 1, D]
 
-        trace = StepTrace()
         x = F.embedding(ids, self.w.embed)  # [T, H]
-        for i, layer in enumerate(self.w.layers):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            x = x + self._attention(i, layer.attention, h, cos, sin, lengths, starts, caches)
-            h = rms_norm(x, layer.post_attention_norm, cfg.rms_norm_eps)
-            if layer.router is not None:
-                routing = route(F.linear(h, layer.router), cfg.top_k, cfg.norm_topk_prob, self.capacity_factor)
-                mlp = self.experts.run(i, h, routing)
-                # The backend may have served a different routing (degraded around a lost expert): trace that one.
-                trace.routings[i] = self.experts.effective_routing(i, routing)
-                if layer.shared_expert is not None:
-                    gate = torch.sigmoid(F.linear(h, layer.shared_expert_gate))  # [T, 1]
-                    mlp = mlp + gate * gated_mlp(h, layer.shared_expert, self.act)
+        step = _Group(x, cos, sin, lengths, starts, caches)
+        begin, end = getattr(self.experts, "begin_step", None), getattr(self.experts, "end_step", None)
+        if begin is not None:
+            begin()
+        try:
+            split = self._split(lengths) if self._can_overlap() else None
+            if split is None:
+                trace = self._run_layers(step)
+                x = step.x
             else:
-                mlp = gated_mlp(h, layer.dense_mlp, self.act)
-            x = x + mlp
+                groups = [step.part(0, split), step.part(split, len(lengths))]
+                trace = self._run_layers_overlapped(groups)
+                x = torch.cat([g.x for g in groups])  # [T, H], original token order
+        finally:
+            if end is not None:
+                end()
         for cache, n in zip(caches, lengths):
             cache.length += n
         self.last_trace = trace
@@ -134,6 +167,85 @@ class MoEDecoder:
         x = rms_norm(x, self.w.final_norm, cfg.rms_norm_eps)
         logits = F.linear(x, self.w.lm_head).float()  # [T, V]
         return list(logits.split(lengths))
+
+    # ---- layer schedules ---------------------------------------------------------------------------------------
+
+    def _can_overlap(self) -> bool:
+        return self.overlap and self.capacity_factor is None and hasattr(self.experts, "submit")
+
+    @staticmethod
+    def _split(lengths: list[int]) -> int | None:
+        """Where to cut the sequences into two contiguous micro-batches with token counts as equal as possible;
+        None for a single sequence (nothing to overlap)."""
+        if len(lengths) < 2:
+            return None
+        total, before, best, best_gap = sum(lengths), 0, 1, None
+        for cut in range(1, len(lengths)):
+            before += lengths[cut - 1]
+            gap = abs(total - 2 * before)
+            if best_gap is None or gap < best_gap:
+                best, best_gap = cut, gap
+        return best
+
+    def _run_layers(self, g: _Group) -> StepTrace:
+        """Every layer in order over one group, each expert round waited for at once."""
+        trace = StepTrace()
+        for i, layer in enumerate(self.w.layers):
+            routed = self._dense(i, layer, g)
+            if routed is None:
+                continue
+            h, routing = routed
+            mlp = self.experts.run(i, h, routing)  # [T, H]
+            # The backend may have served a different routing (degraded around a lost expert): trace that one.
+            trace.routings[i] = self.experts.effective_routing(i, routing)
+            g.x = g.x + self._with_shared(layer, h, mlp)
+        return trace
+
+    def _run_layers_overlapped(self, groups: list[_Group]) -> StepTrace:
+        """Ping-pong: at layer i, group A finishes layer i-1 (waits for its expert round), runs its dense part of
+        layer i and submits its round; then B does the same. So B's dense work runs while A's round is in flight,
+        and A's next dense work while B's is."""
+        parts: dict[int, list[Routing | None]] = {}
+        for i, layer in enumerate(self.w.layers):
+            for n, g in enumerate(groups):
+                if g.pending is not None:
+                    self._collect(g, n, parts)
+                routed = self._dense(i, layer, g)
+                if routed is not None:
+                    h, routing = routed
+                    g.pending = (i, h, routing, self.experts.submit(i, h, routing))
+        for n, g in enumerate(groups):
+            if g.pending is not None:
+                self._collect(g, n, parts)
+        # One routing per layer for the whole step, tokens in the original order (A's then B's).
+        return StepTrace(routings={i: concat_routings(p) for i, p in sorted(parts.items())})
+
+    def _collect(self, g: _Group, n: int, parts: dict[int, list[Routing | None]]) -> None:
+        """Wait for group g's pending expert round and finish that layer for it (shared expert, residual)."""
+        i, h, routing, pending = g.pending
+        g.pending = None
+        mlp = self.experts.wait(pending)  # [T_g, H]
+        parts.setdefault(i, [None, None])[n] = self.experts.effective_routing(i, routing)
+        g.x = g.x + self._with_shared(self.w.layers[i], h, mlp)
+
+    def _dense(self, i: int, layer, g: _Group) -> tuple[torch.Tensor, Routing] | None:
+        """Group g's dense part of layer i: attention, and either the dense MLP (a layer without experts: done,
+        returns None) or the gate -> (h [T_g, H], routing) for the expert round."""
+        cfg = self.cfg
+        h = rms_norm(g.x, layer.input_norm, cfg.rms_norm_eps)  # [T_g, H]
+        g.x = g.x + self._attention(i, layer.attention, h, g.cos, g.sin, g.lengths, g.starts, g.caches)
+        h = rms_norm(g.x, layer.post_attention_norm, cfg.rms_norm_eps)
+        if layer.router is None:
+            g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
+            return None
+        return h, route(F.linear(h, layer.router), cfg.top_k, cfg.norm_topk_prob, self.capacity_factor)
+
+    def _with_shared(self, layer, h: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus the (gated) shared expert where the layer has one. h, mlp: [T, H]."""
+        if layer.shared_expert is None:
+            return mlp
+        gate = torch.sigmoid(F.linear(h, layer.shared_expert_gate))  # [T, 1]
+        return mlp + gate * gated_mlp(h, layer.shared_expert, self.act)
 
     def _attention(
         self,

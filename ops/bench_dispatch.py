@@ -68,7 +68,7 @@ def write_bench_checkpoint(out: Path, seed: int = 0) -> Path:
 
 
 def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool = True,
-                       transport: str = "refs") -> dict:
+                       transport: str = "refs", overlap: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     from ..router_service.engine import ExpertMesh, MeshConfig
@@ -79,14 +79,15 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
 
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
-    result: dict = {"benchmark": "dispatch", "model": MODEL, "transport": transport, "repeats": repeats,
+    result: dict = {"benchmark": "dispatch", "model": MODEL, "transport": transport, "overlap": overlap,
+                    "repeats": repeats,
                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
         model_dir = write_bench_checkpoint(Path(tmp) / "model")
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         say("starting expert actors ...")
-        with ExpertMesh(MeshConfig(model_dir=str(model_dir), transport=transport)) as mesh:
+        with ExpertMesh(MeshConfig(model_dir=str(model_dir), transport=transport, overlap=overlap)) as mesh:
             result["noop_round_ms"] = _noop_round_ms(mesh)
             result["transport_round_ms"] = _transport_round_ms(mesh)
             result["transport_round_vs_noop"] = round(result["transport_round_ms"] / result["noop_round_ms"], 3)

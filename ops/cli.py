@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--replicas-per-expert", type=int, default=1)
     srv.add_argument("--transport", choices=["refs", "grpc", "compiled"], default="refs",
                      help="how routers reach expert actors (README: Transports)")
+    srv.add_argument("--overlap", action="store_true", help="split each step into two micro-batches whose expert "
+                     "rounds overlap the other's dense compute (README: Transports / Overlap)")
     srv.add_argument("--router-replicas", type=int, default=1)
     srv.add_argument("--router-autoscale", type=_autoscale, metavar="MIN:MAX", help="autoscale router replicas")
     srv.add_argument("--capacity-factor", type=float, default=None)
@@ -137,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch.add_argument("--repeats", type=int, default=5)
     dispatch.add_argument("--transport", choices=["refs", "grpc", "compiled"], default="refs",
                           help="how expert calls travel (README: Transports)")
+    dispatch.add_argument("--overlap", action="store_true", help="ping-pong two micro-batches per step")
     dispatch.add_argument("--json", action="store_true", help="print only the JSON result")
     dispatch.add_argument("--out", metavar="FILE", help="also write the JSON here")
     serve_bench = bench_sub.add_parser("serve", help="concurrent gRPC streams: tokens/s and inter-token latency")
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             from .bench_dispatch import run_dispatch_bench
 
             result = run_dispatch_bench(args.workload, repeats=args.repeats, verbose=not args.json,
-                                        transport=args.transport)
+                                        transport=args.transport, overlap=args.overlap)
             _emit(result, args.out)
             return 0
         if args.command == "bench" and args.bench == "serve":
@@ -310,7 +313,7 @@ def _serve(args: argparse.Namespace) -> int:
                                 wait_timeout_s=args.wait_timeout),
         controller=ControllerConfig(restore=not args.no_restore, elastic=_elastic(args)),
         tracing=TracingConfig(exporter=args.trace, endpoint=args.otlp_endpoint, path=args.trace_file),
-        transport=args.transport, placement=args.placement,
+        transport=args.transport, overlap=args.overlap, placement=args.placement,
     )
     asyncio.run(serve_forever(config))
     return 0

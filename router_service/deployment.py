@@ -54,6 +54,7 @@ class RouterSettings:
     tracing: dict = field(default_factory=dict)  # TracingConfig fields (experts/telemetry.py); empty = off
     observability: dict = field(default_factory=dict)  # ObservabilityConfig: load window, metrics switches
     transport: str = "refs"  # expert transport: "refs" | "grpc" | "compiled" (README: Transports)
+    overlap: bool = False  # ping-pong two micro-batches per step (README: Transports / Overlap)
 
     def pool_spec(self) -> PoolSpec:
         shards = {name: [tuple(s) for s in shards] for name, shards in self.pool["actor_shards"].items()}
@@ -100,7 +101,8 @@ class RouterDeployment:
                              failover=FailoverConfig(**self.settings.failover), transport=self.settings.transport,
                              observability=ObservabilityConfig.from_dict(self.settings.observability),
                              tracing=TracingConfig(**self.settings.tracing),
-                             router_id=serve.get_replica_context().replica_id.unique_id)
+                             router_id=serve.get_replica_context().replica_id.unique_id,
+                             overlap=self.settings.overlap)
         self.cfg = self.router.model_config
         decode = self.router.decode if self.router.tokenizer is not None else None
         self.batcher = ContinuousBatcher(self.router.model, decode, BatcherConfig(**self.settings.batcher))

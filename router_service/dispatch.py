@@ -105,6 +105,24 @@ class FailoverConfig:
         return self
 
 
+@dataclass
+class _PendingLayer:
+    """A layer's expert round between `submit` and `wait`."""
+
+    layer: int
+    hidden: torch.Tensor  # [T, H]
+    routing: Routing  # as the gate chose
+    served: Routing  # after the no-replica policy
+    calls: list[ActorCall]
+    handles: list  # the first round's transport handles
+    deadline: float  # the `wait` policy's bound (clock)
+    give_up: float  # the whole layer's bound (clock)
+    carrier: dict[str, str] | None  # trace context sent with every call
+    span: object | None  # the layer's dispatch span (ended in wait)
+    started: float  # perf_counter at submit
+    busy_s: float = 0.0  # time submit took
+
+
 class RemoteExperts:
     """ExpertBackend whose experts live in actors behind a Transport, with retries, breakers and a no-replica
     policy. `reviver` (optional) looks dead replicas up again, e.g. by actor name after the controller restored
@@ -129,12 +147,14 @@ class RemoteExperts:
         # Observability (router_service/observability.py); None = off, and then no call is made at all.
         self.observer = None  # .on_layer(layer, served, calls, seconds), .on_retry(actor)
         self.tracer = None  # OpenTelemetry tracer: a span per layer, its context sent along with every call
-        # Live remap: a newer table (and handles to its new actors) waits here until the next step starts.
+        # Live remap: a newer table (and handles to its new actors) waits here until the next step starts. The
+        # decoder marks steps with begin_step/end_step (with overlap, a step's layers run as two interleaved
+        # micro-batches, so no layer order can tell where a step starts).
         self._staged: tuple[RoutingTable, dict] | None = None
         self._staged_lock = threading.Lock()
-        self._last_layer = 1 << 30  # the layer of the previous `run`; a smaller or equal one starts a new step
-        self._run_lock = threading.Lock()  # held while a layer runs, so an idle-time switch never lands inside one
-        self._last_run_at = 0.0
+        self._step_lock = threading.Lock()  # guards _steps_running / _last_active against the idle-time switch
+        self._steps_running = 0
+        self._last_active = 0.0  # when the last step ended or the last bare `run` finished
         self.on_table_applied: Callable[[int], None] | None = None  # called with the epoch after each switch
 
     # ---- health --------------------------------------------------------------------------------------------
@@ -169,8 +189,6 @@ class RemoteExperts:
     def effective_routing(self, layer: int, routing: Routing) -> Routing:
         return self.effective.get(layer, routing)
 
-    # ---- one layer -----------------------------------------------------------------------------------------
-
     # ---- live remap --------------------------------------------------------------------------------------------
 
     def stage_table(self, table: RoutingTable, new_actors: dict) -> None:
@@ -197,67 +215,103 @@ class RemoteExperts:
         if self.on_table_applied is not None:
             self.on_table_applied(table.epoch)
 
+    def begin_step(self) -> None:
+        """The decoder starts a forward: switch to a staged table now, then no switch until end_step."""
+        with self._step_lock:
+            if self._staged is not None:
+                self._apply_staged()
+            self._steps_running += 1
+            self.calls_per_layer = {}
+
+    def end_step(self) -> None:
+        with self._step_lock:
+            self._steps_running = max(0, self._steps_running - 1)
+            self._last_active = time.monotonic()
+
     def apply_if_idle(self, idle_s: float) -> bool:
-        """Switch to a staged table now when no layer ran for idle_s (an idle router would otherwise hold on to
-        the old table, and the controller wait for it, until its next request)."""
-        if self._staged is None or time.monotonic() - self._last_run_at < idle_s:
+        """Switch to a staged table now when no step is running and none ended within idle_s (an idle router
+        would otherwise hold on to the old table, and the controller wait for it, until its next request)."""
+        if self._staged is None:
             return False
-        if not self._run_lock.acquire(blocking=False):
-            return False
-        try:
-            if time.monotonic() - self._last_run_at < idle_s:
+        with self._step_lock:
+            if self._steps_running or time.monotonic() - self._last_active < idle_s or self._staged is None:
                 return False
             self._apply_staged()
             return True
-        finally:
-            self._run_lock.release()
+
+    # ---- one layer -----------------------------------------------------------------------------------------
 
     def run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
-        with self._run_lock:
-            try:
-                if layer <= self._last_layer and self._staged is not None:
-                    self._apply_staged()
-                self._last_layer = layer
-                return self._traced_run(layer, hidden, routing)
-            finally:
-                self._last_run_at = time.monotonic()
+        """hidden: [T, H] -> the routed experts' combined output [T, H]."""
+        return self.wait(self.submit(layer, hidden, routing))
 
-    def _traced_run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self.tracer is None:
-            return self._run(layer, hidden, routing, None)
-        from ..experts.telemetry import carrier_of
-
-        with self.tracer.start_as_current_span("expertmesh.dispatch", attributes={"layer": layer}) as span:
-            result = self._run(layer, hidden, routing, carrier_of(span))
-            span.set_attribute("calls", self.calls_per_layer[layer])
-            return result
-
-    def _run(self, layer: int, hidden: torch.Tensor, routing: Routing, trace: dict[str, str] | None) -> torch.Tensor:
+    def submit(self, layer: int, hidden: torch.Tensor, routing: Routing) -> _PendingLayer:
+        """Start a layer's expert round: apply the no-replica policy, plan the calls and send them. The
+        retries, failover and combine happen in `wait`; other work can run in between (the decoder's overlap)."""
         started = time.perf_counter()
-        self._revive()
-        deadline = self.clock() + self.failover.wait_timeout_s
-        # One bound for the whole layer, however many retries it takes: calls queued on actors that never come
-        # up (e.g. restores pending on a full cluster) end in NoReplicaError (UNAVAILABLE), not a hang.
-        give_up = self.clock() + max(self.failover.call_timeout_s, self.failover.wait_timeout_s)
-        for attempt in range(MAX_LAYER_ATTEMPTS + 1):
-            if attempt == MAX_LAYER_ATTEMPTS:
-                raise NoReplicaError(f"layer {layer}: expert calls kept failing over {attempt} attempts")
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span("expertmesh.dispatch", attributes={"layer": layer})
+        try:
+            carrier = None
+            if span is not None:
+                from ..experts.telemetry import carrier_of
+
+                carrier = carrier_of(span)
+            self._revive()
+            deadline = self.clock() + self.failover.wait_timeout_s
+            # One bound for the whole layer, however many retries it takes: calls queued on actors that never come
+            # up (e.g. restores pending on a full cluster) end in NoReplicaError (UNAVAILABLE), not a hang.
+            give_up = self.clock() + max(self.failover.call_timeout_s, self.failover.wait_timeout_s)
             served = self._apply_policy(layer, routing, deadline)
             calls = plan_calls(layer, served, self.table, self.live_replicas)
-            outputs = self._execute(layer, hidden, calls, give_up, trace)
-            if outputs is not None:
-                break
-            # A shard lost its last replica mid-step: route again under the policy (the step is redone, so its
-            # result is still exactly that of the served routing).
-        self.calls_per_layer[layer] = len(calls)
-        self.effective[layer] = served
-        self.degraded_slots += served.degraded
-        result = combine(hidden, served, calls, outputs)
-        seconds = time.perf_counter() - started
-        self.round_seconds += seconds
-        if self.observer is not None:
-            self.observer.on_layer(layer, served, calls, seconds)
-        return result
+            handles = self._send(layer, hidden, calls, range(len(calls)), carrier)
+        except BaseException:
+            if span is not None:
+                span.end()
+            raise
+        pending = _PendingLayer(layer, hidden, routing, served, calls, handles, deadline, give_up, carrier, span,
+                                started)
+        pending.busy_s = time.perf_counter() - started
+        return pending
+
+    def wait(self, pending: _PendingLayer) -> torch.Tensor:
+        """Finish a submitted layer: gather, re-send failed calls' tokens to other replicas, re-route the layer
+        when a shard ran out of replicas, combine. -> [T, H]."""
+        waited = time.perf_counter()
+        p = pending
+        try:
+            calls, served, outputs = p.calls, p.served, None
+            for attempt in range(MAX_LAYER_ATTEMPTS + 1):
+                if attempt == MAX_LAYER_ATTEMPTS:
+                    raise NoReplicaError(f"layer {p.layer}: expert calls kept failing over {attempt} attempts")
+                if attempt:
+                    # A shard lost its last replica mid-step: route again under the policy (the step is redone,
+                    # so its result is still exactly that of the served routing).
+                    served = self._apply_policy(p.layer, p.routing, p.deadline)
+                    calls = plan_calls(p.layer, served, self.table, self.live_replicas)
+                outputs = self._execute(p.layer, p.hidden, calls, p.give_up, p.carrier,
+                                        p.handles if attempt == 0 else None)
+                if outputs is not None:
+                    break
+            with self._step_lock:  # micro-batches of one step add up; a bare `run` reports its own calls
+                before = self.calls_per_layer.get(p.layer, 0) if self._steps_running else 0
+                self.calls_per_layer[p.layer] = before + len(calls)
+            self.effective[p.layer] = served
+            self.degraded_slots += served.degraded
+            result = combine(p.hidden, served, calls, outputs)
+            # Time this thread spent on the round (submit + wait), not the work it did while the round flew.
+            self.round_seconds += p.busy_s + time.perf_counter() - waited
+            if self.observer is not None:
+                self.observer.on_layer(p.layer, served, calls, time.perf_counter() - p.started)
+            if p.span is not None:
+                p.span.set_attribute("calls", len(calls))
+            return result
+        finally:
+            if p.span is not None:
+                p.span.end()
+            if not self._steps_running:
+                self._last_active = time.monotonic()
 
     def _apply_policy(self, layer: int, routing: Routing, deadline: float) -> Routing:
         """Make sure every routed expert has a live replica: wait for one, or degrade to the next-best expert."""
@@ -276,22 +330,30 @@ class RemoteExperts:
             time.sleep(0.05)
             self._revive(force=True)
 
-    def _execute(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall],
-                 give_up: float = float("inf"), trace: dict[str, str] | None = None) -> list[torch.Tensor] | None:
-        """Run the calls; re-send a failed call's tokens to other replicas of the same shards until all succeed.
-        Returns outputs aligned with `calls` (which it extends in place), or None when a shard ran out of replicas."""
-        done: dict[int, torch.Tensor] = {}
-        pending = list(range(len(calls)))
+    def _send(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall], which, trace: dict[str, str] | None):
+        """Submit calls[i] for i in `which` through the transport; -> their handles."""
         # `trace` only when tracing is on, so a transport without it still works with tracing off.
         extra = {} if trace is None else {"trace": trace}
+        handles = []
+        for i in which:
+            call = calls[i]
+            x = hidden[torch.cat(call.token_idx)].contiguous().numpy()  # [n, H]
+            handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, x, **extra))
+        return handles
+
+    def _execute(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall],
+                 give_up: float = float("inf"), trace: dict[str, str] | None = None,
+                 sent: list | None = None) -> list[torch.Tensor] | None:
+        """Run the calls; re-send a failed call's tokens to other replicas of the same shards until all succeed.
+        Returns outputs aligned with `calls` (which it extends in place), or None when a shard ran out of replicas.
+        sent: handles of the first round when `submit` already sent it."""
+        done: dict[int, torch.Tensor] = {}
+        pending = list(range(len(calls)))
         for _ in range(MAX_CALL_ROUNDS):
             if not pending:
                 break
-            handles = []
-            for i in pending:
-                call = calls[i]
-                x = hidden[torch.cat(call.token_idx)].contiguous().numpy()  # [n, H]
-                handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, x, **extra))
+            handles = sent if sent is not None else self._send(layer, hidden, calls, pending, trace)
+            sent = None
             remaining = give_up - self.clock()
             if remaining <= 0:
                 raise NoReplicaError(f"layer {layer}: expert calls did not complete within "

@@ -45,6 +45,7 @@ class MeshConfig:
     restore_experts: bool = False  # run the controller, which restores killed expert actors
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     transport: str = "refs"  # how expert calls travel: "refs" | "grpc" | "compiled" (README: Transports)
+    overlap: bool = False  # ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap)
     tracing: TracingConfig = field(default_factory=TracingConfig)  # off by default (README: Metrics and traces)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)  # load window, metrics
     placement: str | None = None  # a PLACEMENT.json (`expertmesh plan`): start one actor per GPU from it
@@ -68,6 +69,9 @@ class MeshConfig:
             self.capacity_factor > 0 and math.isfinite(self.capacity_factor)
         ):
             raise RequestError("capacity_factor", f"must be a positive finite number, got {self.capacity_factor}")
+        if self.overlap and self.capacity_factor is not None:
+            raise RequestError("overlap", "cannot be combined with capacity_factor (capacity is per step; "
+                                          "micro-batches would change which tokens overflow)")
         if self.num_cpus_per_actor is not None and not self.num_cpus_per_actor > 0:
             raise RequestError("num_cpus_per_actor", f"must be > 0, got {self.num_cpus_per_actor}")
         if self.elastic is not None:
@@ -126,6 +130,7 @@ class ExpertMesh:
                                if self.config.restore_experts or self.config.elastic is not None else None)
             self.router = Router(spec, self.pool.actors, self.config.capacity_factor, reader=reader,
                                  failover=self.config.failover, transport=self.config.transport,
+                                 overlap=self.config.overlap,
                                  observability=self.config.observability, tracing=tracing)
         except BaseException:
             self.shutdown()

@@ -49,6 +49,7 @@ class Router:
         observability: ObservabilityConfig | None = None,
         tracing: TracingConfig | None = None,
         router_id: str | None = None,
+        overlap: bool = False,
     ):
         self.spec = spec
         self.reader = reader or CheckpointReader(spec.model_dir)
@@ -58,7 +59,7 @@ class Router:
         self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport, failover,
                                      reviver=NameReviver(self.transport, NAMESPACE))
         dense = load_dense_weights(self.reader, getattr(torch, spec.dtype), progress="router weights")
-        self.model = MoEDecoder(self.model_config, dense, self.backend, capacity_factor)
+        self.model = MoEDecoder(self.model_config, dense, self.backend, capacity_factor, overlap=overlap)
         # Load statistics, metrics, traces (router_service/observability.py).
         self.observer = RouterObserver(self.model_config, self.backend, router_id or default_router_id(),
                                        observability, build_tracer(tracing, "router"))

@@ -58,6 +58,7 @@ class ServeConfig:
     router_threads: int = 1
     tracing: TracingConfig = TracingConfig()  # routers and expert actors (README: Metrics and traces)
     transport: str = "refs"  # expert transport: "refs" | "grpc" | "compiled" (README: Transports)
+    overlap: bool = False  # ping-pong two micro-batches per step (README: Transports / Overlap)
     placement: str | None = None  # PLACEMENT.json from `expertmesh plan`: one actor per GPU from it
 
     def validate(self) -> ServeConfig:
@@ -79,6 +80,9 @@ class ServeConfig:
         self.controller.validate()
         self.tracing.validate()
         check_transport(self.transport)
+        if self.overlap and self.capacity_factor is not None:
+            raise ValueError("overlap: cannot be combined with capacity_factor "
+                             "(capacity is per step; micro-batches would change which tokens overflow)")
         if (self.placement is not None or self.controller.elastic is not None) and self.replicas_per_expert != 1:
             raise ValueError("replicas_per_expert: a planned placement sets the replicas; leave it at 1")
         return self
@@ -117,6 +121,7 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
             pool=RouterSettings.pool_dict(spec), model_name=config.resolved_model_name,
             capacity_factor=config.capacity_factor, batcher=vars(config.batcher).copy(),
             torch_threads=config.router_threads, failover=vars(config.failover).copy(), transport=config.transport,
+            overlap=config.overlap,
             tracing=config.tracing.as_dict() if config.tracing.enabled else {},
         )
         serve.start(proxy_location="Disabled")

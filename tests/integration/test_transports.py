@@ -104,6 +104,32 @@ def test_generation_is_identical_on_every_transport(routers, expected):
         assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected, name
 
 
+def test_overlap_gives_the_reference_logits_and_generations(mesh, reference):
+    """Two micro-batches per step whose expert rounds overlap the other's dense part (README: Overlap): the
+    reference's logits, and a batched greedy decode (KV caches, sequences of different lengths) token for token."""
+    seqs = sequences()
+    want = reference.forward([torch.tensor(s) for s in seqs])
+    for name in ("refs", "grpc"):
+        router = Router(mesh.pool.spec, mesh.actors, transport=name, overlap=True)
+        try:
+            for w, g in zip(want, router.score_batch(seqs)):
+                assert (g - w).abs().max().item() <= TOL, name
+            routed = router.model.last_trace.routings
+            assert all(r.num_tokens == sum(map(len, seqs)) for r in routed.values())  # one Routing per layer
+            prompts = [PROMPT, PROMPT[:4], seqs[0]]
+            caches = [router.model.new_cache() for _ in prompts]
+            steps, got = [torch.tensor(p) for p in prompts], [[] for _ in prompts]
+            for _ in range(MAX_TOKENS):
+                logits = router.model.forward(steps, caches)
+                nxt = [int(x[-1].argmax()) for x in logits]
+                for out, t in zip(got, nxt):
+                    out.append(t)
+                steps = [torch.tensor([t]) for t in nxt]
+            assert got == [greedy_tokens(reference, p, MAX_TOKENS) for p in prompts], name
+        finally:
+            router.close()
+
+
 def test_killing_an_actor_under_the_compiled_graph_fails_over_then_rebuilds(routers, expected):
     router = routers["compiled"]
     transport: CompiledGraphTransport = router.transport

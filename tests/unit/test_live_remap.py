@@ -1,5 +1,6 @@
-"""Live remap on the router side (no Ray): a staged routing table takes effect only when the next step starts, the
-switch drops retired actors from the transport, and results stay those of the in-process reference throughout.
+"""Live remap on the router side (no Ray): a staged routing table takes effect only when the next step starts (the
+decoder marks steps with begin_step/end_step), the switch drops retired actors from the transport, and results stay
+those of the in-process reference throughout.
 Also the published-table record format (cluster/table_store.py).
 """
 
@@ -37,12 +38,16 @@ def _tables():
 
 
 def _step(backend: RemoteExperts, local: LocalExperts, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One 'forward': every layer in order; returns (remote, local) outputs per layer."""
+    """One 'forward': every layer in order between the step hooks; returns (remote, local) outputs per layer."""
     outs = []
-    for layer in range(LAYERS):
-        hidden = torch.randn(12, HIDDEN, generator=gen)
-        routing = route(torch.randn(12, EXPERTS, generator=gen), top_k=2, renormalize=True)
-        outs.append((backend.run(layer, hidden, routing), local.run(layer, hidden, routing)))
+    backend.begin_step()
+    try:
+        for layer in range(LAYERS):
+            hidden = torch.randn(12, HIDDEN, generator=gen)
+            routing = route(torch.randn(12, EXPERTS, generator=gen), top_k=2, renormalize=True)
+            outs.append((backend.run(layer, hidden, routing), local.run(layer, hidden, routing)))
+    finally:
+        backend.end_step()
     return outs
 
 
@@ -61,12 +66,17 @@ def test_staged_table_applies_at_the_next_step_only():
     # Stage in the middle of a step: layers 1.. of this step must still use the old table.
     hidden = torch.randn(12, HIDDEN, generator=gen)
     routing = route(torch.randn(12, EXPERTS, generator=gen), top_k=2, renormalize=True)
+    backend.begin_step()
     backend.run(0, hidden, routing)
     backend.stage_table(new, {"hot0": object(), "moved1": object()})
     transport.submitted.clear()
     for layer in (1, 2):
         routing = route(torch.randn(12, EXPERTS, generator=gen), 2, True)
         backend.run(layer, torch.randn(12, HIDDEN, generator=gen), routing)
+        # Layer 0 again within the step (the second micro-batch of an overlapped step): still the old table.
+        backend.run(0, torch.randn(12, HIDDEN, generator=gen), routing)
+        assert not backend.apply_if_idle(idle_s=0.0)  # an idle-time switch never lands inside a step either
+    backend.end_step()
     assert backend.table is old and applied == []
     assert {a for a, *_ in transport.submitted} <= set(old.actors)
 
@@ -89,7 +99,9 @@ def test_replicas_added_by_a_remap_share_the_load():
     gen = torch.Generator().manual_seed(1)
     logits = torch.zeros(64, EXPERTS)
     logits[:, 0] = 10.0  # every token's first choice is expert 0
+    backend.begin_step()
     backend.run(0, torch.randn(64, HIDDEN, generator=gen), route(logits, top_k=2, renormalize=True))
+    backend.end_step()
     counts = {a: sum(c) for a, layer, e, c, _ in transport.submitted if 0 in e}
     assert counts == {"a0": 32, "hot0": 32}
 
@@ -119,9 +131,12 @@ def test_an_idle_router_switches_without_waiting_for_a_step():
     transport = NamedFakeTransport(union, _weights(LAYERS, EXPERTS))
     backend = RemoteExperts(old, transport)
     gen = torch.Generator().manual_seed(2)
+    backend.begin_step()
     backend.run(0, torch.randn(4, HIDDEN, generator=gen), route(torch.randn(4, EXPERTS, generator=gen), 2, True))
     backend.stage_table(new, {"hot0": object(), "moved1": object()})
-    assert not backend.apply_if_idle(idle_s=60.0)  # a layer ran just now: maybe mid-step, so wait
+    assert not backend.apply_if_idle(idle_s=0.0)  # a step is running
+    backend.end_step()
+    assert not backend.apply_if_idle(idle_s=60.0)  # a step ended just now: the next may follow at once, so wait
     assert backend.table is old
     assert backend.apply_if_idle(idle_s=0.0)
     assert backend.table is new and not backend.apply_if_idle(idle_s=0.0)  # nothing staged any more
