@@ -153,6 +153,9 @@ class RemoteExperts:
         self._staged: tuple[RoutingTable, dict] | None = None
         self._staged_lock = threading.Lock()
         self._step_lock = threading.Lock()  # guards _steps_running / _last_active against the idle-time switch
+        # Held from begin_step to end_step (and through a bare `run`): forwards from several threads take turns
+        # per step, so no two rounds share a transport at once and no switch lands inside a step.
+        self._step_guard = threading.RLock()
         self._steps_running = 0
         self._last_active = 0.0  # when the last step ended or the last bare `run` finished
         self.on_table_applied: Callable[[int], None] | None = None  # called with the epoch after each switch
@@ -216,34 +219,45 @@ class RemoteExperts:
             self.on_table_applied(table.epoch)
 
     def begin_step(self) -> None:
-        """The decoder starts a forward: switch to a staged table now, then no switch until end_step."""
-        with self._step_lock:
-            if self._staged is not None:
-                self._apply_staged()
-            self._steps_running += 1
-            self.calls_per_layer = {}
+        """The decoder starts a forward: switch to a staged table now, then no switch until end_step (same
+        thread)."""
+        self._step_guard.acquire()
+        try:
+            with self._step_lock:
+                if self._staged is not None:
+                    self._apply_staged()
+                self._steps_running += 1
+                self.calls_per_layer = {}
+        except BaseException:
+            self._step_guard.release()
+            raise
 
     def end_step(self) -> None:
         with self._step_lock:
             self._steps_running = max(0, self._steps_running - 1)
             self._last_active = time.monotonic()
+        self._step_guard.release()
 
     def apply_if_idle(self, idle_s: float) -> bool:
         """Switch to a staged table now when no step is running and none ended within idle_s (an idle router
         would otherwise hold on to the old table, and the controller wait for it, until its next request)."""
-        if self._staged is None:
+        if self._staged is None or not self._step_guard.acquire(blocking=False):
             return False
-        with self._step_lock:
-            if self._steps_running or time.monotonic() - self._last_active < idle_s or self._staged is None:
-                return False
-            self._apply_staged()
-            return True
+        try:
+            with self._step_lock:
+                if self._steps_running or time.monotonic() - self._last_active < idle_s or self._staged is None:
+                    return False
+                self._apply_staged()
+                return True
+        finally:
+            self._step_guard.release()
 
     # ---- one layer -----------------------------------------------------------------------------------------
 
     def run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         """hidden: [T, H] -> the routed experts' combined output [T, H]."""
-        return self.wait(self.submit(layer, hidden, routing))
+        with self._step_guard:
+            return self.wait(self.submit(layer, hidden, routing))
 
     def submit(self, layer: int, hidden: torch.Tensor, routing: Routing) -> _PendingLayer:
         """Start a layer's expert round: apply the no-replica policy, plan the calls and send them. The

@@ -140,3 +140,28 @@ def test_an_idle_router_switches_without_waiting_for_a_step():
     assert backend.table is old
     assert backend.apply_if_idle(idle_s=0.0)
     assert backend.table is new and not backend.apply_if_idle(idle_s=0.0)  # nothing staged any more
+
+
+def test_steps_from_several_threads_take_turns():
+    """A step holds the backend from begin_step to end_step: another thread's layer (or idle-time switch) waits."""
+    import threading
+
+    old, new, union = _tables()
+    transport = NamedFakeTransport(union, _weights(LAYERS, EXPERTS))
+    backend = RemoteExperts(old, transport)
+    gen = torch.Generator().manual_seed(3)
+    hidden, routing = torch.randn(4, HIDDEN, generator=gen), route(torch.randn(4, EXPERTS, generator=gen), 2, True)
+    backend.begin_step()
+    other = threading.Thread(target=backend.run, args=(0, hidden, routing))
+    other.start()
+    other.join(0.3)
+    assert other.is_alive() and transport.submitted == []  # blocked behind the running step
+    backend.stage_table(new, {"hot0": object(), "moved1": object()})
+    switched: list[bool] = []
+    idle = threading.Thread(target=lambda: switched.append(backend.apply_if_idle(idle_s=0.0)))
+    idle.start()
+    idle.join(5)
+    assert switched == [False] and backend.table is old
+    backend.end_step()
+    other.join(5)
+    assert not other.is_alive() and transport.submitted
