@@ -40,8 +40,10 @@ def planned_layout(cfg: MoEModelConfig, nodes: list[NodeResources], elastic: Ela
         try:
             placement = Placement.round_robin(devices.topology, layers, cfg.num_experts)
         except AssertionError:
-            raise RequestError("slots_per_gpu", f"{elastic.slots_per_gpu} slots on {devices.topology.num_live} "
-                               f"devices cannot hold {cfg.num_experts} experts per layer") from None
+            live = devices.topology.num_live
+            raise RequestError("slots_per_gpu", f"{elastic.slots_per_gpu} slots on {live} device(s) cannot hold "
+                               f"{cfg.num_experts} experts per layer; give at least "
+                               f"{-(-cfg.num_experts // live)} (more leaves room for hot replicas)") from None
     else:
         t, have = placement.topology, devices.topology
         if (t.nodes, t.gpus_per_node) != (have.nodes, have.gpus_per_node):

@@ -136,3 +136,21 @@ def test_config_errors_name_the_field():
         ElasticConfig(autoscale={"bogus": 1}).validate()
     with pytest.raises(ValueError, match="target_load_per_replica"):
         ElasticConfig(autoscale={"target_load_per_replica": 0, "max_gpus": 2, "base_gpus": 1}).validate()
+
+
+def test_planned_layout_checks_slots_and_the_placement_against_the_cluster():
+    from expertmesh.experts.checkpoint import CheckpointReader
+    from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR
+    from expertmesh.router_service.errors import RequestError
+    from expertmesh.router_service.pool_layout import planned_layout
+
+    cfg = CheckpointReader(DEFAULT_MODEL_DIR).config  # the embedded model: 4 MoE layers x 8 experts
+    nodes = [NodeResources("n0", 4, 1), NodeResources("n1", 4, 1)]
+    with pytest.raises(RequestError, match="slots_per_gpu.*give at least 4"):
+        planned_layout(cfg, nodes, ElasticConfig(slots_per_gpu=3))
+    groups, slots = planned_layout(cfg, nodes, ElasticConfig(slots_per_gpu=5))
+    assert sorted(groups) == ["expert-g0-v0", "expert-g1-v0"] and sum(len(s) for s in groups.values()) == 32
+    assert {(s.node_id, s.num_gpus) for s in slots} == {("n0", 0.5), ("n1", 0.5)}
+    other = Placement.round_robin(Topology(1, 2, 5), 4, EXPERTS)  # planned for 1 node x 2 GPUs
+    with pytest.raises(RequestError, match="placement"):
+        planned_layout(cfg, nodes, ElasticConfig(), other)
