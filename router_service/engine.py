@@ -22,9 +22,9 @@ from ..experts.telemetry import TracingConfig
 from ..experts.tokenizer import DEFAULT_MODEL_DIR
 from ..experts.weights import check_checkpoint
 from .dispatch import FailoverConfig
-from .expert_pool import ExpertPool, PoolSpec, cluster_nodes, default_actor_groups
+from .expert_pool import ExpertPool, PoolSpec
 from .observability import ObservabilityConfig
-from .pool_layout import load_placement, planned_layout
+from .pool_layout import pool_layout
 from .router import Generation, RequestError, Router
 from .transports import TRANSPORTS
 
@@ -110,13 +110,8 @@ class ExpertMesh:
         check_checkpoint(reader)  # fail here, naming file and key, before any actor starts
         self._owns_ray = connect_ray(self.config.address, self.config.ray_num_cpus)
         tracing = self.config.tracing
-        slots = None
-        if self.config.placement is not None or self.config.elastic is not None:
-            elastic = self.config.elastic or ElasticConfig(num_cpus_per_actor=self.config.num_cpus_per_actor)
-            placement = load_placement(self.config.placement) if self.config.placement else None
-            groups, slots = planned_layout(reader.config, cluster_nodes(), elastic, placement)
-        else:
-            groups = default_actor_groups(reader.config, self.config.replicas_per_expert)
+        groups, slots = pool_layout(reader.config, self.config.replicas_per_expert, self.config.num_cpus_per_actor,
+                                    self.config.placement, self.config.elastic)
         spec = PoolSpec(str(self.config.resolved_model_dir), self.config.dtype, groups,
                         tracing=tracing.as_dict() if tracing.enabled else None)
         self.pool: ExpertPool | None = None

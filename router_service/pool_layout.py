@@ -17,6 +17,7 @@ from ..cluster.routing_table import Shard
 from ..cluster.shard_placement import Placement
 from ..experts.config import MoEModelConfig
 from .errors import RequestError
+from .expert_pool import cluster_nodes, default_actor_groups
 
 
 def load_placement(path: str | Path) -> Placement:
@@ -55,3 +56,15 @@ def planned_layout(cfg: MoEModelConfig, nodes: list[NodeResources], elastic: Ela
     plans = actor_plans(placement, layer_ids=list(cfg.moe_layers))
     slots = actor_slots(plans, devices, elastic)
     return {name: list(p.shards) for name, p in plans.items()}, list(slots.values())
+
+
+def pool_layout(cfg: MoEModelConfig, replicas_per_expert: int, num_cpus_per_actor: float | None,
+                placement_path: str | None, elastic: ElasticConfig | None
+                ) -> tuple[dict[str, list[Shard]], list[ActorSlot] | None]:
+    """The pool to start: a planned one (one actor per GPU) when a placement file or elasticity is given, else the
+    default grouping (one actor per logical expert; slots None: ExpertPool spreads it over the cluster)."""
+    if placement_path is None and elastic is None:
+        return default_actor_groups(cfg, replicas_per_expert), None
+    placement = load_placement(placement_path) if placement_path else None
+    return planned_layout(cfg, cluster_nodes(), elastic or ElasticConfig(num_cpus_per_actor=num_cpus_per_actor),
+                          placement)

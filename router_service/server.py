@@ -20,7 +20,6 @@ import ray
 from ray import serve
 
 from ..cluster.controller import CONTROLLER_NAME, ControllerConfig, start_controller
-from ..cluster.elastic import ElasticConfig
 from ..cluster.naming import NAMESPACE
 from ..cluster.table_store import read_table
 from ..experts.checkpoint import CheckpointReader
@@ -31,9 +30,9 @@ from .batching import BatcherConfig
 from .deployment import RouterDeployment, RouterSettings
 from .dispatch import FailoverConfig
 from .engine import connect_ray
-from .expert_pool import ExpertPool, PoolSpec, cluster_nodes, default_actor_groups
+from .expert_pool import ExpertPool, PoolSpec
 from .grpc_front import FrontSettings, start_front
-from .pool_layout import load_placement, planned_layout
+from .pool_layout import pool_layout
 from .transports import check_transport
 
 log = logging.getLogger(__name__)
@@ -106,13 +105,8 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
     pool = None
     server = None
     try:
-        slots = None
-        if config.placement is not None or config.controller.elastic is not None:
-            elastic = config.controller.elastic_config() or ElasticConfig(num_cpus_per_actor=config.num_cpus_per_actor)
-            placement = load_placement(config.placement) if config.placement else None
-            groups, slots = planned_layout(reader.config, cluster_nodes(), elastic, placement)
-        else:
-            groups = default_actor_groups(reader.config, config.replicas_per_expert)
+        groups, slots = pool_layout(reader.config, config.replicas_per_expert, config.num_cpus_per_actor,
+                                    config.placement, config.controller.elastic_config())
         spec = PoolSpec(str(config.resolved_model_dir), "float32", groups,
                         tracing=config.tracing.as_dict() if config.tracing.enabled else None)
         pool = ExpertPool(spec, config.num_cpus_per_actor, slots=slots)
