@@ -18,11 +18,7 @@ from tests.tiny_checkpoints import VOCAB
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 def hf_model(path):

@@ -25,16 +25,7 @@ PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoints):
-    return load_reference_model(checkpoints["mixtral"])
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2, kserve_v2_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from tests.served import start_server
@@ -37,11 +36,6 @@ def served(checkpoints):
 def channel(served):
     with grpc.insecure_channel(served.target) as chan:
         yield chan
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoints):
-    return load_reference_model(checkpoints["mixtral"])
 
 
 def generate(chan, prompt: list[int], max_tokens: int, **fields) -> tuple[list[int], pb.GenerationDone]:

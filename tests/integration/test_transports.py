@@ -11,7 +11,6 @@ import ray
 import torch
 
 from expertmesh.cluster.naming import NAMESPACE
-from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.compiled_transport import CompiledGraphTransport
 from expertmesh.router_service.engine import ExpertMesh, MeshConfig
 from expertmesh.router_service.expert_pool import connect_actors
@@ -25,16 +24,7 @@ PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoints):
-    return load_reference_model(checkpoints["mixtral"])
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 @pytest.fixture(scope="module")
