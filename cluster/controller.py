@@ -16,47 +16,21 @@ import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .controller_config import ControllerConfig
 from .elastic import ElasticConfig, ElasticState, actor_slots, cluster_devices, control_step, current_placement
 from .load_stats import merge_snapshots
-from .naming import NAMESPACE
+from .naming import CONTROLLER_NAME, NAMESPACE
 from .placement import ActorSlot, NodeResources
 from .table_store import clear_table, publish_table, read_table
 
 log = logging.getLogger(__name__)
-CONTROLLER_NAME = "controller"
 _KV_KEY = b"expertmesh/controller"
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    check_interval_s: float = 0.5
-    ping_timeout_s: float = 5.0
-    restore_timeout_s: float = 300.0
-    restore: bool = True  # False: only watch and report (for drills of the wait/degrade policies)
-    drain_timeout_s: float = 60.0  # a remap stops replaced replicas when every router switched, or after this
-    router_ttl_s: float = 10.0  # a router silent this long (scaled in, died) is not waited for
-    elastic: dict | None = None  # ElasticConfig fields (cluster/elastic.py); None: no rebalancing or autoscaling
-
-    def validate(self) -> ControllerConfig:
-        for name in ("check_interval_s", "ping_timeout_s", "restore_timeout_s", "drain_timeout_s", "router_ttl_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0")
-        self.elastic_config()
-        return self
-
-    def elastic_config(self) -> ElasticConfig | None:
-        if self.elastic is None:
-            return None
-        try:
-            return ElasticConfig(**self.elastic).validate()
-        except TypeError as exc:
-            raise ValueError(f"elastic: {exc}") from None
 
 
 def _kv_get() -> dict:
@@ -75,7 +49,7 @@ def _kv_put(record: dict) -> None:
 class Controller:
     """Runs as an async Ray actor (see `start_controller`)."""
 
-    def __init__(self, spec: dict, slots: list[dict], config: dict | None = None):
+    def __init__(self, spec: dict, slots: list[dict], config: ControllerConfig | None = None):
         self.spec = dict(spec)  # PoolSpec as a dict: model_dir, dtype, actor_shards
         self.slots = {s["name"]: ActorSlot(**s) for s in slots}
         published = read_table()
@@ -85,7 +59,7 @@ class Controller:
             self.slots.update({name: ActorSlot(**slot) for name, slot in published["slots"].items()})
         self.router_epochs: dict[str, tuple[float, int]] = {}  # router id -> (heard at, epoch it routes with)
         self._remap_lock = threading.Lock()  # one remap at a time, whichever thread's event loop asks
-        self.config = ControllerConfig(**(config or {})).validate()
+        self.config = (config or ControllerConfig()).validate()
         saved = _kv_get()
         self.epoch = int(saved.get("epoch", 0))
         self.drained: set[str] = set(saved.get("drained", []))
@@ -100,7 +74,7 @@ class Controller:
         # The watch starts here, on a thread with its own event loop, so that every incarnation watches, including
         # one Ray restarted after a crash (nobody calls a method on it then).
         threading.Thread(target=lambda: asyncio.run(self._watch()), name="controller-watch", daemon=True).start()
-        self.elastic = self.config.elastic_config()
+        self.elastic = self.config.elastic
         self.elastic_state = ElasticState()
         self.control_log: list[dict] = []  # the latest control steps (status shows imbalance before/after)
         self.requested_gpus = 0
@@ -424,6 +398,6 @@ def start_controller(spec: dict, slots: list[ActorSlot], config: ControllerConfi
         handle = ray.remote(Controller).options(
             name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
             max_concurrency=64, num_cpus=0,
-        ).remote(spec, [asdict(s) for s in slots], asdict(config or ControllerConfig()))
+        ).remote(spec, [asdict(s) for s in slots], config or ControllerConfig())
     ray.get(handle.start.remote())
     return handle

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..experts.errors import ConfigError
 from .autoscale import AutoscaleConfig, AutoscaleContext, AutoscaleState, decide, initial_state
 from .placement import ActorSlot, NodeResources
 from .placement_actors import ActorPlan, Transition, topology_for_nodes, transition
@@ -58,7 +59,13 @@ class ElasticConfig:
         if self.num_cpus_per_actor is not None and not self.num_cpus_per_actor > 0:
             raise ValueError(f"num_cpus_per_actor: must be > 0, got {self.num_cpus_per_actor}")
         if self.autoscale is not None:
-            self.autoscale_config()
+            try:
+                self.autoscale_config()
+            except ValueError as exc:  # name the autoscale field: "autoscale.max_gpus: ..."
+                head, sep, rest = str(exc).partition(": ")
+                if sep and head != "autoscale":
+                    raise ConfigError(f"autoscale.{head}", rest) from None
+                raise ConfigError("autoscale", rest if sep else str(exc)) from None
         return self
 
     def autoscale_config(self, cluster_gpus: int = 1) -> AutoscaleConfig:

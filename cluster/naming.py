@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 NAMESPACE = "expertmesh"
+CONTROLLER_NAME = "controller"  # the controller actor (cluster/controller.py), detached, in NAMESPACE
 _EXPERT_ACTOR = re.compile(r"expert-e([0-9]+)-r([0-9]+)")  # ASCII digits only; used with fullmatch
 _GPU_ACTOR = re.compile(r"expert-g([0-9]+)-v([0-9]+)")
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from ..router_service.config import MeshConfig
+
 MODEL = dict(hidden=1024, inter=2816, experts=8, top_k=2, layers=4, heads=16, kv_heads=4, vocab=4096)
 PREFILL = dict(sequences=4, tokens=256)
 DECODE = dict(sequences=32, context=64)
@@ -68,10 +70,14 @@ def write_bench_checkpoint(out: Path, seed: int = 0) -> Path:
 
 
 def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool = True,
-                       transport: str = "refs", overlap: bool = False) -> dict:
+                       config: MeshConfig | None = None) -> dict:
+    """config: the mesh's settings (transport, overlap, ...); its model path is replaced by the bench checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from ..router_service.engine import ExpertMesh, MeshConfig
+    from ..router_service.mesh import ExpertMesh
+
+    config = config or MeshConfig()
+    transport, overlap = config.router.transport, config.router.overlap
 
     def say(msg: str) -> None:
         if verbose:
@@ -87,7 +93,7 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
         model_dir = write_bench_checkpoint(Path(tmp) / "model")
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         say("starting expert actors ...")
-        with ExpertMesh(MeshConfig(model_dir=str(model_dir), transport=transport, overlap=overlap)) as mesh:
+        with ExpertMesh(config.replace(**{"model.path": str(model_dir)})) as mesh:
             result["noop_round_ms"] = _noop_round_ms(mesh)
             result["transport_round_ms"] = _transport_round_ms(mesh)
             result["transport_round_vs_noop"] = round(result["transport_round_ms"] / result["noop_round_ms"], 3)

@@ -34,7 +34,7 @@ class BatcherConfig:
     def validate(self) -> BatcherConfig:
         for name in ("max_active", "max_waiting", "max_prefill_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be ≥ 1, got {getattr(self, name)}")
         return self
 
 

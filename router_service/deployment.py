@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, replace
 
 import grpc
 import numpy as np
@@ -21,49 +20,30 @@ import torch
 from grpc_health.v1 import health_pb2
 from ray import serve
 
-from ..cluster.controller import CONTROLLER_NAME
-from ..cluster.naming import NAMESPACE, parse_expert_actor_name
+from ..cluster.naming import CONTROLLER_NAME, NAMESPACE, parse_expert_actor_name
 from ..cluster.table_store import read_table
-from ..experts.telemetry import TracingConfig, carrier_from_metadata
+from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
 from . import api
-from .batching import BatcherConfig, ContinuousBatcher, DoneEvent, QueueFullError
-from .dispatch import FailoverConfig, NoReplicaError
+from .batching import ContinuousBatcher, DoneEvent, QueueFullError
+from .config import MeshConfig
+from .dispatch import NoReplicaError
 from .expert_pool import PoolSpec, connect_actors
-from .observability import ObservabilityConfig
 from .router import Router
+from .startup import start_mesh
 
 log = logging.getLogger(__name__)
 SERVER_NAME = "expertmesh"
 SERVER_VERSION = "0.1.0"
 
 
-@dataclass
-class RouterSettings:
-    """Everything a router replica needs; plain data so Serve can ship it and a YAML can hold it."""
-
-    pool: dict  # PoolSpec as a dict
-    model_name: str
-    capacity_factor: float | None = None
-    batcher: dict = field(default_factory=dict)  # BatcherConfig fields
-    auth_token: str | None = None  # checked on calls that arrive through Serve's own gRPC proxy
-    torch_threads: int = 1
-    failover: dict = field(default_factory=dict)  # FailoverConfig fields
-    tracing: dict = field(default_factory=dict)  # TracingConfig fields (experts/telemetry.py); empty = off
-    observability: dict = field(default_factory=dict)  # ObservabilityConfig: load window, metrics switches
-    transport: str = "refs"  # expert transport: "refs" | "grpc" | "compiled" (README: Transports)
-    overlap: bool = False  # ping-pong two micro-batches per step (README: Transports / Overlap)
-
-    def pool_spec(self) -> PoolSpec:
-        shards = {name: [tuple(s) for s in shards] for name, shards in self.pool["actor_shards"].items()}
-        return PoolSpec(model_dir=self.pool["model_dir"], dtype=self.pool["dtype"], actor_shards=shards,
-                        tracing=self.pool.get("tracing"))
-
-    @staticmethod
-    def pool_dict(spec: PoolSpec) -> dict:
-        return asdict(spec)
+def pool_spec_from_dict(pool: dict) -> PoolSpec:
+    """A PoolSpec from the plain dict Serve ships to a router replica (shards as lists after a YAML/JSON trip)."""
+    shards = {name: [tuple(s) for s in shards] for name, shards in pool["actor_shards"].items()}
+    return PoolSpec(model_dir=pool["model_dir"], dtype=pool["dtype"], actor_shards=shards,
+                    tracing=pool.get("tracing"))
 
 
 def _set_status(grpc_context, error: api.ApiError) -> api.ApiError:
@@ -89,29 +69,27 @@ def _classify(exc: BaseException) -> api.ApiError:
 
 @serve.deployment(name="router", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 class RouterDeployment:
-    def __init__(self, settings: dict):
-        self.settings = RouterSettings(**settings)
-        torch.set_num_threads(max(1, self.settings.torch_threads))
-        spec = self.settings.pool_spec()
+    def __init__(self, config: dict, pool: dict):
+        """config: the MeshConfig tree as a dict (router_service/config.py); pool: the running expert pool's
+        PoolSpec as a dict. Plain data, so Serve ships it and a Serve YAML's builder produces it."""
+        self.config = MeshConfig.from_dict(config)
+        torch.set_num_threads(max(1, self.config.router.threads))
+        spec = pool_spec_from_dict(pool)
         published = read_table()
         if published is not None:
             # A router replica started (or restarted by Serve) after a remap starts from the live placement.
             spec = replace(spec, actor_shards=published["actor_shards"])
-        self.router = Router(spec, connect_actors(spec), self.settings.capacity_factor,
-                             failover=FailoverConfig(**self.settings.failover), transport=self.settings.transport,
-                             observability=ObservabilityConfig.from_dict(self.settings.observability),
-                             tracing=TracingConfig(**self.settings.tracing),
-                             router_id=serve.get_replica_context().replica_id.unique_id,
-                             overlap=self.settings.overlap)
+        self.router = Router(spec, connect_actors(spec), self.config,
+                             router_id=serve.get_replica_context().replica_id.unique_id)
         self.cfg = self.router.model_config
         decode = self.router.decode if self.router.tokenizer is not None else None
-        self.batcher = ContinuousBatcher(self.router.model, decode, BatcherConfig(**self.settings.batcher))
+        self.batcher = ContinuousBatcher(self.router.model, decode, self.config.router.batcher)
         self.batcher.observer = self.router.observer
         self.router.observer.batcher_gauges = self._batcher_gauges
-        self.model_name = self.settings.model_name
+        self.model_name = self.config.model.served_name
 
     def _authorize(self, grpc_context) -> None:
-        token = self.settings.auth_token
+        token = self.config.server.auth_token
         if token is None or grpc_context is None:
             return  # no auth, or called through a handle from inside the cluster (the front checked it)
         metadata = dict(grpc_context.invocation_metadata())
@@ -306,37 +284,14 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
 
 
 def build_app(args: dict) -> serve.Application:
-    """Serve import path `expertmesh.router_service.deployment:build_app` (see cluster/serve_config.yaml).
+    """Serve import path `expertmesh.router_service.deployment:build_app` (cluster/configs/serve_config.yaml).
 
-    args: RouterSettings fields plus optional `num_replicas` / `autoscaling_config`. Instead of `pool` a config may
-    give `model_dir` (null: the embedded model), `replicas_per_expert`, `num_cpus_per_actor` and `controller`: then
-    this starts (or adopts) the expert actors and the controller, detached so they outlive the builder.
+    args: the MeshConfig tree as a dict (the same keys as `expertmesh serve --config FILE`; unknown keys are refused
+    by name). Starts -- or adopts, on a redeploy -- the expert actors and the controller through the one start-up
+    path, detached so they outlive this builder, then returns the router deployment with router.replicas /
+    router.autoscale as its Serve options. Serve's own gRPC proxy serves it; `server.auth_token` is checked there.
     """
-    args = dict(args)
-    options = {k: args.pop(k) for k in ("num_replicas", "autoscaling_config") if k in args}
-    if "pool" not in args:
-        args = bootstrap_pool(args)
-    return RouterDeployment.options(**options).bind(args)
-
-
-def bootstrap_pool(args: dict) -> dict:
-    """Start or adopt the experts and the controller for a Serve-config deployment; returns RouterSettings args."""
-    from ..cluster.controller import ControllerConfig, start_controller
-    from ..experts.checkpoint import CheckpointReader
-    from ..experts.tokenizer import DEFAULT_MODEL_DIR
-    from ..experts.weights import check_checkpoint
-    from .expert_pool import ExpertPool, default_actor_groups
-
-    args = dict(args)
-    given = args.pop("model_dir", None)
-    model_dir = Path(given or DEFAULT_MODEL_DIR).resolve()
-    reader = CheckpointReader(model_dir)
-    check_checkpoint(reader)
-    spec = PoolSpec(str(model_dir), args.pop("dtype", "float32"),
-                    default_actor_groups(reader.config, int(args.pop("replicas_per_expert", 1))),
-                    tracing=args.get("tracing") or None)  # the routers' tracing config, for the actors too
-    pool = ExpertPool(spec, args.pop("num_cpus_per_actor", None), detached=True, reuse=True)
-    start_controller(asdict(spec), pool.slots, ControllerConfig(**args.pop("controller", {})), fresh=False)
-    args["pool"] = asdict(spec)
-    args.setdefault("model_name", "expertmesh-demo" if given is None else model_dir.name)
-    return args
+    config = MeshConfig.from_dict(args).validate()
+    runtime = start_mesh(config, detached=True, reuse=True)
+    return RouterDeployment.options(**config.router.deployment_options()).bind(config.to_dict(),
+                                                                             asdict(runtime.spec))

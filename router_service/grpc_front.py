@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -22,33 +21,9 @@ from ray import serve
 from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
 from .api import ApiError
+from .config import ServerConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FrontSettings:
-    host: str = "127.0.0.1"
-    port: int = 9000
-    tls_cert: str | None = None  # PEM files; both or neither
-    tls_key: str | None = None
-    auth_token: str | None = None  # clients send `authorization: Bearer <token>`
-    max_message_bytes: int = 16 * 1024 * 1024
-
-    def validate(self) -> FrontSettings:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key: give both or neither")
-        for name in ("tls_cert", "tls_key"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{name}: {path} is not a file")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
-        if self.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes: must be ≥ 1024, got {self.max_message_bytes}")
-        if self.auth_token is not None and not self.auth_token.strip():
-            raise ValueError("auth_token: must not be blank")
-        return self
 
 
 def _api_error(exc: BaseException) -> ApiError | None:
@@ -144,7 +119,7 @@ class _Health(health_pb2_grpc.HealthServicer):
             return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-async def start_front(handle: serve.handle.DeploymentHandle, settings: FrontSettings) -> tuple[grpc.aio.Server, int]:
+async def start_front(handle: serve.handle.DeploymentHandle, settings: ServerConfig) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the port it bound (useful with port 0)."""
     settings.validate()
     server = grpc.aio.server(options=[

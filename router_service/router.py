@@ -15,13 +15,14 @@ from ..cluster.naming import NAMESPACE
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
 from ..experts.modeling import KVCache, MoEDecoder
-from ..experts.telemetry import TracingConfig, build_tracer
+from ..experts.telemetry import build_tracer
 from ..experts.tokenizer import load_tokenizer
 from ..experts.weights import load_dense_weights
-from .dispatch import FailoverConfig, RemoteExperts
+from .config import MeshConfig
+from .dispatch import RemoteExperts
 from .errors import RequestError, check_budget, check_token_ids
 from .expert_pool import PoolSpec
-from .observability import ObservabilityConfig, RouterObserver, default_router_id
+from .observability import RouterObserver, default_router_id
 from .table_sync import TableFollower
 from .transport import NameReviver
 from .transports import close_transport, make_transport
@@ -38,31 +39,25 @@ class Generation:
 
 
 class Router:
-    def __init__(
-        self,
-        spec: PoolSpec,
-        actors: dict[str, ray.actor.ActorHandle],
-        capacity_factor: float | None = None,
-        reader: CheckpointReader | None = None,
-        failover: FailoverConfig | None = None,
-        transport: str = "refs",
-        observability: ObservabilityConfig | None = None,
-        tracing: TracingConfig | None = None,
-        router_id: str | None = None,
-        overlap: bool = False,
-    ):
+    def __init__(self, spec: PoolSpec, actors: dict[str, ray.actor.ActorHandle], config: MeshConfig,
+                 reader: CheckpointReader | None = None, router_id: str | None = None):
+        """spec/actors: the running expert pool; config: the mesh's settings (router, failover, observability and
+        tracing sections are read here); router_id: names this router in load reports (a Serve replica's id)."""
         self.spec = spec
         self.reader = reader or CheckpointReader(spec.model_dir)
         self.model_config = self.reader.config
         self.tokenizer = load_tokenizer(spec.model_dir)
-        self.transport = make_transport(transport, dict(actors))
-        self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport, failover,
-                                     reviver=NameReviver(self.transport, NAMESPACE))
+        self.config = config
+        settings = config.router
+        self.transport = make_transport(settings.transport, dict(actors))
+        self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport,
+                                     config.failover, reviver=NameReviver(self.transport, NAMESPACE))
         dense = load_dense_weights(self.reader, getattr(torch, spec.dtype), progress="router weights")
-        self.model = MoEDecoder(self.model_config, dense, self.backend, capacity_factor, overlap=overlap)
+        self.model = MoEDecoder(self.model_config, dense, self.backend, settings.capacity_factor,
+                                overlap=settings.overlap)
         # Load statistics, metrics, traces (router_service/observability.py).
         self.observer = RouterObserver(self.model_config, self.backend, router_id or default_router_id(),
-                                       observability, build_tracer(tracing, "router"))
+                                       config.observability, build_tracer(config.tracing, "router"))
         self.enable_tracing(self.observer.tracer)
         self.backend.observer = self.observer
         self.model.step_observer = self.observer.on_step

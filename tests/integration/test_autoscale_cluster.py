@@ -12,12 +12,14 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from expertmesh.cluster.controller_config import ControllerConfig
 from expertmesh.cluster.elastic import ElasticConfig
 from expertmesh.cluster.load_stats import LoadStatsConfig
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
-from expertmesh.router_service.engine import ExpertMesh, MeshConfig
+from expertmesh.router_service.config import RayConfig
+from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability import ObservabilityConfig
 from tests.integration.test_elastic import MAX_TOKENS, PromptCycler, code_prompts, control_log
 from tests.integration.test_live_remap import wait_for
@@ -57,7 +59,7 @@ def test_scale_out_onto_a_requested_node_and_back_in(small_cluster):
         control_interval_s=2.0, slots_per_gpu=4, num_cpus_per_actor=0.1, min_window_tokens=100,
         autoscale={"target_load_per_replica": 60.0, "max_gpus": 4, "base_gpus": 2, "downscale_delay_s": 4.0})
     mesh = ExpertMesh(MeshConfig(
-        address=small_cluster.address, elastic=elastic,
+        ray=RayConfig(address=small_cluster.address), controller=ControllerConfig(elastic=elastic),
         observability=ObservabilityConfig(load=LoadStatsConfig(window_s=6.0, bucket_s=1.0), report_interval_s=1.0)))
     try:
         assert sorted(mesh.router.table.actors) == ["expert-g0-v0", "expert-g1-v0"]  # 2 GPUs x 4 slots: full

@@ -12,13 +12,20 @@ from safetensors.torch import load_file, save_file
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.reference import load_reference_model
-from expertmesh.router_service.engine import ExpertMesh, MeshConfig, RequestError
+from expertmesh.router_service.mesh import ConfigError, ExpertMesh, MeshConfig, RequestError
 from tests.tiny_checkpoints import VOCAB
 
 TOL = 1e-4
 
 
 pytestmark = pytest.mark.usefixtures("local_ray")
+
+
+def local_mesh(path, **sections) -> ExpertMesh:
+    """A mesh on the tiny checkpoint at `path` with no controller (nothing here kills actors); sections: more of
+    the configuration tree, e.g. router={"capacity_factor": 1.0}."""
+    return ExpertMesh(MeshConfig.from_dict({"model": {"path": str(path)}, "controller": {"enabled": False},
+                                            **sections}))
 
 
 def hf_model(path):
@@ -36,7 +43,7 @@ def sequences(seed: int = 0) -> list[list[int]]:
 def test_logits_equal_transformers(checkpoints, name):
     hf = hf_model(checkpoints[name])
     seqs = sequences()
-    with ExpertMesh(MeshConfig(model_dir=str(checkpoints[name]))) as mesh:
+    with local_mesh(checkpoints[name]) as mesh:
         got = mesh.score_batch(seqs)  # both sequences share every expert call
         hit = {layer: int(torch.unique(r.experts).numel()) for layer, r in mesh.model.last_trace.routings.items()}
         calls = dict(mesh.backend.calls_per_layer)
@@ -53,7 +60,7 @@ def test_logits_equal_transformers(checkpoints, name):
 def test_greedy_generation_equals_transformers_generate(checkpoints, name):
     hf = hf_model(checkpoints[name])
     prompt = sequences(seed=1)[0][:6]
-    with ExpertMesh(MeshConfig(model_dir=str(checkpoints[name]))) as mesh:
+    with local_mesh(checkpoints[name]) as mesh:
         result = mesh.generate(token_ids=prompt, max_tokens=12)
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                        pad_token_id=0)[0, len(prompt):].tolist()
@@ -66,7 +73,7 @@ def test_replicas_share_load_and_stay_exact(checkpoints):
     path = checkpoints["mixtral"]
     seqs = sequences(seed=2)
     reference = load_reference_model(path).forward([torch.tensor(s) for s in seqs])
-    with ExpertMesh(MeshConfig(model_dir=str(path), replicas_per_expert=2)) as mesh:
+    with local_mesh(path, experts={"replicas_per_expert": 2}) as mesh:
         got = mesh.score_batch(seqs)
         # Operators find actors by name from any driver.
         other = ray.get_actor("expert-e1-r1", namespace=NAMESPACE)
@@ -90,7 +97,7 @@ def test_capacity_factor_matches_reference_with_the_same_cap(checkpoints):
     ids = [torch.tensor(s) for s in sequences(seed=3)]
     capped_ref = load_reference_model(path, capacity_factor=1.0).forward(ids)
     free_ref = load_reference_model(path).forward(ids)
-    with ExpertMesh(MeshConfig(model_dir=str(path), capacity_factor=1.0)) as mesh:
+    with local_mesh(path, router={"capacity_factor": 1.0}) as mesh:
         got = mesh.score_batch([i.tolist() for i in ids])
         rerouted = sum(r.rerouted for r in mesh.model.last_trace.routings.values())
     for a, b in zip(got, capped_ref):
@@ -100,7 +107,7 @@ def test_capacity_factor_matches_reference_with_the_same_cap(checkpoints):
 
 
 def test_bad_requests_name_the_field(checkpoints):
-    with ExpertMesh(MeshConfig(model_dir=str(checkpoints["mixtral"]))) as mesh:
+    with local_mesh(checkpoints["mixtral"]) as mesh:
         cases = [
             (lambda: mesh.score([]), "token_ids"),
             (lambda: mesh.score([1, VOCAB]), "token_ids"),
@@ -123,14 +130,13 @@ def test_broken_checkpoint_fails_before_actors_start(checkpoints, tmp_path):
     del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
     save_file(tensors, str(broken / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight"):
-        ExpertMesh(MeshConfig(model_dir=str(broken)))
+        ExpertMesh(MeshConfig.from_dict({"model": {"path": str(broken)}}))
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
 
 
 def test_config_is_validated_at_the_boundary():
-    for kwargs, field in [({"replicas_per_expert": 0}, "replicas_per_expert"), ({"dtype": "int8"}, "dtype"),
-                          ({"capacity_factor": float("nan")}, "capacity_factor"),
-                          ({"model_dir": "/nonexistent"}, "model_dir")]:
-        with pytest.raises(RequestError) as err:
-            MeshConfig(**kwargs).validate()
+    for field, value in [("experts.replicas_per_expert", 0), ("model.dtype", "int8"),
+                         ("router.capacity_factor", float("nan")), ("model.path", "/nonexistent")]:
+        with pytest.raises(ConfigError) as err:
+            MeshConfig().replace(**{field: value}).validate()
         assert err.value.field == field

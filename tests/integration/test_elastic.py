@@ -12,12 +12,14 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from expertmesh.cluster.controller_config import ControllerConfig
 from expertmesh.cluster.elastic import ElasticConfig
 from expertmesh.cluster.load_stats import LoadStatsConfig
 from expertmesh.cluster.naming import NAMESPACE, parse_gpu_actor_name
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
-from expertmesh.router_service.engine import ExpertMesh, MeshConfig
+from expertmesh.router_service.config import RayConfig
+from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability import ObservabilityConfig
 from tests.integration.test_live_remap import NonStopClient, wait_for
 from tests.tiny_checkpoints import greedy_tokens
@@ -84,7 +86,7 @@ def test_skewed_traffic_rebalances_live_within_target(gpu_cluster):
     elastic = ElasticConfig(control_interval_s=3.0, slots_per_gpu=5, num_cpus_per_actor=0.1,
                             min_window_tokens=900, extra_replica_fraction=0.25)
     mesh = ExpertMesh(MeshConfig(
-        address=gpu_cluster.address, elastic=elastic,
+        ray=RayConfig(address=gpu_cluster.address), controller=ControllerConfig(elastic=elastic),
         observability=ObservabilityConfig(load=LoadStatsConfig(window_s=60.0, bucket_s=1.0), report_interval_s=1.0)))
     try:
         start = dict(mesh.router.table.actors)

@@ -13,11 +13,13 @@ import pytest
 import ray
 import torch
 
+from expertmesh.cluster.controller_config import ControllerConfig
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.gating import Routing, degrade
 from expertmesh.experts.reference import load_reference_model
+from expertmesh.router_service.config import ExpertsConfig, ModelConfig
 from expertmesh.router_service.dispatch import FailoverConfig, NoReplicaError
-from expertmesh.router_service.engine import ExpertMesh, MeshConfig
+from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.tiny_checkpoints import VOCAB, greedy_tokens
 
 TOL = 1e-4
@@ -43,8 +45,12 @@ def tokens_of(routing: Routing, expert: int) -> int:
     return int((routing.experts == expert).sum())
 
 
-def make_mesh(checkpoints, **kwargs) -> ExpertMesh:
-    return ExpertMesh(MeshConfig(model_dir=str(checkpoints["mixtral"]), **kwargs))
+def make_mesh(checkpoints, replicas_per_expert: int = 1, restore: bool = False,
+              failover: FailoverConfig | None = None) -> ExpertMesh:
+    """restore: run the controller (which restores killed experts); otherwise no controller at all."""
+    return ExpertMesh(MeshConfig(model=ModelConfig(path=str(checkpoints["mixtral"])),
+                                 experts=ExpertsConfig(replicas_per_expert=replicas_per_expert),
+                                 failover=failover or FailoverConfig(), controller=ControllerConfig(enabled=restore)))
 
 
 def kill_and_wait(name: str, timeout: float = 60.0) -> None:
@@ -87,7 +93,7 @@ class TestControllerRestores:
     @pytest.fixture(scope="class")
     def mesh(self, checkpoints):
         # wait_timeout_s leaves room for a restore (a fresh process loading torch) on a loaded 2-core machine.
-        with make_mesh(checkpoints, replicas_per_expert=1, restore_experts=True,
+        with make_mesh(checkpoints, replicas_per_expert=1, restore=True,
                        failover=FailoverConfig(no_replica_policy="wait", wait_timeout_s=60)) as mesh:
             yield mesh
 

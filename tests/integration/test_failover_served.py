@@ -22,7 +22,7 @@ from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
-from expertmesh.router_service.engine import ExpertMesh, MeshConfig
+from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.served import start_server
 from tests.tiny_checkpoints import greedy_tokens
 
@@ -77,8 +77,8 @@ def gpu_cluster():
 
 def test_node_lost_output_unchanged_and_replicas_restored_elsewhere(gpu_cluster, checkpoints, expected):
     cluster, workers = gpu_cluster
-    with ExpertMesh(MeshConfig(model_dir=str(checkpoints["mixtral"]), replicas_per_expert=2,
-                               restore_experts=True)) as mesh:
+    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])},
+                                                "experts": {"replicas_per_expert": 2}})) as mesh:
         slots = {s.name: s for s in mesh.slots}
         for expert in range(4):  # replicas of one expert on different nodes, both workers
             nodes = {slots[f"expert-e{expert}-r{r}"].node_id for r in range(2)}

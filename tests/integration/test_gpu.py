@@ -12,13 +12,14 @@ def test_experts_run_on_the_gpu_and_match_the_reference(checkpoints):
     import ray
 
     from expertmesh.experts.reference import load_reference_model
-    from expertmesh.router_service.engine import ExpertMesh, MeshConfig
+    from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 
     ids = [3, 14, 15, 92, 65, 35]
     want = load_reference_model(checkpoints["mixtral"]).forward([torch.tensor(ids)])[0]
     ray.init(address="local", include_dashboard=False)
     try:
-        with ExpertMesh(MeshConfig(model_dir=str(checkpoints["mixtral"]))) as mesh:
+        with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])},
+                                                    "controller": {"enabled": False}})) as mesh:
             infos = mesh.actor_info()
             got = mesh.score(ids)
     finally:

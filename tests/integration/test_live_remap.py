@@ -15,7 +15,7 @@ import ray
 from expertmesh.cluster.naming import NAMESPACE, expert_actor_name
 from expertmesh.cluster.table_store import read_table
 from expertmesh.experts.reference import load_reference_model
-from expertmesh.router_service.engine import ExpertMesh, MeshConfig
+from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.tiny_checkpoints import greedy_tokens
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
@@ -62,8 +62,8 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
 
 def test_add_then_retire_a_replica_live(checkpoints):
     expected = greedy_tokens(load_reference_model(checkpoints["mixtral"]), PROMPT, MAX_TOKENS)
-    mesh = ExpertMesh(MeshConfig(model_dir=str(checkpoints["mixtral"]), restore_experts=True,
-                                 num_cpus_per_actor=0.1))
+    mesh = ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])},
+                                              "experts": {"num_cpus_per_actor": 0.1}}))
     try:
         hot = 0
         original, added = expert_actor_name(hot, 0), expert_actor_name(hot, 1)
@@ -102,8 +102,8 @@ def test_add_then_retire_a_replica_live(checkpoints):
 
 
 def test_remap_refuses_a_bad_placement(checkpoints):
-    mesh = ExpertMesh(MeshConfig(model_dir=str(checkpoints["mixtral"]), restore_experts=True,
-                                 num_cpus_per_actor=0.1))
+    mesh = ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])},
+                                              "experts": {"num_cpus_per_actor": 0.1}}))
     try:
         placement = {name: [list(s) for s in shards] for name, shards in mesh.router.table.actors.items()}
         first = next(iter(placement))

@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from expertmesh.cluster.controller import start_controller
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.telemetry import TracingConfig, build_tracer, carrier_of, span_record
-from expertmesh.router_service.engine import ExpertMesh, MeshConfig
+from expertmesh.router_service.config import ModelConfig
+from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.metrics import MetricsConfig
 from expertmesh.router_service.observability import ObservabilityConfig
 from tests.tiny_checkpoints import write_direct_mixtral
@@ -54,7 +55,7 @@ def mesh(metrics_port, tmp_path_factory):
     model = write_direct_mixtral(root / "model", seed=3)
     spans = root / "actor_spans.jsonl"
     mesh = ExpertMesh(MeshConfig(
-        model_dir=str(model), tracing=TracingConfig(exporter="file", path=str(spans)),
+        model=ModelConfig(path=str(model)), tracing=TracingConfig(exporter="file", path=str(spans)),
         observability=ObservabilityConfig(metrics=MetricsConfig(flush_interval_s=0.0), report_interval_s=0.5),
     ))
     mesh.spans_path = spans

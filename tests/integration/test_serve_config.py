@@ -18,8 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.reference import load_reference_model
+from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
-from expertmesh.protos import inference_pb2_grpc
+from expertmesh.protos import kserve_v2_pb2 as kpb
 from tests.tiny_checkpoints import greedy_tokens
 
 CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "serve_config.yaml"
@@ -39,9 +40,12 @@ def deployed(checkpoints, tmp_path_factory):
     config["grpc_options"]["port"] = port
     config["http_options"]["port"] = free_port()
     app = config["applications"][0]["args"]
-    app["model_dir"] = str(checkpoints["mixtral"])
-    app.pop("autoscaling_config")
-    app["num_replicas"] = 1
+    app["model"]["path"] = str(checkpoints["mixtral"])
+    # Non-default settings that must reach the builder and the routers through Serve's args (one config tree).
+    app["model"]["name"] = "yaml-mixtral"
+    app["failover"]["no_replica_policy"] = "degrade"
+    app["router"].pop("autoscale")
+    app["router"]["replicas"] = 1
     path = tmp_path_factory.mktemp("serve") / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     log = path.with_suffix(".log")
@@ -92,3 +96,13 @@ def test_errors_keep_their_codes_behind_serves_proxy(deployed):
 def test_the_builder_started_experts_and_controller_detached(deployed):
     names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
     assert {"controller", "expert-e0-r0", "expert-e0-r1", "expert-e3-r1"} <= names
+
+
+def test_settings_from_the_serve_config_took_effect(deployed):
+    """model.name and failover.no_replica_policy came from the YAML's args, not from defaults."""
+    state = admin_pb2_grpc.AdminStub(deployed).GetClusterState(admin_pb2.ClusterStateRequest(), timeout=30)
+    assert state.model == "yaml-mixtral" and state.no_replica_policy == "degrade"
+    assert len(state.replicas) == 16  # experts.replicas_per_expert: 2 x 8 experts
+    ready = kserve_v2_pb2_grpc.GRPCInferenceServiceStub(deployed).ModelReady(
+        kpb.ModelReadyRequest(name="yaml-mixtral"), timeout=30)
+    assert ready.ready

@@ -12,9 +12,9 @@ import torch
 
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.router_service.compiled_transport import CompiledGraphTransport
-from expertmesh.router_service.engine import ExpertMesh, MeshConfig
 from expertmesh.router_service.expert_pool import connect_actors
 from expertmesh.router_service.grpc_transport import GrpcTransport
+from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.router import Router
 from tests.integration.test_failover import kill_and_wait
 from tests.tiny_checkpoints import VOCAB, greedy_tokens
@@ -34,8 +34,8 @@ def expected(reference) -> list[int]:
 
 @pytest.fixture(scope="module")
 def mesh(checkpoints):
-    with ExpertMesh(MeshConfig(model_dir=str(checkpoints["mixtral"]), replicas_per_expert=2,
-                               restore_experts=True)) as mesh:
+    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])},
+                                                "experts": {"replicas_per_expert": 2}})) as mesh:
         names = list(mesh.pool.spec.actor_shards)
         yield mesh
 
@@ -56,7 +56,7 @@ def routers(mesh):
     """A router per transport over the same actors (the refs one is the mesh's own)."""
     out = {"refs": mesh.router}
     for name in ("grpc", "compiled"):
-        out[name] = Router(mesh.pool.spec, mesh.actors, transport=name)
+        out[name] = Router(mesh.pool.spec, mesh.actors, mesh.config.replace(**{"router.transport": name}))
     yield out
     for name in ("grpc", "compiled"):
         out[name].close()
@@ -100,7 +100,8 @@ def test_overlap_gives_the_reference_logits_and_generations(mesh, reference):
     seqs = sequences()
     want = reference.forward([torch.tensor(s) for s in seqs])
     for name in ("refs", "grpc"):
-        router = Router(mesh.pool.spec, mesh.actors, transport=name, overlap=True)
+        config = mesh.config.replace(**{"router.transport": name, "router.overlap": True})
+        router = Router(mesh.pool.spec, mesh.actors, config)
         try:
             for w, g in zip(want, router.score_batch(seqs)):
                 assert (g - w).abs().max().item() <= TOL, name
@@ -170,7 +171,7 @@ def test_grpc_transport_reconnects_after_a_restore(routers, expected):
 
 def test_compiled_teardown_leaves_no_loop_or_channel(mesh):
     actors = connect_actors(mesh.pool.spec)  # the current incarnations (earlier tests had two restored)
-    router = Router(mesh.pool.spec, actors, transport="compiled")
+    router = Router(mesh.pool.spec, actors, mesh.config.replace(**{"router.transport": "compiled"}))
     transport: CompiledGraphTransport = router.transport
     graph = transport.graph
     assert graph is not None

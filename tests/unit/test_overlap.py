@@ -237,12 +237,9 @@ def test_remote_experts_submit_wait_under_overlap_with_failover(checkpoints):
 
 
 def test_configs_refuse_overlap_with_capacity_naming_the_field():
-    from expertmesh.router_service.engine import MeshConfig, RequestError
-    from expertmesh.router_service.server import ServeConfig
+    from expertmesh.router_service.config import ConfigError, MeshConfig
 
-    with pytest.raises(RequestError, match="overlap") as err:
-        MeshConfig(overlap=True, capacity_factor=1.25).validate()
-    assert err.value.field == "overlap"
-    with pytest.raises(ValueError, match="^overlap:"):
-        ServeConfig(overlap=True, capacity_factor=1.25).validate()
-    assert MeshConfig(overlap=True).validate().overlap and ServeConfig(overlap=True).validate().overlap
+    with pytest.raises(ConfigError, match="^router.overlap:") as err:
+        MeshConfig.from_dict({"router": {"overlap": True, "capacity_factor": 1.25}}).validate()
+    assert err.value.field == "router.overlap"
+    assert MeshConfig.from_dict({"router": {"overlap": True}}).validate().router.overlap

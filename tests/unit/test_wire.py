@@ -7,7 +7,7 @@ import pytest
 
 from expertmesh.experts import wire
 from expertmesh.protos import expert_transport_pb2 as pb
-from expertmesh.router_service.engine import MeshConfig, RequestError
+from expertmesh.router_service.config import ConfigError, MeshConfig
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int64", ">f4"])
@@ -58,8 +58,8 @@ def test_batch_counts_must_cover_the_rows():
 
 
 def test_mesh_config_names_a_bad_transport():
-    with pytest.raises(RequestError) as err:
-        MeshConfig(transport="carrier-pigeon").validate()
-    assert err.value.field == "transport"
+    with pytest.raises(ConfigError) as err:
+        MeshConfig().replace(**{"router.transport": "carrier-pigeon"}).validate()
+    assert err.value.field == "router.transport"
     for name in ("refs", "grpc", "compiled"):
-        MeshConfig(transport=name).validate()
+        MeshConfig().replace(**{"router.transport": name}).validate()

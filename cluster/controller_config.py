@@ -1,0 +1,27 @@
+"""The controller's settings (a section of the configuration tree, router_service/config.py). Ray-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .elastic import ElasticConfig
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    enabled: bool = True  # False: no controller (no restores, no Admin kill/drain, no elasticity)
+    restore: bool = True  # False: only watch and report (for drills of the wait/degrade policies)
+    check_interval_s: float = 0.5
+    ping_timeout_s: float = 5.0
+    restore_timeout_s: float = 300.0
+    drain_timeout_s: float = 60.0  # a remap stops replaced replicas when every router switched, or after this
+    router_ttl_s: float = 10.0  # a router silent this long (scaled in, died) is not waited for
+    elastic: ElasticConfig | None = None  # rebalancing / autoscaling from load (README: Elasticity); None: off
+
+    def validate(self) -> ControllerConfig:
+        for name in ("check_interval_s", "ping_timeout_s", "restore_timeout_s", "drain_timeout_s", "router_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.elastic is not None and not self.enabled:
+            raise ValueError("enabled: elasticity (elastic) runs in the controller; it cannot be off")
+        return self

@@ -1,0 +1,71 @@
+"""`expertmesh bench dispatch|serve|placement|observability`: benchmarks, each printing one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .mesh_flags import add_mesh_flags, mesh_config_from_args
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.add_argument("--out", metavar="FILE", help="also write the JSON here")
+
+
+def add_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (JSON output)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    dispatch = bench_sub.add_parser("dispatch", help="distributed forward vs transformers in one process")
+    dispatch.add_argument("--workload", choices=["prefill", "decode", "both"], default="both")
+    dispatch.add_argument("--repeats", type=int, default=5)
+    # The mesh's settings (transport, overlap, failover, ...); the benchmark supplies its own checkpoint.
+    add_mesh_flags(dispatch, ("ray", "experts", "router", "failover", "controller", "tracing"))
+    _output_flags(dispatch)
+    serve_bench = bench_sub.add_parser("serve", help="concurrent gRPC streams: tokens/s and inter-token latency")
+    serve_bench.add_argument("--target", help="a running server (default: start one on the embedded model)")
+    serve_bench.add_argument("--model", metavar="DIR", help="checkpoint for the self-started server")
+    serve_bench.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
+    serve_bench.add_argument("--max-tokens", type=int, default=32)
+    serve_bench.add_argument("--requests-per-stream", type=int, default=2)
+    _output_flags(serve_bench)
+    placement_bench = bench_sub.add_parser("placement", help="placement planner vs greedy replicate-then-pack")
+    placement_bench.add_argument("--seed", type=int, default=0)
+    placement_bench.add_argument("--repeats", type=int, default=3, help="timing: best of this many runs")
+    placement_bench.add_argument("--balance-slack", type=float, default=0.02,
+                                 help="also report drift moves at this slack (0 is always reported)")
+    placement_bench.add_argument("--quick", action="store_true", help="8 layers instead of 58")
+    _output_flags(placement_bench)
+    obs_bench = bench_sub.add_parser("observability", help="cost of load statistics and tracing per layer and step")
+    obs_bench.add_argument("--sequences", type=int, default=32, help="sequences in the decode step")
+    _output_flags(obs_bench)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench == "dispatch":
+        from ..bench_dispatch import run_dispatch_bench
+
+        result = run_dispatch_bench(args.workload, repeats=args.repeats, verbose=not args.json,
+                                    config=mesh_config_from_args(args))
+    elif args.bench == "serve":
+        from ..bench_serve import run_serve_bench
+
+        levels = tuple(int(c) for c in args.concurrency.split(","))
+        result = run_serve_bench(target=args.target, concurrencies=levels, max_tokens=args.max_tokens,
+                                 requests_per_stream=args.requests_per_stream, model_dir=args.model,
+                                 verbose=not args.json)
+    elif args.bench == "observability":
+        from ..bench_observability import run_observability_bench
+
+        result = run_observability_bench(sequences=args.sequences)
+    else:
+        from ..bench_placement import run_placement_bench
+
+        result = run_placement_bench(seed=args.seed, repeats=args.repeats, balance_slack=args.balance_slack,
+                                     quick=args.quick)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(text + "\n")
+    return 0

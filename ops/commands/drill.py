@@ -1,0 +1,39 @@
+"""`expertmesh drill`: a failover drill under load (kill actors / a node / a router / the controller), with a report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("drill", help="failover drill under load: kill actors/nodes/router/controller, report")
+    p.add_argument("--kill", choices=["actor", "fraction", "node", "router", "controller"], default="actor")
+    p.add_argument("--every", type=float, default=10.0, help="seconds between kills")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of the fault phase")
+    p.add_argument("--baseline", type=float, default=15.0, help="seconds of fault-free load first")
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent greedy Generate streams")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--replicas-per-expert", type=int, default=2)
+    p.add_argument("--no-replica-policy", choices=["wait", "degrade"], default="wait")
+    p.add_argument("--model", metavar="DIR", help="checkpoint for the self-started server (default: embedded)")
+    p.add_argument("--nodes", type=int, default=2, help="worker nodes of the self-started cluster (--kill node)")
+    p.add_argument("--fraction", type=float, default=0.25, help="share of expert actors per tick (fraction)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", metavar="HOST:PORT", help="attach to a running server instead of starting one")
+    p.add_argument("--address", help="with --target: its Ray cluster (needed to kill router/controller)")
+    p.add_argument("--out", metavar="DIR", default="drill_out", help="report folder (default: drill_out)")
+    p.add_argument("--json", action="store_true", help="print only the JSON report")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..drill import run_drill
+
+    result = run_drill(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
+                       concurrency=args.concurrency, max_tokens=args.max_tokens,
+                       replicas_per_expert=args.replicas_per_expert, no_replica_policy=args.no_replica_policy,
+                       model_dir=args.model, nodes=args.nodes, fraction=args.fraction, seed=args.seed,
+                       target=args.target, address=args.address, out=args.out, verbose=not args.json)
+    summary = result.pop("summary")
+    print(json.dumps(result, indent=2) if args.json else f"{summary}\nreport: {result['files']['markdown']}")
+    return 0

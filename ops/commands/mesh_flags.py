@@ -1,0 +1,166 @@
+"""Command-line flags of the configuration tree: each flag sets exactly one MeshConfig field (router_service/config.py).
+
+Flags default to "not given" (argparse.SUPPRESS), so the value comes from, in order: the flag, `--config FILE` (YAML
+or JSON holding the tree), the dataclass default. `mesh_config_from_args` applies them and validates once; an error
+names the field by its dotted path. Commands pick the groups of flags that make sense for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...experts.errors import ConfigError
+from ...router_service.config import DTYPES, MeshConfig
+from ...router_service.config_tree import replace_path
+from ...router_service.transports import TRANSPORTS
+
+
+def _autoscale_range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split(":"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be MIN:MAX, got {text!r}") from exc
+    return low, high
+
+
+@dataclass(frozen=True)
+class Flag:
+    flag: str
+    path: str  # the dotted MeshConfig field it sets
+    group: str
+    help: str
+    kwargs: dict[str, Any] = field(default_factory=dict)  # argparse: type, choices, action, const, metavar
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--model", "model.path", "model", "checkpoint folder (default: the embedded model)", {"metavar": "DIR"}),
+    Flag("--model-name", "model.name", "model", "name clients use (default: folder name; expertmesh-demo if "
+         "embedded)"),
+    Flag("--dtype", "model.dtype", "model", "weights and activations", {"choices": DTYPES}),
+    Flag("--address", "ray.address", "ray", "Ray cluster to join (default: start an embedded one)"),
+    Flag("--ray-cpus", "ray.num_cpus", "ray", "CPUs of the embedded Ray (default: the machine's)", {"type": int}),
+    Flag("--replicas-per-expert", "experts.replicas_per_expert", "experts", "replicas of each expert actor",
+         {"type": int}),
+    Flag("--cpus-per-actor", "experts.num_cpus_per_actor", "experts", "CPUs per expert actor (default: a share "
+         "of each node's)", {"type": float}),
+    Flag("--actor-start-timeout", "experts.start_timeout_s", "experts", "seconds for every expert actor to load",
+         {"type": float}),
+    Flag("--placement", "experts.placement", "experts", "start from a PLACEMENT.json (`expertmesh plan`): one "
+         "expert actor per GPU hosting that GPU's shards", {"metavar": "FILE"}),
+    Flag("--transport", "router.transport", "router", "how routers reach expert actors (README: Transports)",
+         {"choices": TRANSPORTS}),
+    Flag("--overlap", "router.overlap", "router", "split each step into two micro-batches whose expert rounds "
+         "overlap the other's dense compute (README: Transports / Overlap)", {"action": "store_const", "const": True}),
+    Flag("--capacity-factor", "router.capacity_factor", "router", "cap tokens per expert per step (default: no "
+         "cap, no token is ever dropped)", {"type": float}),
+    Flag("--router-threads", "router.threads", "router", "torch threads per router", {"type": int}),
+    Flag("--router-replicas", "router.replicas", "serve", "Serve replicas of the router", {"type": int}),
+    Flag("--router-autoscale", "router.autoscale", "serve", "autoscale router replicas",
+         {"type": _autoscale_range, "metavar": "MIN:MAX"}),
+    Flag("--max-active", "router.batcher.max_active", "serve", "sequences decoding together per router",
+         {"type": int}),
+    Flag("--max-waiting", "router.batcher.max_waiting", "serve", "queued requests per router before "
+         "RESOURCE_EXHAUSTED", {"type": int}),
+    Flag("--max-prefill-tokens", "router.batcher.max_prefill_tokens", "serve", "prompt tokens admitted into one "
+         "step", {"type": int}),
+    Flag("--no-replica-policy", "failover.no_replica_policy", "failover", "when every replica of an expert is "
+         "down: hold its tokens until one is back (up to --wait-timeout, then UNAVAILABLE), or send them to the "
+         "next-best expert and count them", {"choices": ("wait", "degrade")}),
+    Flag("--wait-timeout", "failover.wait_timeout_s", "failover", "seconds a step holds tokens of an expert with "
+         "no live replica", {"type": float}),
+    Flag("--call-timeout", "failover.call_timeout_s", "failover", "an expert call slower than this is retried on "
+         "another replica", {"type": float}),
+    Flag("--no-controller", "controller.enabled", "controller", "run no controller (no restores, no Admin "
+         "kill/drain, no elasticity)", {"action": "store_const", "const": False}),
+    Flag("--no-restore", "controller.restore", "controller", "do not restore lost expert actors",
+         {"action": "store_const", "const": False}),
+    Flag("--elastic", "controller.elastic", "controller", "rebalance replicas live from observed load "
+         "(README: Elasticity)", {"action": "store_const", "const": {}}),
+    Flag("--slots-per-gpu", "controller.elastic.slots_per_gpu", "controller", "with --elastic: shards per GPU "
+         "per MoE layer", {"type": int}),
+    Flag("--control-interval", "controller.elastic.control_interval_s", "controller", "with --elastic: seconds "
+         "between control steps", {"type": float}),
+    Flag("--extra-replicas", "controller.elastic.extra_replica_fraction", "controller", "with --elastic: "
+         "replicas per layer beyond one per expert, as a fraction", {"type": float}),
+    Flag("--autoscale-target", "controller.elastic.autoscale.target_load_per_replica", "controller", "with "
+         "--elastic: autoscale replicas so each carries about LOAD routed tokens per load window",
+         {"type": float, "metavar": "LOAD"}),
+    Flag("--max-gpus", "controller.elastic.autoscale.max_gpus", "controller", "with --autoscale-target: GPU "
+         "budget (asks Ray's autoscaler for GPUs beyond what the cluster has)", {"type": int}),
+    Flag("--trace", "tracing.exporter", "tracing", "OpenTelemetry traces of requests, steps, layer dispatches and "
+         "expert calls (default off); file: JSON lines at --trace-file",
+         {"choices": ("none", "console", "otlp", "file")}),
+    Flag("--trace-file", "tracing.path", "tracing", "where --trace file appends spans (one JSON per line)",
+         {"metavar": "PATH"}),
+    Flag("--otlp-endpoint", "tracing.endpoint", "tracing", "OTLP gRPC collector for --trace otlp (default: the "
+         "exporter's, http://localhost:4317)", {"metavar": "URL"}),
+    Flag("--host", "server.host", "server", "interface to listen on (default: localhost only)"),
+    Flag("--port", "server.port", "server", "0 picks a free port (printed on the ready line)", {"type": int}),
+    Flag("--tls-cert", "server.tls_cert", "server", "PEM certificate (with --tls-key)", {"metavar": "PEM"}),
+    Flag("--tls-key", "server.tls_key", "server", "PEM private key (with --tls-cert)", {"metavar": "PEM"}),
+    Flag("--auth-token", "server.auth_token", "server", "require `authorization: Bearer TOKEN` (default: "
+         "$EXPERTMESH_TOKEN, else no auth)"),
+    Flag("--max-message-bytes", "server.max_message_bytes", "server", "largest request or response",
+         {"type": int}),
+)
+GROUPS = tuple(dict.fromkeys(f.group for f in FLAGS))
+# What runs in a process of its own without Serve (generate/score --local, bench, the drill's server settings).
+IN_PROCESS_GROUPS = ("model", "ray", "experts", "router", "failover", "controller", "tracing")
+_AUTOSCALE = "controller.elastic.autoscale."  # autoscale is a dict section (AutoscaleConfig's fields)
+
+
+def _default(path: str) -> Any:
+    node: Any = MeshConfig()
+    for name in path.split("."):
+        if node is None or isinstance(node, dict):
+            return None
+        node = getattr(node, name)
+    return node
+
+
+def add_mesh_flags(parser: argparse.ArgumentParser, groups: tuple[str, ...] = GROUPS,
+                   config_file: bool = True) -> None:
+    """The flags of `groups`, and `--config FILE`, on `parser`."""
+    if config_file:
+        parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                            help="a YAML or JSON file holding the configuration tree (README: Configuration); "
+                                 "flags override it")
+    for flag in FLAGS:
+        if flag.group not in groups:
+            continue
+        default = _default(flag.path)
+        shown = f" (default: {default})" if default not in (None, {}, False, True) else ""
+        parser.add_argument(flag.flag, dest=flag.path, default=argparse.SUPPRESS, help=flag.help + shown,
+                            **flag.kwargs)
+
+
+def mesh_config_from_args(args: argparse.Namespace, base: MeshConfig | None = None) -> MeshConfig:
+    """`base` (or --config's file, or the defaults) with every given flag applied, validated."""
+    given = vars(args)
+    config = base or (MeshConfig.load(given["config"]) if "config" in given else MeshConfig())
+    flags = [f for f in FLAGS if f.path in given]
+    # Sections first (--elastic creates the elastic section, keeping a config file's if it has one), then fields.
+    for flag in sorted(flags, key=lambda f: f.path.count(".")):
+        value = given[flag.path]
+        if flag.path == "controller.elastic":
+            if config.controller.elastic is None:
+                config = replace_path(config, flag.path, value)
+            continue
+        if flag.path.startswith("controller.elastic.") and config.controller.elastic is None:
+            raise ConfigError(flag.path, f"{flag.flag} needs --elastic")
+        if flag.path.startswith(_AUTOSCALE):
+            autoscale = dict(config.controller.elastic.autoscale or {})
+            key = flag.path.removeprefix(_AUTOSCALE)
+            if key != "target_load_per_replica" and "target_load_per_replica" not in autoscale \
+                    and "controller.elastic.autoscale.target_load_per_replica" not in given:
+                raise ConfigError(flag.path, f"{flag.flag} needs --autoscale-target")
+            autoscale[key] = value
+            config = replace_path(config, "controller.elastic.autoscale", autoscale)
+            continue
+        config = replace_path(config, flag.path, value)
+    if "server.auth_token" not in given and config.server.auth_token is None and os.environ.get("EXPERTMESH_TOKEN"):
+        config = replace_path(config, "server.auth_token", os.environ["EXPERTMESH_TOKEN"])
+    return config.validate()

@@ -1,0 +1,60 @@
+"""`expertmesh status`: cluster state from a running server (replicas, nodes, GPUs, breakers, load, epoch, events)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .client_flags import add_client_flags
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("status", help="cluster state: replicas, nodes, GPUs, breakers, load, epoch, events")
+    add_client_flags(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from ...protos import admin_pb2, admin_pb2_grpc
+    from .. import client
+
+    chan = client.channel(args.target, args.tls_ca)
+    state = admin_pb2_grpc.AdminStub(chan).GetClusterState(
+        admin_pb2.ClusterStateRequest(), metadata=client.auth_metadata(args.client_token), timeout=args.timeout or 30)
+    if args.json:
+        out = MessageToDict(state, preserving_proto_field_name=True)
+        # The load snapshots travel as JSON strings; print them as objects.
+        out["load"] = json.loads(out.pop("load_json", "null"))
+        out.get("router", {})["load"] = json.loads(out.get("router", {}).pop("load_json", "null"))
+        out["control"] = json.loads(out.pop("control_json", "[]"))
+        print(json.dumps(out))
+        return 0
+    for line in status_lines(state):
+        print(line)
+    return 0
+
+
+def status_lines(state) -> list[str]:
+    """The text report of an admin_pb2.ClusterState."""
+    from ..load_report import control_lines, load_lines
+
+    r = state.router
+    lines = [
+        f"model {state.model}   table epoch {state.epoch}   controller {'up' if state.controller_alive else 'DOWN'}"
+        f"   no-replica policy {state.no_replica_policy}",
+        f"router {r.replica}: {r.active_sequences} active, {r.waiting_requests} waiting, {r.live_kv_caches} KV "
+        f"caches, {r.steps} steps, largest batch {r.max_batch_seen}, {r.retried_calls} retried calls, "
+        f"{r.degraded_slots} degraded slots",
+    ]
+    lines += load_lines(json.loads(state.load_json) if state.load_json else None)
+    lines += control_lines(json.loads(state.control_json) if state.control_json else [], state.requested_gpus)
+    lines.append(f"{'actor':<16}{'node':<14}{'gpu':<6}{'device':<8}{'state':<10}{'gen':>4}  {'breaker':<10}"
+                 f"{'calls':>8}{'tokens':>10}")
+    for rep in state.replicas:
+        alive = "drained" if rep.drained else "restoring" if rep.restoring else "up" if rep.alive else "DOWN"
+        lines.append(f"{rep.actor:<16}{rep.node_id[:12]:<14}{','.join(rep.gpu_ids) or '-':<6}{rep.device or '-':<8}"
+                     f"{alive:<10}{rep.generation:>4}  {rep.breaker:<10}{rep.calls:>8}{rep.tokens:>10}")
+    for event in state.events[-10:]:
+        lines.append(f"event {event.time:.1f} {event.kind:<15} {event.actor} {event.detail_json}")
+    return lines

@@ -1,0 +1,226 @@
+"""The configuration tree: every setting of a running expertmesh, in one place.
+
+One `MeshConfig` is what the Python API (`ExpertMesh`), `expertmesh serve`, the Serve application builder (a Serve
+YAML's `args`, a KubeRay RayService) and the drill all take; `start_mesh` (router_service/startup.py) starts
+from it. Each section is a frozen dataclass; the ones that belong to a component live beside it (failover in
+dispatch.py, batching in batching.py, the controller in cluster/controller_config.py, ...), the rest here.
+
+    model:          checkpoint folder, served name, dtype
+    ray:            embedded Ray or the address of a cluster to join
+    experts:        the expert pool: replicas, CPU share, start timeout, planned placement file
+    router:         transport, overlap, capacity factor, threads, replicas (Serve), continuous batching
+    failover:       retries, breakers' timeouts, the no-replica policy
+    controller:     restores, intervals, elasticity (rebalancing, autoscaling)
+    observability:  load window, metrics
+    tracing:        OpenTelemetry exporter
+    server:         the gRPC front: host, port, TLS, bearer token, message size
+
+It round-trips to and from a plain dict (`to_dict` / `from_dict`, unknown keys refused by name) and a YAML or JSON
+file (`load`). `validate()` checks every section and the settings that depend on each other; the one error type,
+`ConfigError`, names the field by its dotted path ("router.transport: must be one of ...").
+
+Adding a setting: a field in its section's dataclass (with its check in that section's validate), a flag in
+ops/commands/mesh_flags.py, and its use. Nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..cluster.controller_config import ControllerConfig
+from ..experts.errors import ConfigError
+from ..experts.telemetry import TracingConfig
+from ..experts.tokenizer import DEFAULT_MODEL_DIR
+from .batching import BatcherConfig
+from .config_tree import from_dict, replace_path, to_dict, validate_tree
+from .dispatch import FailoverConfig
+from .observability import ObservabilityConfig
+from .transports import TRANSPORTS
+
+__all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "ServerConfig",
+           "ConfigError", "DTYPES", "EMBEDDED_MODEL_NAME"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+EMBEDDED_MODEL_NAME = "expertmesh-demo"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # checkpoint folder (on every node); None: the embedded default model
+    name: str | None = None  # the name clients use; None: the folder's name ("expertmesh-demo" for the embedded one)
+    dtype: str = "float32"  # weights and activations of the router and the experts
+
+    def validate(self) -> ModelConfig:
+        if self.path is not None and not Path(self.path).is_dir():
+            raise ValueError(f"path: {self.path} is not a folder")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
+        if self.name is not None and not self.name.strip():
+            raise ValueError("name: must not be blank")
+        return self
+
+    @property
+    def resolved_path(self) -> Path:
+        return (Path(self.path) if self.path else DEFAULT_MODEL_DIR).resolve()
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        return EMBEDDED_MODEL_NAME if self.path is None else self.resolved_path.name
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str = "local"  # "local" starts an embedded Ray; otherwise the address of a cluster to join
+    num_cpus: int | None = None  # CPUs of an embedded Ray (None: the machine's)
+
+    def validate(self) -> RayConfig:
+        if not self.address.strip():
+            raise ValueError("address: must be 'local' or a cluster address such as 10.0.0.1:6379")
+        if self.num_cpus is not None:
+            if self.address != "local":
+                raise ValueError("num_cpus: only for an embedded Ray (address 'local'); a cluster has its own")
+            if self.num_cpus < 1:
+                raise ValueError(f"num_cpus: must be ≥ 1, got {self.num_cpus}")
+        return self
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    replicas_per_expert: int = 1  # the default layout: actor expert-e{E}-r{R} hosts expert E of every MoE layer
+    num_cpus_per_actor: float | None = None  # None: share each node's CPUs among its actors (≤ 1 each)
+    start_timeout_s: float = 180.0  # every actor loaded its weights and answered, or start-up fails
+    placement: str | None = None  # a PLACEMENT.json (`expertmesh plan`): one actor per GPU hosting its shards
+
+    def validate(self) -> ExpertsConfig:
+        if self.replicas_per_expert < 1:
+            raise ValueError(f"replicas_per_expert: must be an integer ≥ 1, got {self.replicas_per_expert}")
+        if self.num_cpus_per_actor is not None and not self.num_cpus_per_actor > 0:
+            raise ValueError(f"num_cpus_per_actor: must be > 0, got {self.num_cpus_per_actor}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s}")
+        if self.placement is not None and not Path(self.placement).is_file():
+            raise ValueError(f"placement: {self.placement} is not a file")
+        return self
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    transport: str = "refs"  # how expert calls travel: "refs" | "grpc" | "compiled" (README: Transports)
+    overlap: bool = False  # ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap)
+    capacity_factor: float | None = None  # None: no cap, no token is ever moved or dropped
+    threads: int = 1  # torch threads of a router replica
+    replicas: int = 1  # Serve replicas of the router deployment
+    autoscale: tuple[int, int] | None = None  # (min, max) Serve replicas, scaled on ongoing requests; None: fixed
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)  # continuous batching (Serve replicas)
+
+    def validate(self) -> RouterConfig:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport: must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            raise ValueError(f"capacity_factor: must be a positive finite number, got {self.capacity_factor}")
+        if self.overlap and self.capacity_factor is not None:
+            raise ValueError("overlap: cannot be combined with capacity_factor (capacity is per step; micro-batches "
+                             "would change which tokens overflow)")
+        if self.threads < 1:
+            raise ValueError(f"threads: must be ≥ 1, got {self.threads}")
+        if self.replicas < 1:
+            raise ValueError(f"replicas: must be ≥ 1, got {self.replicas}")
+        if self.autoscale is not None and not 1 <= self.autoscale[0] <= self.autoscale[1]:
+            raise ValueError(f"autoscale: need 1 ≤ min ≤ max, got {self.autoscale[0]}:{self.autoscale[1]}")
+        return self
+
+    def deployment_options(self) -> dict:
+        """Ray Serve options of the router deployment."""
+        if self.autoscale is None:
+            return {"num_replicas": self.replicas}
+        low, high = self.autoscale
+        return {"autoscaling_config": {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": 32}}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The gRPC front of `expertmesh serve` (router_service/grpc_front.py)."""
+
+    host: str = "127.0.0.1"  # localhost only unless told otherwise
+    port: int = 9000  # 0 picks a free port (printed on the ready line)
+    tls_cert: str | None = None  # PEM files; both or neither
+    tls_key: str | None = None
+    auth_token: str | None = None  # clients send `authorization: Bearer <token>`; None: no auth
+    max_message_bytes: int = 16 * 1024 * 1024
+
+    def validate(self) -> ServerConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_key: give tls_cert and tls_key together, or neither")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: {path} is not a file")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes: must be ≥ 1024, got {self.max_message_bytes}")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("auth_token: must not be blank")
+        return self
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # off by default (README: Metrics and traces)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def validate(self) -> MeshConfig:
+        """Every section, then the settings that depend on each other. Raises ConfigError naming the field."""
+        validate_tree(self)
+        planned = self.experts.placement is not None or self.controller.elastic is not None
+        if planned and self.experts.replicas_per_expert != 1:
+            raise ConfigError("experts.replicas_per_expert", "a planned placement (experts.placement or "
+                                                             "controller.elastic) sets the replicas; leave it at 1")
+        return self
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> MeshConfig:
+        """From plain data (a YAML file, Serve's args); missing keys keep their defaults, unknown keys are refused."""
+        return from_dict(cls, data)
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> MeshConfig:
+        """From a YAML (.yaml/.yml) or JSON file holding the tree."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                import yaml  # a dependency of ray[serve]
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as exc:  # yaml.YAMLError, json.JSONDecodeError
+            raise ConfigError("config", f"{path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from None
+        return cls.from_dict(data)
+
+    def replace(self, **settings: Any) -> MeshConfig:
+        """A copy with settings given by dotted path, e.g. `config.replace(**{"router.transport": "grpc"})`."""
+        config = self
+        for dotted, value in settings.items():
+            config = replace_path(config, dotted, value)
+        return config

@@ -1,0 +1,116 @@
+"""The one start-up path: configuration -> Ray -> expert pool -> controller. Every entry point goes through it:
+
+    ExpertMesh (router_service/mesh.py)       start_mesh(config)                 + a Router in the calling process
+    expertmesh serve (router_service/server.py)  start_mesh(config)              + Serve router deployment + gRPC front
+    Serve YAML / KubeRay (deployment.build_app)  start_mesh(config, detached=True) + the router deployment
+    expertmesh drill                            runs `expertmesh serve --config <its MeshConfig as JSON>`
+
+So a checkpoint check, a placement file, elasticity, tracing or a dtype behave the same whichever way one starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import ray
+
+from ..cluster.controller import start_controller
+from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
+from ..cluster.table_store import read_table
+from ..experts.checkpoint import CheckpointReader
+from ..experts.weights import check_checkpoint
+from .config import MeshConfig, RayConfig
+from .expert_pool import ExpertPool, PoolSpec
+from .pool_layout import pool_layout
+
+log = logging.getLogger(__name__)
+
+
+def connect_ray(config: RayConfig) -> bool:
+    """Start or join Ray unless this process already did; True when this call started the connection."""
+    if ray.is_initialized():
+        return False
+    if config.address == "local":
+        # "local" never joins a cluster that some earlier run left recorded on this machine.
+        ray.init(address="local", namespace=NAMESPACE, num_cpus=config.num_cpus, include_dashboard=False,
+                 logging_level=logging.WARNING)
+    else:
+        ray.init(address=config.address, namespace=NAMESPACE, logging_level=logging.WARNING)
+    return True
+
+
+@dataclass
+class MeshRuntime:
+    """What `start_mesh` started; `stop()` takes it down in reverse order."""
+
+    config: MeshConfig
+    reader: CheckpointReader  # the checkpoint's config and dense weights, for an in-process router
+    owns_ray: bool  # this process started (or joined) Ray for the mesh, so stop() disconnects
+    spec: PoolSpec | None = None  # the expert actors: name -> shards, model, dtype (what routers connect to)
+    pool: ExpertPool | None = None
+    controller: ray.actor.ActorHandle | None = None
+
+    def stop(self, keep_ray: bool = False) -> None:
+        """Controller, then the actors a live remap added (the pool did not start those), then the pool, then Ray
+        (when start_mesh connected it and keep_ray is False). Safe to call twice."""
+        if not ray.is_initialized():
+            return
+        if self.controller is not None:
+            stop_controller()
+            self.controller = None
+        stop_remapped_actors()
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+        if self.owns_ray and not keep_ray:
+            ray.shutdown()
+            self.owns_ray = False
+
+
+def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) -> MeshRuntime:
+    """Validate `config`, check the checkpoint (naming file and key) before anything starts, connect Ray, start the
+    expert pool (default layout, placement file or elastic layout) and, unless config.controller.enabled is False,
+    the controller. detached/reuse: for a Serve-config deployment, whose builder process exits (actors and
+    controller outlive it; a redeploy adopts the running ones)."""
+    config.validate()
+    reader = CheckpointReader(config.model.resolved_path)
+    check_checkpoint(reader)  # fail here, naming file and key, before any actor starts
+    owns_ray = connect_ray(config.ray)
+    runtime = MeshRuntime(config, reader, owns_ray)
+    try:
+        elastic = config.controller.elastic
+        groups, slots = pool_layout(reader.config, config.experts.replicas_per_expert,
+                                    config.experts.num_cpus_per_actor, config.experts.placement, elastic)
+        tracing = config.tracing
+        runtime.spec = PoolSpec(str(config.model.resolved_path), config.model.dtype, groups,
+                                tracing=tracing.as_dict() if tracing.enabled else None)
+        runtime.pool = ExpertPool(runtime.spec, config.experts.num_cpus_per_actor, config.experts.start_timeout_s,
+                                  detached=detached, reuse=reuse, slots=slots)
+        if config.controller.enabled:
+            runtime.controller = start_controller(asdict(runtime.spec), runtime.pool.slots, config.controller,
+                                                  fresh=not reuse)
+    except BaseException:
+        runtime.stop()
+        raise
+    return runtime
+
+
+def stop_remapped_actors() -> None:
+    """Stop the expert actors a live remap started (the pool stops the ones it started itself)."""
+    try:
+        record = read_table()
+    except Exception:  # no table store (Ray going down): nothing a remap could have added is reachable anyway
+        return
+    for name in (record or {}).get("actor_shards", {}):
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            pass
+
+
+def stop_controller() -> None:
+    try:
+        ray.kill(ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE), no_restart=True)
+    except ValueError:
+        pass
