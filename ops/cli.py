@@ -247,13 +247,14 @@ def main(argv: list[str] | None = None) -> int:
             print(report, file=sys.stdout if args.out else sys.stderr)
             return 0
         if args.command == "drill":
-            from .drill import run_drill
+            from .drill import DrillConfig, run_drill
 
-            result = run_drill(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
-                               concurrency=args.concurrency, max_tokens=args.max_tokens,
-                               replicas_per_expert=args.replicas_per_expert, no_replica_policy=args.no_replica_policy,
-                               model_dir=args.model, nodes=args.nodes, fraction=args.fraction, seed=args.seed,
-                               target=args.target, address=args.address, out=args.out, verbose=not args.json)
+            config = DrillConfig(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
+                                 concurrency=args.concurrency, max_tokens=args.max_tokens, seed=args.seed,
+                                 fraction=args.fraction, nodes=args.nodes, target=args.target, address=args.address,
+                                 out=args.out, model_dir=args.model, replicas_per_expert=args.replicas_per_expert,
+                                 no_replica_policy=args.no_replica_policy)
+            result = run_drill(config, verbose=not args.json)
             summary = result.pop("summary")
             print(json.dumps(result, indent=2) if args.json else f"{summary}\nreport: {result['files']['markdown']}")
             return 0

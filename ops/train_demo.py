@@ -9,6 +9,9 @@ autoscaling code needs to be exercised against.
 
     python ops/train_demo.py --out experts/default_model [--minutes 12] [--seed 0] [--steps N]
 
+The corpus and its train / held-out split come from ops/corpus.py (so expertmesh must be installed, as for
+everything else here); the drill scores perplexity on the same held-out files.
+
 Training fits a wall-clock budget: the learning-rate cosine runs on the clock, because the machine may be shared
 and its speed drifts. The seed fixes init and data order; for a repeatable schedule too, pass ``--steps N``
 (the report records how many steps a timed run made).
