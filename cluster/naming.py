@@ -4,7 +4,10 @@ Every actor lives in the Ray namespace `expertmesh`. An expert actor is `expert-
 default grouping the group is the logical expert id and the actor hosts that expert for every MoE layer, so
 `expert-e3-r0` is replica 0 of expert 3. A planned placement (cluster/planner.py) runs one actor per GPU hosting
 that GPU's shards, `expert-g{gpu}-v{version}`; a new version replaces it when its shard set changes.
-`parse_expert_actor_name` reads both forms as (group, replica): (gpu, version) for the second.
+`parse_expert_actor_name` reads both forms as (group, replica): (gpu, version) for the second. The controller
+actor is `controller`.
+
+This module imports nothing but `re`: a drill attached to a running server over gRPC uses these names without Ray.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ def parse_gpu_actor_name(name: str) -> tuple[int, int] | None:
     """'expert-g5-v2' -> (5, 2); None for any other name."""
     match = _GPU_ACTOR.fullmatch(name)
     return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def is_expert_actor_name(name: str) -> bool:
+    """True for an expert actor of either form ('expert-e3-r1', 'expert-g5-v2'), False for any other actor."""
+    return bool(_EXPERT_ACTOR.fullmatch(name) or _GPU_ACTOR.fullmatch(name))
 
 
 def parse_expert_actor_name(name: str) -> tuple[int, int]:

@@ -9,6 +9,9 @@ autoscaling code needs to be exercised against.
 
     python ops/train_demo.py --out experts/default_model [--minutes 12] [--seed 0] [--steps N]
 
+The corpus and its train / held-out split come from ops/corpus.py (so expertmesh must be installed, as for
+everything else here); the drill scores perplexity on the same held-out files.
+
 Training fits a wall-clock budget: the learning-rate cosine runs on the clock, because the machine may be shared
 and its speed drifts. The seed fixes init and data order; for a repeatable schedule too, pass ``--steps N``
 (the report records how many steps a timed run made).
@@ -21,9 +24,7 @@ import json
 import math
 import shlex
 import sys
-import sysconfig
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,9 +36,9 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
+from expertmesh.ops.corpus import SPLIT, load_corpus
+
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]  # ids 0, 1, 2, in this order
-SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3"}
-MAX_FILE_BYTES = 200_000  # a few huge generated tables would otherwise dominate the corpus
 SEQ_LEN = 256
 BATCH = 16
 PEAK_LR = 3e-3
@@ -49,21 +50,6 @@ REPORTED_CONFIG_KEYS = (
     "num_key_value_heads", "num_local_experts", "num_experts_per_tok", "max_position_embeddings",
     "tie_word_embeddings", "router_jitter_noise", "output_router_logits",
 )  # fmt: skip
-
-
-def load_corpus() -> tuple[list[str], list[str], Path]:
-    """Return (train texts, held-out texts, stdlib root), split by a hash of the path, not by listing order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train: list[str] = []
-    held_out: list[str] = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if SKIP_DIRS & set(rel.parts[:-1]) or path.stat().st_size > MAX_FILE_BYTES:
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        # crc32 of the relative path is stable across machines and Python runs (unlike hash()).
-        (held_out if zlib.crc32(rel.as_posix().encode()) % 20 == 0 else train).append(text)
-    return train, held_out, root
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -307,7 +293,7 @@ def main() -> None:
             "source": "Python standard library *.py (no site-packages, test(s), idlelib, lib2to3; files <= 200 KB)",
             "python_version": sys.version.split()[0],
             "stdlib_path": str(root),
-            "split": "held-out iff zlib.crc32(relative posix path) % 20 == 0",
+            "split": SPLIT,
             "train_files": len(train_texts),
             "held_out_files": len(held_texts),
             "train_tokens": len(train_stream),

@@ -1,9 +1,15 @@
-"""`expertmesh drill`: a failover drill under load (kill actors / a node / a router / the controller), with a report."""
+"""`expertmesh drill`: a failover drill under load (kill actors / a node / a router / the controller), with a report.
+
+The server a drill starts takes the configuration tree like `expertmesh serve` (the same flags and --config FILE);
+the drill's own defaults differ in one place: two replicas per expert.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+
+from .mesh_flags import DRILLED_SERVER_GROUPS, add_mesh_flags, mesh_config_from_args
 
 
 def add_parser(sub) -> None:
@@ -14,9 +20,6 @@ def add_parser(sub) -> None:
     p.add_argument("--baseline", type=float, default=15.0, help="seconds of fault-free load first")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent greedy Generate streams")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--replicas-per-expert", type=int, default=2)
-    p.add_argument("--no-replica-policy", choices=["wait", "degrade"], default="wait")
-    p.add_argument("--model", metavar="DIR", help="checkpoint for the self-started server (default: embedded)")
     p.add_argument("--nodes", type=int, default=2, help="worker nodes of the self-started cluster (--kill node)")
     p.add_argument("--fraction", type=float, default=0.25, help="share of expert actors per tick (fraction)")
     p.add_argument("--seed", type=int, default=0)
@@ -24,16 +27,19 @@ def add_parser(sub) -> None:
     p.add_argument("--address", help="with --target: its Ray cluster (needed to kill router/controller)")
     p.add_argument("--out", metavar="DIR", default="drill_out", help="report folder (default: drill_out)")
     p.add_argument("--json", action="store_true", help="print only the JSON report")
+    # The self-started server's settings (ignored with --target).
+    add_mesh_flags(p, DRILLED_SERVER_GROUPS)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..drill import run_drill
+    from ..drill import DrillConfig, run_drill
+    from ..drill.config import default_drill_mesh
 
-    result = run_drill(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
-                       concurrency=args.concurrency, max_tokens=args.max_tokens,
-                       replicas_per_expert=args.replicas_per_expert, no_replica_policy=args.no_replica_policy,
-                       model_dir=args.model, nodes=args.nodes, fraction=args.fraction, seed=args.seed,
-                       target=args.target, address=args.address, out=args.out, verbose=not args.json)
+    config = DrillConfig(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
+                         concurrency=args.concurrency, max_tokens=args.max_tokens, seed=args.seed,
+                         fraction=args.fraction, nodes=args.nodes, target=args.target, address=args.address,
+                         out=args.out, mesh=mesh_config_from_args(args, default_drill_mesh()))
+    result = run_drill(config, verbose=not args.json)
     summary = result.pop("summary")
     print(json.dumps(result, indent=2) if args.json else f"{summary}\nreport: {result['files']['markdown']}")
     return 0

@@ -107,8 +107,10 @@ FLAGS: tuple[Flag, ...] = (
          {"type": int}),
 )
 GROUPS = tuple(dict.fromkeys(f.group for f in FLAGS))
-# What runs in a process of its own without Serve (generate/score --local, bench, the drill's server settings).
+# What runs in a process of its own without Serve (generate/score --local, bench dispatch).
 IN_PROCESS_GROUPS = ("model", "ray", "experts", "router", "failover", "controller", "tracing")
+# A drill's own server: everything but where Ray and the front are (the drill decides those).
+DRILLED_SERVER_GROUPS = ("model", "experts", "router", "serve", "failover", "controller", "tracing")
 _AUTOSCALE = "controller.elastic.autoscale."  # autoscale is a dict section (AutoscaleConfig's fields)
 
 
@@ -137,10 +139,10 @@ def add_mesh_flags(parser: argparse.ArgumentParser, groups: tuple[str, ...] = GR
                             **flag.kwargs)
 
 
-def mesh_config_from_args(args: argparse.Namespace, base: MeshConfig | None = None) -> MeshConfig:
-    """`base` (or --config's file, or the defaults) with every given flag applied, validated."""
+def mesh_config_from_args(args: argparse.Namespace, defaults: MeshConfig | None = None) -> MeshConfig:
+    """--config's file (else `defaults`, else MeshConfig()) with every given flag applied, validated."""
     given = vars(args)
-    config = base or (MeshConfig.load(given["config"]) if "config" in given else MeshConfig())
+    config = MeshConfig.load(given["config"]) if "config" in given else defaults or MeshConfig()
     flags = [f for f in FLAGS if f.path in given]
     # Sections first (--elastic creates the elastic section, keeping a config file's if it has one), then fields.
     for flag in sorted(flags, key=lambda f: f.path.count(".")):

@@ -1,12 +1,15 @@
 """`expertmesh drill` end to end, as an operator runs it: the CLI as a subprocess starts its own Ray and server,
 kills expert actors under load, and writes its report. With two replicas per expert and the wait policy, the
-controller restores every killed actor and no request fails or changes its greedy output."""
+controller restores every killed actor and no request fails or changes its greedy output. The record it saves
+rebuilds the same report through the pure scorer (ops/drill/report.py)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+from expertmesh.ops.drill import DrillRecord, build_report
 
 DRILL_TIMEOUT_S = 600  # the drill itself takes ~1.5 min on 2 cores; most of it is starting 16 expert actors
 
@@ -21,6 +24,8 @@ def test_actor_kill_drill_loses_no_request_and_restores_every_replica(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert report == json.loads((out / "drill_report.json").read_text())
+    rebuilt = build_report(DrillRecord.load(out / "drill_record.json"))
+    assert json.loads(json.dumps(rebuilt)) == {k: v for k, v in report.items() if k != "files"}
 
     requests = report["requests"]
     assert requests["sent"] > 0 and requests["by_phase"]["faults"]["sent"] > 0, requests

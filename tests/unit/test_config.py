@@ -20,10 +20,10 @@ from expertmesh.router_service.config_tree import field_names
 CONFIGS = Path(__file__).resolve().parents[2] / "cluster" / "configs"
 
 
-def parse(*argv: str, base: MeshConfig | None = None) -> MeshConfig:
+def parse(*argv: str, defaults: MeshConfig | None = None) -> MeshConfig:
     parser = argparse.ArgumentParser()
     add_mesh_flags(parser)
-    return mesh_config_from_args(parser.parse_args(list(argv)), base)
+    return mesh_config_from_args(parser.parse_args(list(argv)), defaults)
 
 
 def test_defaults_validate_and_round_trip_through_plain_data():
@@ -168,6 +168,9 @@ def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
     assert config.router.batcher.max_active == 7 and not config.controller.restore
     assert config.failover.call_timeout_s == MeshConfig().failover.call_timeout_s  # the default
     assert parse() == MeshConfig()
+    drill_defaults = MeshConfig().replace(**{"experts.replicas_per_expert": 2})
+    assert parse(defaults=drill_defaults) == drill_defaults  # a command's own defaults, when no file is given
+    assert parse("--config", str(path), defaults=drill_defaults).experts.replicas_per_expert == 3
 
 
 def test_elastic_flags_build_the_elastic_section_and_need_elastic():

@@ -1,0 +1,118 @@
+"""DrillConfig: every setting of one drill, checked in one place.
+
+The server a drill starts itself is configured by the same configuration tree as every other entry point
+(`mesh`, a MeshConfig): `serve_args` writes it to a JSON file and starts `expertmesh serve --config FILE`, so any
+setting of the tree (transport, placement, elasticity, tracing, ...) can be drilled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ...experts.errors import ConfigError
+from ...router_service.config import MeshConfig
+
+KILL_MODES = ("actor", "fraction", "node", "router", "controller")
+# What the report shows of the server's settings (flat keys, as records have always carried them).
+_SERVER_KEYS = ("model_dir", "replicas_per_expert", "no_replica_policy")
+
+
+def default_drill_mesh() -> MeshConfig:
+    """The drilled server's defaults: two replicas per expert, so a single kill never leaves a shard without one."""
+    return MeshConfig().replace(**{"experts.replicas_per_expert": 2})
+
+
+@dataclass
+class DrillConfig:
+    kill: str = "actor"  # one of KILL_MODES
+    every: float = 10.0  # seconds between kills
+    duration: float = 60.0  # seconds of the fault phase
+    baseline: float = 15.0  # seconds of fault-free load before it
+    concurrency: int = 8  # concurrent greedy Generate streams
+    max_tokens: int = 16  # tokens per request
+    seed: int = 0  # choice of kill targets
+    fraction: float = 0.25  # kill=fraction: share of the live expert actors per tick
+    nodes: int = 2  # kill=node: worker nodes of the self-started cluster
+    target: str | None = None  # host:port of a running server to attach to; None: start one
+    address: str | None = None  # with target: its Ray cluster (needed to kill the router or the controller)
+    out: str = "drill_out"  # report folder
+    num_cpus: int | None = None  # CPUs of the self-started local Ray (None: max(2, this machine's))
+    # The self-started server (ignored with `target`; its ray.address is the drill's own Ray).
+    mesh: MeshConfig = field(default_factory=default_drill_mesh)
+
+    @property
+    def model_dir(self) -> str | None:
+        return self.mesh.model.path
+
+    @property
+    def replicas_per_expert(self) -> int:
+        return self.mesh.experts.replicas_per_expert
+
+    @property
+    def no_replica_policy(self) -> str:
+        return self.mesh.failover.no_replica_policy
+
+    def validate(self) -> None:
+        """Raise ValueError("field: message") for the first setting that cannot work."""
+        if self.kill not in KILL_MODES:
+            raise ValueError(f"kill: must be one of {KILL_MODES}, got {self.kill!r}")
+        try:
+            self.mesh.validate()
+        except ConfigError as exc:
+            raise ConfigError(f"mesh.{exc.field}", exc.message) from None
+        for name in ("every", "duration", "baseline"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
+        for name in ("concurrency", "max_tokens", "nodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"num_cpus: must be >= 1, got {self.num_cpus}")
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction: must be in (0, 1], got {self.fraction}")
+        if self.target is not None and self.kill in ("node", "router", "controller") and self.address is None:
+            raise ValueError(f"address: --kill {self.kill} against --target needs --address (the drill kills "
+                             "through Ray)")
+        if self.target is not None and self.kill == "node":
+            raise ValueError("kill: node needs a cluster the drill started itself (no --target)")
+        if self.target is None and self.address is not None:
+            raise ValueError("address: give --target too, or neither (the drill then starts its own Ray)")
+
+    @property
+    def self_started(self) -> bool:
+        return self.target is None
+
+    def to_dict(self) -> dict:
+        """Plain data: the drill's fields, the server's tree (`mesh`) and, flat, what the report shows of it."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "mesh"}
+        return data | {key: getattr(self, key) for key in _SERVER_KEYS} | {"mesh": self.mesh.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DrillConfig:
+        data = dict(data)
+        flat = {key: data.pop(key) for key in _SERVER_KEYS if key in data}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            names = ", ".join(sorted(known | set(_SERVER_KEYS)))
+            raise ValueError(f"{unknown[0]}: not a drill setting (known: {names})")
+        if "mesh" in data:
+            data["mesh"] = MeshConfig.from_dict(data["mesh"])
+        else:  # a record written before the drill carried the tree: its three flat server settings
+            data["mesh"] = default_drill_mesh().replace(**{
+                path: flat[key] for key, path in (("model_dir", "model.path"),
+                                                  ("replicas_per_expert", "experts.replicas_per_expert"),
+                                                  ("no_replica_policy", "failover.no_replica_policy"))
+                if key in flat})
+        return cls(**data)
+
+
+def serve_args(config: DrillConfig, ray_address: str, config_file: Path) -> list[str]:
+    """The `expertmesh serve` arguments (after `serve --port 0`) of the server a drill starts on `ray_address`;
+    writes the server's configuration tree (config.mesh) to `config_file`, which they name."""
+    Path(config_file).write_text(json.dumps(config.mesh.to_dict(), indent=2) + "\n")
+    return ["--config", str(config_file), "--address", ray_address]
