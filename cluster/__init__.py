@@ -1,1 +1,2 @@
-"""Control plane: placement of expert actors, naming, and (later) the controller and its pure policies."""
+"""Control plane: actor naming and slots, the routing table and its store, the controller actor, and the pure
+policies it runs (circuit breaker, load statistics, shard placement planner, autoscaling, elastic control step)."""

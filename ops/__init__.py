@@ -1,1 +1,2 @@
-"""Command line, benchmarks and the demo-model training script."""
+"""The command line (one module per command in ops/commands/), benchmarks, drills, and the demo-model training
+script."""
