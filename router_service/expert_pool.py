@@ -14,8 +14,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
+from ..cluster.actor_slots import ActorSlot, NodeResources, plan_actor_slots
 from ..cluster.naming import NAMESPACE, expert_actor_name
-from ..cluster.placement import ActorSlot, NodeResources, plan_actor_slots
 from ..cluster.table_store import clear_table
 from ..experts.actor import ExpertActor
 from ..experts.config import MoEModelConfig
