@@ -25,11 +25,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .actor_slots import ActorSlot, NodeResources
 from .elastic import ElasticConfig, ElasticState, actor_slots, cluster_devices, control_step, current_placement
 from .load_stats import merge_snapshots
-from .naming import NAMESPACE
+from .naming import CONTROLLER_NAME, NAMESPACE
 from .table_store import clear_table, publish_table, read_table
 
 log = logging.getLogger(__name__)
-CONTROLLER_NAME = "controller"
 _KV_KEY = b"expertmesh/controller"
 
 

@@ -21,8 +21,7 @@ import torch
 from grpc_health.v1 import health_pb2
 from ray import serve
 
-from ..cluster.controller import CONTROLLER_NAME
-from ..cluster.naming import NAMESPACE, parse_expert_actor_name
+from ..cluster.naming import CONTROLLER_NAME, NAMESPACE, parse_expert_actor_name
 from ..cluster.table_store import read_table
 from ..experts.telemetry import TracingConfig, carrier_from_metadata
 from ..protos import admin_pb2

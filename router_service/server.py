@@ -19,8 +19,8 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from ..cluster.controller import CONTROLLER_NAME, ControllerConfig, start_controller
-from ..cluster.naming import NAMESPACE
+from ..cluster.controller import ControllerConfig, start_controller
+from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.table_store import read_table
 from ..experts.checkpoint import CheckpointReader
 from ..experts.telemetry import TracingConfig

@@ -15,8 +15,7 @@ import time
 
 import ray
 
-from ..cluster.controller import CONTROLLER_NAME
-from ..cluster.naming import NAMESPACE
+from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.table_store import read_table, table_of
 from .dispatch import RemoteExperts
 
