@@ -18,7 +18,7 @@ import torch
 from ..cluster.breaker import BreakerBoard
 from ..cluster.routing_table import RoutingTable, Shard, split_tokens
 from ..experts.gating import Routing, degrade
-from .transport import Transport
+from .transports.base import Transport
 
 NO_REPLICA_POLICIES = ("wait", "degrade")
 MAX_LAYER_ATTEMPTS = 8  # a layer whose calls keep failing (not just moving to another replica) gives up

@@ -26,7 +26,7 @@ from .expert_pool import ExpertPool, PoolSpec
 from .observability import ObservabilityConfig
 from .pool_layout import pool_layout
 from .router import Generation, RequestError, Router
-from .transports import TRANSPORTS
+from .transports.base import TRANSPORTS
 
 __all__ = ["ExpertMesh", "MeshConfig", "Generation", "RequestError"]
 DTYPES = ("float32", "bfloat16", "float16")

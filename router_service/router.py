@@ -23,8 +23,8 @@ from .errors import RequestError, check_budget, check_token_ids
 from .expert_pool import PoolSpec
 from .observability import ObservabilityConfig, RouterObserver, default_router_id
 from .table_sync import TableFollower
-from .transport import NameReviver
-from .transports import close_transport, make_transport
+from .transports.factory import close_transport, make_transport
+from .transports.refs import NameReviver
 
 __all__ = ["Router", "Generation", "RequestError"]
 

@@ -33,7 +33,7 @@ from .engine import connect_ray
 from .expert_pool import ExpertPool, PoolSpec
 from .grpc_front import FrontSettings, start_front
 from .pool_layout import pool_layout
-from .transports import check_transport
+from .transports.base import check_transport
 
 log = logging.getLogger(__name__)
 APP_NAME = "expertmesh"
