@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 
 from ..cluster.naming import CONTROLLER_NAME, NAMESPACE, parse_expert_actor_name
+from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import read_table
 from ..experts.telemetry import TracingConfig, carrier_from_metadata
 from ..protos import admin_pb2
@@ -30,7 +31,7 @@ from ..protos import kserve_v2_pb2 as kpb
 from . import api
 from .batching import BatcherConfig, ContinuousBatcher, DoneEvent, QueueFullError
 from .dispatch import FailoverConfig, NoReplicaError
-from .expert_pool import PoolSpec, connect_actors
+from .expert_pool import connect_actors
 from .observability import ObservabilityConfig
 from .router import Router
 
@@ -335,7 +336,7 @@ def bootstrap_pool(args: dict) -> dict:
                     default_actor_groups(reader.config, int(args.pop("replicas_per_expert", 1))),
                     tracing=args.get("tracing") or None)  # the routers' tracing config, for the actors too
     pool = ExpertPool(spec, args.pop("num_cpus_per_actor", None), detached=True, reuse=True)
-    start_controller(asdict(spec), pool.slots, ControllerConfig(**args.pop("controller", {})), fresh=False)
+    start_controller(spec, pool.slots, ControllerConfig(**args.pop("controller", {})), fresh=False)
     args["pool"] = asdict(spec)
     args.setdefault("model_name", "expertmesh-demo" if given is None else model_dir.name)
     return args

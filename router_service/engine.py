@@ -17,12 +17,13 @@ import ray
 from ..cluster.controller import ControllerConfig, start_controller
 from ..cluster.elastic import ElasticConfig
 from ..cluster.naming import NAMESPACE
+from ..cluster.pool_spec import PoolSpec
 from ..experts.checkpoint import CheckpointReader
 from ..experts.telemetry import TracingConfig
 from ..experts.tokenizer import DEFAULT_MODEL_DIR
 from ..experts.weights import check_checkpoint
 from .dispatch import FailoverConfig
-from .expert_pool import ExpertPool, PoolSpec
+from .expert_pool import ExpertPool
 from .observability import ObservabilityConfig
 from .pool_layout import pool_layout
 from .router import Generation, RequestError, Router
@@ -121,7 +122,7 @@ class ExpertMesh:
                                    slots=slots)
             controller_config = ControllerConfig(
                 elastic=asdict(self.config.elastic) if self.config.elastic is not None else None)
-            self.controller = (start_controller(asdict(spec), self.pool.slots, controller_config)
+            self.controller = (start_controller(spec, self.pool.slots, controller_config)
                                if self.config.restore_experts or self.config.elastic is not None else None)
             self.router = Router(spec, self.pool.actors, self.config.capacity_factor, reader=reader,
                                  failover=self.config.failover, transport=self.config.transport,

@@ -12,6 +12,7 @@ import ray
 import torch
 
 from ..cluster.naming import NAMESPACE
+from ..cluster.pool_spec import PoolSpec
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
 from ..experts.modeling import KVCache, MoEDecoder
@@ -20,7 +21,6 @@ from ..experts.tokenizer import load_tokenizer
 from ..experts.weights import load_dense_weights
 from .dispatch import FailoverConfig, RemoteExperts
 from .errors import RequestError, check_budget, check_token_ids
-from .expert_pool import PoolSpec
 from .observability import ObservabilityConfig, RouterObserver, default_router_id
 from .table_sync import TableFollower
 from .transports.factory import close_transport, make_transport

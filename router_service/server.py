@@ -21,6 +21,7 @@ from ray import serve
 
 from ..cluster.controller import ControllerConfig, start_controller
 from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
+from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import read_table
 from ..experts.checkpoint import CheckpointReader
 from ..experts.telemetry import TracingConfig
@@ -30,7 +31,7 @@ from .batching import BatcherConfig
 from .deployment import RouterDeployment, RouterSettings
 from .dispatch import FailoverConfig
 from .engine import connect_ray
-from .expert_pool import ExpertPool, PoolSpec
+from .expert_pool import ExpertPool
 from .grpc_front import FrontSettings, start_front
 from .pool_layout import pool_layout
 from .transports.base import check_transport
@@ -110,7 +111,7 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
         spec = PoolSpec(str(config.resolved_model_dir), "float32", groups,
                         tracing=config.tracing.as_dict() if config.tracing.enabled else None)
         pool = ExpertPool(spec, config.num_cpus_per_actor, slots=slots)
-        start_controller(RouterSettings.pool_dict(spec), pool.slots, config.controller)
+        start_controller(spec, pool.slots, config.controller)
         settings = RouterSettings(
             pool=RouterSettings.pool_dict(spec), model_name=config.resolved_model_name,
             capacity_factor=config.capacity_factor, batcher=vars(config.batcher).copy(),
@@ -136,7 +137,7 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        supervisor = loop.create_task(_supervise_controller(RouterSettings.pool_dict(spec), pool.slots,
+        supervisor = loop.create_task(_supervise_controller(spec, pool.slots,
                                                             config.controller))
         await stop.wait()
         supervisor.cancel()
@@ -158,7 +159,7 @@ async def serve_forever(config: ServeConfig, ready_line: bool = True) -> None:
             ray.shutdown()
 
 
-async def _supervise_controller(spec: dict, slots, config: ControllerConfig, every_s: float = 2.0) -> None:
+async def _supervise_controller(spec: PoolSpec, slots, config: ControllerConfig, every_s: float = 2.0) -> None:
     """Keep the controller running: Ray restarts it after a crash or node loss (max_restarts=-1), and this loop
     recreates it if it was killed outright, then (re)starts its watch. Its own record in the GCS KV store means a
     new incarnation carries on with the same epoch and placement."""
