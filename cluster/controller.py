@@ -16,17 +16,18 @@ import json
 import logging
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .actor_slots import ActorSlot, NodeResources
 from .controller_config import ControllerConfig
 from .elastic import ElasticConfig, ElasticState, actor_slots, cluster_devices, control_step, current_placement
+from .expert_actors import start_expert_actor
 from .load_stats import merge_snapshots
 from .naming import CONTROLLER_NAME, NAMESPACE
-from .placement import ActorSlot, NodeResources
+from .pool_spec import PoolSpec
 from .table_store import clear_table, publish_table, read_table
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,13 @@ def _kv_put(record: dict) -> None:
 class Controller:
     """Runs as an async Ray actor (see `start_controller`)."""
 
-    def __init__(self, spec: dict, slots: list[dict], config: ControllerConfig | None = None):
-        self.spec = dict(spec)  # PoolSpec as a dict: model_dir, dtype, actor_shards
-        self.slots = {s["name"]: ActorSlot(**s) for s in slots}
+    def __init__(self, spec: PoolSpec, slots: list[ActorSlot], config: ControllerConfig | None = None):
+        self.spec = spec  # replaced (not mutated) when the placement changes
+        self.slots = {s.name: s for s in slots}
         published = read_table()
         if published is not None:
             # Ray restarts a crashed controller with its first arguments; the placement may have changed since.
-            self.spec["actor_shards"] = published["actor_shards"]
+            self.spec = spec.with_actor_shards(published["actor_shards"])
             self.slots.update({name: ActorSlot(**slot) for name, slot in published["slots"].items()})
         self.router_epochs: dict[str, tuple[float, int]] = {}  # router id -> (heard at, epoch it routes with)
         self._remap_lock = threading.Lock()  # one remap at a time, whichever thread's event loop asks
@@ -99,7 +100,7 @@ class Controller:
             await asyncio.sleep(self.config.check_interval_s)
 
     def _expected(self) -> list[str]:
-        return [name for name in self.spec["actor_shards"] if name not in self.drained]
+        return [name for name in self.spec.actor_shards if name not in self.drained]
 
     async def _check_all(self) -> None:
         names = [n for n in self._expected() if n not in self.restoring]
@@ -133,9 +134,9 @@ class Controller:
         started = time.time()
         try:
             generation = self.generations.get(name, 0) + 1
-            handle = self._spawn(name, self.spec["actor_shards"][name], self.slots[name], generation)
+            handle = self._spawn(self.slots[name], self.spec, generation)
             info = await asyncio.wait_for(handle.info.remote(), self.config.restore_timeout_s)  # after warm-up
-            if name not in self.spec["actor_shards"] or name in self.drained:
+            if name not in self.spec.actor_shards or name in self.drained:
                 # A remap retired (or an operator drained) it while it was coming back: nobody routes to it.
                 ray.kill(handle, no_restart=True)
                 self._event("restore_dropped", name)
@@ -151,16 +152,12 @@ class Controller:
         finally:
             self.restoring.discard(name)
 
-    def _spawn(self, name: str, shards: list, slot: ActorSlot, generation: int) -> ray.actor.ActorHandle:
-        from ..experts.actor import ExpertActor
-
-        return ray.remote(ExpertActor).options(
-            name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=slot.num_cpus,
-            # soft: if that node turns out to be gone (ray.nodes() can still call it alive for a few seconds
-            # after it died), Ray places the actor on any node with room instead of failing it.
-            num_gpus=slot.num_gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_for(slot), soft=True),
-        ).remote(name, self.spec["model_dir"], [tuple(s) for s in shards], self.spec["dtype"], generation,
-                 tracing=self.spec.get("tracing"))
+    def _spawn(self, slot: ActorSlot, spec: PoolSpec, generation: int) -> ray.actor.ActorHandle:
+        """Start slot.name (hosting spec.actor_shards[slot.name]) on the slot's node, or another if it is gone."""
+        # soft affinity: _node_for can still pick a node that just died (ray.nodes() lags); Ray then places it
+        # on any node with room.
+        return start_expert_actor(replace(slot, node_id=self._node_for(slot)), spec, detached=True,
+                                  generation=generation, soft_affinity=True)
 
     def _node_for(self, slot: ActorSlot) -> str:
         """The slot's own node while it is alive; otherwise the live node (with GPUs, if the slot wants one)
@@ -182,7 +179,7 @@ class Controller:
 
     def _publish(self) -> None:
         """Publish the current placement (minus drained replicas) as the routing table at the current epoch."""
-        serving = {n: s for n, s in self.spec["actor_shards"].items() if n not in self.drained}
+        serving = {n: s for n, s in self.spec.actor_shards.items() if n not in self.drained}
         publish_table(self.epoch, serving, {n: asdict(self.slots[n]) for n in serving if n in self.slots})
 
     # ---- API (admin and routers) ---------------------------------------------------------------------------
@@ -240,8 +237,9 @@ class Controller:
             self._remap_lock.release()
 
     async def _apply_placement(self, actor_shards: dict[str, list], slots: dict[str, dict]) -> dict:
-        target = {name: [tuple(s) for s in shards] for name, shards in actor_shards.items()}
-        current = {n: s for n, s in self.spec["actor_shards"].items() if n not in self.drained}
+        target_spec = self.spec.with_actor_shards(actor_shards)
+        target = target_spec.actor_shards
+        current = {n: s for n, s in self.spec.actor_shards.items() if n not in self.drained}
         changed = sorted(n for n in target if n in current and sorted(map(tuple, current[n])) != sorted(target[n]))
         if changed:
             raise ValueError(f"actor_shards: actors {changed} would change shards; give them new names")
@@ -251,11 +249,11 @@ class Controller:
             raise ValueError(f"slots: no slot for new actors {missing}")
         retired = sorted(n for n in current if n not in target)
         started = time.time()
-        new_slots = {n: ActorSlot(**slots[n]) for n in added}
+        new_slots = {n: ActorSlot(**{**slots[n], "name": n}) for n in added}  # the key names the actor
         handles = {}
         for name in added:
             self.slots[name] = new_slots[name]
-            handles[name] = self._spawn(name, target[name], new_slots[name], 0)
+            handles[name] = self._spawn(new_slots[name], target_spec, 0)
         infos = await asyncio.gather(
             *(asyncio.wait_for(h.info.remote(), self.config.restore_timeout_s) for h in handles.values()),
             return_exceptions=True)
@@ -269,7 +267,7 @@ class Controller:
         for name, info in zip(handles, infos):
             self.generations[name] = info["generation"]
             self.nodes[name] = info["node_id"]
-        self.spec["actor_shards"] = {**target}
+        self.spec = target_spec
         self.drained -= set(retired)
         self.epoch += 1
         epoch = self.epoch
@@ -313,7 +311,7 @@ class Controller:
         nodes = [NodeResources(n["NodeID"], n["Resources"].get("CPU", 0.0), int(n["Resources"].get("GPU", 0)))
                  for n in ray.nodes() if n["Alive"]]
         devices = cluster_devices(nodes, cfg.slots_per_gpu)
-        running = {n: [tuple(x) for x in sh] for n, sh in self.spec["actor_shards"].items() if n not in self.drained}
+        running = {n: [tuple(x) for x in sh] for n, sh in self.spec.actor_shards.items() if n not in self.drained}
         actor_device = {}
         for name in running:
             slot = self.slots.get(name)
@@ -365,7 +363,7 @@ class Controller:
 
     async def drain_replica(self, name: str, grace_s: float = 5.0) -> bool:
         """Stop restoring `name`, let routers stop using it, then stop it after `grace_s` for in-flight calls."""
-        if name not in self.spec["actor_shards"] or name in self.drained:
+        if name not in self.spec.actor_shards or name in self.drained:
             return False
         self.drained.add(name)
         self.epoch += 1
@@ -385,7 +383,7 @@ class Controller:
         return True
 
 
-def start_controller(spec: dict, slots: list[ActorSlot], config: ControllerConfig | None = None,
+def start_controller(spec: PoolSpec, slots: list[ActorSlot], config: ControllerConfig | None = None,
                      fresh: bool = True) -> ray.actor.ActorHandle:
     """Create (or find) the controller actor and start it watching. fresh=True clears a record left by an
     earlier deployment on this cluster."""
@@ -398,6 +396,6 @@ def start_controller(spec: dict, slots: list[ActorSlot], config: ControllerConfi
         handle = ray.remote(Controller).options(
             name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
             max_concurrency=64, num_cpus=0,
-        ).remote(spec, [asdict(s) for s in slots], config or ControllerConfig())
+        ).remote(spec, list(slots), config or ControllerConfig())
     ray.get(handle.start.remote())
     return handle

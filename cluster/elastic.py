@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..experts.errors import ConfigError
+from .actor_slots import ActorSlot, NodeResources
 from .autoscale import AutoscaleConfig, AutoscaleContext, AutoscaleState, decide, initial_state
-from .placement import ActorSlot, NodeResources
 from .placement_actors import ActorPlan, Transition, topology_for_nodes, transition
 from .planner import plan
 from .routing_table import Shard

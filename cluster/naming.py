@@ -1,13 +1,12 @@
-"""Names of the actors expertmesh creates, so operators can find them (and kill them in drills).
+"""Names of the actors expertmesh creates, so operators can find them (and kill them in drills). No Ray here, so
+modules that only need a name (routers, drills, tests) need not import the actor modules.
 
-Every actor lives in the Ray namespace `expertmesh`. An expert actor is `expert-e{group}-r{replica}`: with the
-default grouping the group is the logical expert id and the actor hosts that expert for every MoE layer, so
-`expert-e3-r0` is replica 0 of expert 3. A planned placement (cluster/planner.py) runs one actor per GPU hosting
-that GPU's shards, `expert-g{gpu}-v{version}`; a new version replaces it when its shard set changes.
-`parse_expert_actor_name` reads both forms as (group, replica): (gpu, version) for the second. The controller
-actor is `controller`.
-
-This module imports nothing but `re`: a drill attached to a running server over gRPC uses these names without Ray.
+Every actor lives in the Ray namespace `expertmesh`; the controller is `controller`. An expert actor is
+`expert-e{group}-r{replica}`: with the default grouping the group is the logical expert id and the actor hosts that
+expert for every MoE layer, so `expert-e3-r0` is replica 0 of expert 3. A planned placement (cluster/planner.py)
+runs one actor per GPU hosting that GPU's shards, `expert-g{gpu}-v{version}`; a new version replaces it when its
+shard set changes.
+`parse_expert_actor_name` reads both forms as (group, replica): (gpu, version) for the second.
 """
 
 from __future__ import annotations

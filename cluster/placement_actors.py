@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .actor_slots import NodeResources
 from .naming import gpu_actor_name, parse_gpu_actor_name
-from .placement import NodeResources
 from .routing_table import RoutingTable, Shard
 from .shard_placement import Placement, Topology
 

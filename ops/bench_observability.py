@@ -28,7 +28,8 @@ def run_observability_bench(layers: int = 4, experts: int = 8, top_k: int = 2, s
     from ..experts.gating import route
     from ..experts.modeling import KVCache, StepTrace
     from ..experts.telemetry import build_tracer
-    from ..router_service.dispatch import RemoteExperts, plan_calls
+    from ..router_service.dispatch import RemoteExperts
+    from ..router_service.dispatch_plan import plan_calls
     from ..router_service.observability import RouterObserver
 
     torch.set_num_threads(1)

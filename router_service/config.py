@@ -39,7 +39,7 @@ from .batching import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
 from .dispatch import FailoverConfig
 from .observability import ObservabilityConfig
-from .transports import TRANSPORTS
+from .transports.base import TRANSPORTS
 
 __all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "ServerConfig",
            "ConfigError", "DTYPES", "EMBEDDED_MODEL_NAME"]

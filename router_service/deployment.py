@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import grpc
 import numpy as np
@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 
 from ..cluster.naming import CONTROLLER_NAME, NAMESPACE, parse_expert_actor_name
+from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import read_table
 from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2
@@ -30,7 +31,7 @@ from . import api
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
 from .config import MeshConfig
 from .dispatch import NoReplicaError
-from .expert_pool import PoolSpec, connect_actors
+from .expert_pool import connect_actors
 from .router import Router
 from .startup import start_mesh
 
@@ -41,9 +42,8 @@ SERVER_VERSION = "0.1.0"
 
 def pool_spec_from_dict(pool: dict) -> PoolSpec:
     """A PoolSpec from the plain dict Serve ships to a router replica (shards as lists after a YAML/JSON trip)."""
-    shards = {name: [tuple(s) for s in shards] for name, shards in pool["actor_shards"].items()}
-    return PoolSpec(model_dir=pool["model_dir"], dtype=pool["dtype"], actor_shards=shards,
-                    tracing=pool.get("tracing"))
+    return PoolSpec(model_dir=pool["model_dir"], dtype=pool["dtype"], actor_shards={},
+                    tracing=pool.get("tracing")).with_actor_shards(pool["actor_shards"])
 
 
 def _set_status(grpc_context, error: api.ApiError) -> api.ApiError:
@@ -78,7 +78,7 @@ class RouterDeployment:
         published = read_table()
         if published is not None:
             # A router replica started (or restarted by Serve) after a remap starts from the live placement.
-            spec = replace(spec, actor_shards=published["actor_shards"])
+            spec = spec.with_actor_shards(published["actor_shards"])
         self.router = Router(spec, connect_actors(spec), self.config,
                              router_id=serve.get_replica_context().replica_id.unique_id)
         self.cfg = self.router.model_config

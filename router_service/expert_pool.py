@@ -1,33 +1,24 @@
 """The expert pool: plans where expert actors go, starts them, waits until every one has loaded, stops them.
 
-A pool is described by a picklable `PoolSpec` (model folder, dtype, actor name -> shards), so routers in other
-processes (Serve replicas) can reach the same actors by name with `connect_actors`.
+A pool is described by a picklable `PoolSpec` (cluster/pool_spec.py: model folder, dtype, actor name -> shards), so
+routers in other processes (Serve replicas) can reach the same actors by name with `connect_actors`.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
+from ..cluster.actor_slots import ActorSlot, NodeResources, plan_actor_slots
+from ..cluster.expert_actors import start_expert_actor
 from ..cluster.naming import NAMESPACE, expert_actor_name
-from ..cluster.placement import ActorSlot, NodeResources, plan_actor_slots
+from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import clear_table
-from ..experts.actor import ExpertActor
 from ..experts.config import MoEModelConfig
 from ..experts.weights import Shard
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    model_dir: str
-    dtype: str
-    actor_shards: dict[str, list[Shard]]  # actor name -> shards it hosts
-    tracing: dict | None = None  # TracingConfig fields for the actors (experts/telemetry.py); None = off
 
 
 def default_actor_groups(cfg: MoEModelConfig, replicas_per_expert: int) -> dict[str, list[Shard]]:
@@ -81,14 +72,8 @@ class ExpertPool:
                 f"actor '{slot.name}' already exists in namespace '{NAMESPACE}': another expertmesh is serving "
                 "on this Ray cluster; stop it first"
             )
-        remote = ray.remote(ExpertActor)
         for slot in self.slots:
-            self.actors[slot.name] = remote.options(
-                name=slot.name, namespace=NAMESPACE, num_cpus=slot.num_cpus, num_gpus=slot.num_gpus,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node_id, soft=False),
-                lifetime="detached" if self.detached else None, get_if_exists=self.reuse,
-            ).remote(slot.name, self.spec.model_dir, self.spec.actor_shards[slot.name], self.spec.dtype,
-                     tracing=self.spec.tracing)
+            self.actors[slot.name] = start_expert_actor(slot, self.spec, detached=self.detached, reuse=self.reuse)
         self._wait_ready()
 
     def _wait_ready(self) -> None:

@@ -198,8 +198,7 @@ class RouterObserver:
 
 def push_to_controller(router_id: str, snapshot: dict) -> bool:
     """Fire-and-forget `Controller.report_load`; False when there is no controller (nothing waits either way)."""
-    from ..cluster.controller import CONTROLLER_NAME
-    from ..cluster.naming import NAMESPACE
+    from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 
     try:
         controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..cluster.actor_slots import ActorSlot, NodeResources
 from ..cluster.elastic import ElasticConfig, actor_slots, cluster_devices
-from ..cluster.placement import ActorSlot, NodeResources
 from ..cluster.placement_actors import actor_plans
 from ..cluster.routing_table import Shard
 from ..cluster.shard_placement import Placement

@@ -12,6 +12,7 @@ import ray
 import torch
 
 from ..cluster.naming import NAMESPACE
+from ..cluster.pool_spec import PoolSpec
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
 from ..experts.modeling import KVCache, MoEDecoder
@@ -21,11 +22,10 @@ from ..experts.weights import load_dense_weights
 from .config import MeshConfig
 from .dispatch import RemoteExperts
 from .errors import RequestError, check_budget, check_token_ids
-from .expert_pool import PoolSpec
 from .observability import RouterObserver, default_router_id
 from .table_sync import TableFollower
-from .transport import NameReviver
-from .transports import close_transport, make_transport
+from .transports.factory import close_transport, make_transport
+from .transports.refs import NameReviver
 
 __all__ = ["Router", "Generation", "RequestError"]
 

@@ -19,9 +19,9 @@ from ray import serve
 
 from ..cluster.controller import start_controller
 from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
+from ..cluster.pool_spec import PoolSpec
 from .config import MeshConfig
 from .deployment import RouterDeployment
-from .expert_pool import PoolSpec
 from .grpc_front import start_front
 from .startup import MeshRuntime, start_mesh
 
@@ -76,7 +76,7 @@ async def _supervise_controller(spec: PoolSpec, slots, config: MeshConfig, every
             log.warning("controller is gone; starting a new one")
             try:
                 await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: start_controller(asdict(spec), slots, config.controller, fresh=False))
+                    None, lambda: start_controller(spec, slots, config.controller, fresh=False))
             except Exception:  # e.g. the replacement was killed while starting: try again next round
                 log.warning("could not start a controller; will retry", exc_info=True)
         except Exception:

@@ -11,17 +11,18 @@ So a checkpoint check, a placement file, elasticity, tracing or a dtype behave t
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import ray
 
 from ..cluster.controller import start_controller
 from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
+from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import read_table
 from ..experts.checkpoint import CheckpointReader
 from ..experts.weights import check_checkpoint
 from .config import MeshConfig, RayConfig
-from .expert_pool import ExpertPool, PoolSpec
+from .expert_pool import ExpertPool
 from .pool_layout import pool_layout
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
         runtime.pool = ExpertPool(runtime.spec, config.experts.num_cpus_per_actor, config.experts.start_timeout_s,
                                   detached=detached, reuse=reuse, slots=slots)
         if config.controller.enabled:
-            runtime.controller = start_controller(asdict(runtime.spec), runtime.pool.slots, config.controller,
+            runtime.controller = start_controller(runtime.spec, runtime.pool.slots, config.controller,
                                                   fresh=not reuse)
     except BaseException:
         runtime.stop()

@@ -15,7 +15,7 @@ from typing import Any
 from ...experts.errors import ConfigError
 from ...router_service.config import DTYPES, MeshConfig
 from ...router_service.config_tree import replace_path
-from ...router_service.transports import TRANSPORTS
+from ...router_service.transports.base import TRANSPORTS
 
 
 def _autoscale_range(text: str) -> tuple[int, int]:

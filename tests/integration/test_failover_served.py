@@ -17,8 +17,7 @@ import ray
 from ray._private import state as ray_state
 from ray.cluster_utils import Cluster
 
-from expertmesh.cluster.controller import CONTROLLER_NAME
-from expertmesh.cluster.naming import NAMESPACE
+from expertmesh.cluster.naming import CONTROLLER_NAME, NAMESPACE
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb

@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from expertmesh.cluster.controller import start_controller
 from expertmesh.cluster.naming import NAMESPACE
+from expertmesh.cluster.pool_spec import PoolSpec
 from expertmesh.experts.telemetry import TracingConfig, build_tracer, carrier_of, span_record
 from expertmesh.router_service.config import ModelConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
@@ -134,8 +135,8 @@ def test_load_snapshot_metrics_and_controller_report(mesh, metrics_port):
     assert {labels["layer"] for labels, _ in gauges} == {str(layer) for layer in snap["layers"]}
 
     # The controller receives the router's reports and merges them.
-    controller = start_controller({"model_dir": mesh.pool.spec.model_dir, "dtype": "float32",
-                                   "actor_shards": mesh.pool.spec.actor_shards}, mesh.slots, fresh=True)
+    controller = start_controller(PoolSpec(mesh.pool.spec.model_dir, "float32", mesh.pool.spec.actor_shards),
+                                  mesh.slots, fresh=True)
     try:
         deadline = time.monotonic() + 30
         merged = None

@@ -11,11 +11,11 @@ import ray
 import torch
 
 from expertmesh.cluster.naming import NAMESPACE
-from expertmesh.router_service.compiled_transport import CompiledGraphTransport
 from expertmesh.router_service.expert_pool import connect_actors
-from expertmesh.router_service.grpc_transport import GrpcTransport
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.router import Router
+from expertmesh.router_service.transports.compiled import CompiledGraphTransport
+from expertmesh.router_service.transports.grpc import GrpcTransport
 from tests.integration.test_failover import kill_and_wait
 from tests.tiny_checkpoints import VOCAB, greedy_tokens
 

@@ -13,7 +13,8 @@ from expertmesh.cluster.routing_table import RoutingTable
 from expertmesh.experts.ffn import GatedMLPWeights, activation, gated_mlp
 from expertmesh.experts.gating import DROPPED, Routing, route
 from expertmesh.experts.reference import LocalExperts
-from expertmesh.router_service.dispatch import ActorCall, RemoteExperts, combine, plan_calls
+from expertmesh.router_service.dispatch import RemoteExperts
+from expertmesh.router_service.dispatch_plan import ActorCall, combine, plan_calls
 
 HIDDEN, INTER = 16, 24
 
@@ -268,7 +269,8 @@ def test_remote_all_dropped_makes_no_calls():
 
 
 def test_no_ray_runtime_was_started():
-    # dispatch imports the `ray` module (for its transport); a unit test must never start a runtime
+    # dispatch imports the `ray` module when a call fails (to tell a dead actor); a unit test must never start a
+    # runtime
     import sys
 
     ray = sys.modules.get("ray")

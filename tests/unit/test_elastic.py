@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from expertmesh.cluster.actor_slots import NodeResources
 from expertmesh.cluster.elastic import (
     ElasticConfig,
     ElasticState,
@@ -14,7 +15,6 @@ from expertmesh.cluster.elastic import (
     control_step,
     current_placement,
 )
-from expertmesh.cluster.placement import NodeResources
 from expertmesh.cluster.placement_actors import actor_plans, actor_shards
 from expertmesh.cluster.shard_placement import Placement, Topology
 

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
+from expertmesh.cluster.actor_slots import NodeResources
 from expertmesh.cluster.eplb_greedy import greedy_plan
 from expertmesh.cluster.naming import gpu_actor_name, parse_expert_actor_name, parse_gpu_actor_name
-from expertmesh.cluster.placement import NodeResources
 from expertmesh.cluster.placement_actors import (
     actor_plans,
     actor_shards,

@@ -1,26 +1,13 @@
-"""Pick the expert transport by name ("refs" | "grpc" | "compiled"); every one returns the same results.
-
-  refs      one Ray actor call per actor per layer (arguments and results as object refs); the default
-  grpc      one unary gRPC call per actor per layer to a server inside each expert actor
-  compiled  one Ray Compiled Graph execution per layer over every actor (shared-memory channels), falling back
-            to refs while it (re)builds or after an actor died
-"""
+"""Pick the expert transport by name (router_service/transports/base.py lists the names) and release it."""
 
 from __future__ import annotations
 
 import ray
 
-from .compiled_transport import CompiledGraphTransport
-from .grpc_transport import GrpcTransport
-from .transport import RayRefTransport, Transport
-
-TRANSPORTS = ("refs", "grpc", "compiled")
-
-
-def check_transport(name: str) -> str:
-    if name not in TRANSPORTS:
-        raise ValueError(f"transport: must be one of {TRANSPORTS}, got {name!r}")
-    return name
+from .base import Transport, check_transport
+from .compiled import CompiledGraphTransport
+from .grpc import GrpcTransport
+from .refs import RayRefTransport
 
 
 def make_transport(name: str, actors: dict[str, ray.actor.ActorHandle], build_timeout_s: float = 120.0) -> Transport:

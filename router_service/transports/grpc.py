@@ -21,10 +21,10 @@ import numpy as np
 import ray
 import torch
 
-from ..experts import wire
-from ..experts.arrays import readonly_tensor
-from ..experts.grpc_server import MESSAGE_OPTIONS
-from ..protos import expert_transport_pb2_grpc as pb_grpc
+from ...experts import wire
+from ...experts.arrays import readonly_tensor
+from ...experts.grpc_server import MESSAGE_OPTIONS
+from ...protos import expert_transport_pb2_grpc as pb_grpc
 
 LIVENESS_TIMEOUT_S = 5.0  # how long a liveness check through Ray may take before the actor counts as unreachable
 

@@ -36,7 +36,7 @@ import numpy as np
 import ray
 import torch
 
-from .transport import RayRefTransport
+from .refs import RayRefTransport
 
 log = logging.getLogger(__name__)
 

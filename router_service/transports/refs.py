@@ -1,31 +1,16 @@
-"""How a batch of tokens reaches an expert actor and its output comes back.
-
-`Transport` is the interface the dispatcher uses; `RayRefTransport` sends every call of a layer as a Ray actor
-call (arguments and results travel as object refs) and waits for all of them together.
+"""The `refs` transport: `RayRefTransport` sends every call of a layer as a Ray actor call (arguments and results
+travel as object refs) and waits for all of them together. `NameReviver` finds restored replicas by name for every
+transport (they all keep their handles in the same `actors` dict).
 """
 
 from __future__ import annotations
-
-from typing import Any, Protocol
 
 import numpy as np
 import ray
 import torch
 
-from ..experts.arrays import readonly_tensor
-
-
-class Transport(Protocol):
-    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
-               trace: dict[str, str] | None = None) -> Any:
-        """Start one call; returns a handle for `gather`. trace: a W3C carrier dict (opentelemetry.propagate
-        .inject) naming the dispatch span as parent, handed to ExpertActor.forward(..., trace=); None when off."""
-        ...
-
-    def gather_settled(self, handles: list[Any], timeout: float) -> list[torch.Tensor | BaseException]:
-        """Wait for every handle (at most `timeout` seconds); per handle its output or the error it failed with
-        (TimeoutError when it did not finish in time). Never raises for a failed call."""
-        ...
+from ...experts.arrays import readonly_tensor
+from .base import Transport
 
 
 class RayRefTransport:
@@ -59,13 +44,12 @@ class RayRefTransport:
         return results
 
 
-
 class NameReviver:
     """Finds replicas that came back under their old name (restored by the controller) without blocking a step:
     it sends each a `ready` ping and swaps the handle in once the ping returns (restored actors warm up before
     answering it)."""
 
-    def __init__(self, transport: RayRefTransport, namespace: str):
+    def __init__(self, transport: Transport, namespace: str):
         self.transport = transport
         self.namespace = namespace
         self.pings: dict[str, tuple[ray.actor.ActorHandle, ray.ObjectRef]] = {}

@@ -1,4 +1,4 @@
-"""Initial placement of expert actors (`expertmesh.cluster.placement`) and actor names (`expertmesh.cluster.naming`)."""
+"""Actor slots of expert actors (`expertmesh.cluster.actor_slots`) and actor names (`expertmesh.cluster.naming`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
+from expertmesh.cluster.actor_slots import ActorSlot, NodeResources, plan_actor_slots
 from expertmesh.cluster.naming import NAMESPACE, expert_actor_name, parse_expert_actor_name
-from expertmesh.cluster.placement import ActorSlot, NodeResources, plan_actor_slots
 
 
 def _names(groups: int, replicas: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""Initial placement of expert actors onto nodes and GPUs. Pure functions; no Ray.
+"""Actor slots: where each expert actor starts (node, CPUs, GPU fraction). Pure functions; no Ray.
 
 Ray cannot pin an actor to a GPU index, only to a node and a GPU fraction; it then packs fractions onto GPUs. So the
 plan fixes, per actor, its node and a fraction 1/m where m actors share each GPU of that node, which makes Ray's

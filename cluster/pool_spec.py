@@ -1,0 +1,25 @@
+"""What an expert pool runs: the checkpoint, the dtype and which shards each named actor hosts. No Ray here, so the
+pool (router_service/expert_pool.py), the controller and routers in other processes (Serve replicas) share one typed
+description; it is a frozen dataclass, so Ray pickles it to the controller as is."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from .routing_table import Shard
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    model_dir: str
+    dtype: str
+    actor_shards: dict[str, list[Shard]]  # actor name -> shards it hosts
+    tracing: dict | None = None  # TracingConfig fields for the actors (experts/telemetry.py); None = off
+
+    def with_actor_shards(self, actor_shards: Mapping[str, Iterable[Iterable[int]]]) -> PoolSpec:
+        """The same pool with another placement; shards may come as JSON lists ([layer, expert]), they are kept as
+        (layer, expert) tuples."""
+        shards = {name: [(int(layer), int(expert)) for layer, expert in hosted]
+                  for name, hosted in actor_shards.items()}
+        return replace(self, actor_shards=shards)

@@ -1,0 +1,43 @@
+"""The transport interface and the transport names; no Ray, gRPC or torch at import, so the dispatcher's planning
+and the configuration checks import it freely.
+
+  refs      one Ray actor call per actor per layer (arguments and results as object refs); the default
+  grpc      one unary gRPC call per actor per layer to a server inside each expert actor
+  compiled  one Ray Compiled Graph execution per layer over every actor (shared-memory channels), falling back
+            to refs while it (re)builds or after an actor died
+Every one returns the same results.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # annotations only
+    import numpy as np
+    import torch
+
+TRANSPORTS = ("refs", "grpc", "compiled")
+
+
+def check_transport(name: str) -> str:
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport: must be one of {TRANSPORTS}, got {name!r}")
+    return name
+
+
+class Transport(Protocol):
+    """Sends a shard-batch to an expert actor and gets its output back. Implementations keep the name -> actor
+    handle map they call in `actors` (NameReviver and live remap swap handles in there)."""
+
+    actors: dict[str, Any]
+
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
+               trace: dict[str, str] | None = None) -> Any:
+        """Start one call; returns a handle for `gather`. trace: a W3C carrier dict (opentelemetry.propagate
+        .inject) naming the dispatch span as parent, handed to ExpertActor.forward(..., trace=); None when off."""
+        ...
+
+    def gather_settled(self, handles: list[Any], timeout: float) -> list[torch.Tensor | BaseException]:
+        """Wait for every handle (at most `timeout` seconds); per handle its output or the error it failed with
+        (TimeoutError when it did not finish in time). Never raises for a failed call."""
+        ...

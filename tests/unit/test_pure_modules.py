@@ -1,0 +1,136 @@
+"""The pure/Ray line: the model math, the policies and the planning import no Ray, gRPC or OpenTelemetry, so they run
+(and are tested) where those are missing, e.g. the GPU machine, which has no Ray (design notes §5).
+
+Each module is imported in a fresh interpreter and checked on its own: one subprocess imports the modules one after
+another and, after each, looks for a forbidden package in sys.modules. A module that pulls one in is reported and the
+subprocess stops there (that package is loaded now, so later modules could not be checked); the modules after it are
+checked in a new subprocess. A module on the list that does not exist fails too, so a rename cannot silently drop it
+from the check: rename it here as well.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+FORBIDDEN = ("ray", "grpc", "opentelemetry")
+
+PURE_MODULES = (
+    # model math and checkpoints
+    "expertmesh.experts.arrays",
+    "expertmesh.experts.checkpoint",
+    "expertmesh.experts.config",
+    "expertmesh.experts.errors",
+    "expertmesh.experts.ffn",
+    "expertmesh.experts.gating",
+    "expertmesh.experts.modeling",
+    "expertmesh.experts.reference",
+    "expertmesh.experts.tokenizer",
+    "expertmesh.experts.weights",
+    "expertmesh.experts.wire",  # the expert call's wire format (protobuf messages, no gRPC)
+    # router: dispatch planning/combine, the dispatcher, sampling, batching, request handling, the transport interface
+    "expertmesh.router_service.api",
+    "expertmesh.router_service.batching",
+    "expertmesh.router_service.dispatch",
+    "expertmesh.router_service.dispatch_plan",
+    "expertmesh.router_service.errors",
+    "expertmesh.router_service.sampling",
+    "expertmesh.router_service.transports",
+    "expertmesh.router_service.transports.base",
+    # cluster policies and plans
+    "expertmesh.cluster.actor_slots",
+    "expertmesh.cluster.autoscale",
+    "expertmesh.cluster.breaker",
+    "expertmesh.cluster.elastic",
+    "expertmesh.cluster.eplb_greedy",
+    "expertmesh.cluster.load_stats",
+    "expertmesh.cluster.naming",
+    "expertmesh.cluster.placement_actors",
+    "expertmesh.cluster.planner",
+    "expertmesh.cluster.pool_spec",
+    "expertmesh.cluster.routing_table",
+    "expertmesh.cluster.shard_placement",
+    # ops helpers
+    "expertmesh.ops.load_report",
+    "expertmesh.ops.measure",
+    "expertmesh.ops.plan_cli",
+)
+
+# Runs in the fresh interpreter. argv[1]: JSON list of modules, argv[2]: JSON list of FORBIDDEN. Prints one JSON
+# object: module -> a list of the forbidden packages it loaded, or {"missing": ...} / {"error": ...}; modules after
+# an impure one are left out.
+_PROBE = r"""
+import importlib, importlib.util, json, sys
+forbidden = json.loads(sys.argv[2])
+
+def loaded():
+    return sorted({name.split(".")[0] for name in sys.modules} & set(forbidden))
+
+report = {"<interpreter start>": loaded()}
+for name in json.loads(sys.argv[1]):
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found:
+        report[name] = {"missing": name}
+        continue
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        if loaded():
+            break
+        continue
+    report[name] = loaded()
+    if report[name]:
+        break
+print(json.dumps(report))
+"""
+
+
+def probe(modules: list[str]) -> dict:
+    """module -> what importing it loaded of FORBIDDEN (or why it could not be imported), each module checked in
+    an interpreter where no forbidden package was loaded yet."""
+    report: dict = {}
+    remaining = list(modules)
+    while remaining:
+        result = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(remaining), json.dumps(FORBIDDEN)],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        step = json.loads(result.stdout.strip().splitlines()[-1])
+        start = step.pop("<interpreter start>")
+        assert start == [], f"the interpreter loads {start} before importing anything (sitecustomize? a .pth file?)"
+        assert step, f"the probe checked none of {remaining}"
+        report.update(step)
+        remaining = remaining[len(step):]
+    return report
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    return probe(list(PURE_MODULES))
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_module_imports_no_ray_grpc_or_opentelemetry(report, module):
+    assert report[module] == [], f"importing {module} loads {report[module]}"
+
+
+def test_the_list_names_each_module_once():
+    assert len(set(PURE_MODULES)) == len(PURE_MODULES)
+
+
+def test_the_probe_catches_an_impure_module_and_checks_the_rest_afresh():
+    # The controller is a Ray actor module; the modules after it must still be checked, each in a clean interpreter.
+    modules = ["expertmesh.cluster.naming", "expertmesh.cluster.controller", "expertmesh.cluster.breaker",
+               "expertmesh.router_service.transports.grpc", "expertmesh.cluster.no_such_module"]
+    got = probe(modules)
+    assert got["expertmesh.cluster.naming"] == []
+    assert "ray" in got["expertmesh.cluster.controller"]
+    assert got["expertmesh.cluster.breaker"] == []
+    assert {"ray", "grpc"} <= set(got["expertmesh.router_service.transports.grpc"])
+    assert got["expertmesh.cluster.no_such_module"] == {"missing": "expertmesh.cluster.no_such_module"}
