@@ -16,7 +16,8 @@ import torch
 from .arrays import readonly_tensor
 from .checkpoint import CheckpointReader
 from .ffn import activation, gated_mlp
-from .telemetry import ExpertMetrics, TracingConfig, build_tracer, context_of
+from .telemetry import ExpertMetrics, build_tracer, context_of
+from .tracing_config import TracingConfig
 from .weights import Shard, load_expert_shards
 
 

@@ -20,7 +20,6 @@ import json
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -34,32 +33,9 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
-EXPORTERS = ("none", "console", "otlp", "file")
+from .tracing_config import TracingConfig
+
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as gRPC metadata keys
-
-
-@dataclass(frozen=True)
-class TracingConfig:
-    exporter: str = "none"  # none | console | otlp | file (JSON lines; tests and offline debugging)
-    endpoint: str | None = None  # otlp: the collector's gRPC endpoint, e.g. http://localhost:4317
-    path: str | None = None  # file: where to append spans, one JSON object per line
-    service_name: str = "expertmesh"
-
-    def validate(self) -> TracingConfig:
-        if self.exporter not in EXPORTERS:
-            raise ValueError(f"exporter: must be one of {EXPORTERS}, got {self.exporter!r}")
-        if self.exporter == "file" and not self.path:
-            raise ValueError("path: the file exporter needs a path")
-        if self.endpoint is not None and self.exporter != "otlp":
-            raise ValueError("endpoint: only the otlp exporter takes an endpoint")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return self.exporter != "none"
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 class JsonLinesExporter(SpanExporter):

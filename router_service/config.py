@@ -33,12 +33,12 @@ from typing import Any
 
 from ..cluster.controller_config import ControllerConfig
 from ..experts.errors import ConfigError
-from ..experts.telemetry import TracingConfig
 from ..experts.tokenizer import DEFAULT_MODEL_DIR
+from ..experts.tracing_config import TracingConfig
 from .batching import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
 from .dispatch import FailoverConfig
-from .observability import ObservabilityConfig
+from .observability_config import ObservabilityConfig
 from .transports.base import TRANSPORTS
 
 __all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "ServerConfig",

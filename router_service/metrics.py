@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..experts.telemetry import EXPERT_SECONDS_BOUNDARIES
+from .observability_config import MetricsConfig
 
 DISPATCH_SECONDS_BOUNDARIES = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
@@ -82,24 +83,6 @@ METRIC_SPECS: dict[str, MetricSpec] = {s.name: s for s in [
     MetricSpec("expertmesh_expert_coverage", "gauge", "Share of a layer's experts one step hits (window)",
                ("layer",)),
 ]}
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    enabled: bool = True
-    per_shard_labels: bool | None = None  # None: per shard while layers x experts ≤ max_shard_labels
-    max_shard_labels: int = 1024
-    flush_interval_s: float = 1.0
-
-    def validate(self) -> MetricsConfig:
-        if self.max_shard_labels < 1:
-            raise ValueError(f"max_shard_labels: must be ≥ 1, got {self.max_shard_labels}")
-        if not self.flush_interval_s >= 0:
-            raise ValueError(f"flush_interval_s: must be ≥ 0, got {self.flush_interval_s}")
-        return self
-
-    def shard_labels(self, num_shards: int) -> bool:
-        return self.per_shard_labels if self.per_shard_labels is not None else num_shards <= self.max_shard_labels
 
 
 def _make(spec: MetricSpec):

@@ -19,38 +19,18 @@ import time
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import ray
 import torch
 from opentelemetry import trace as otel
 from opentelemetry.context import Context
 
-from ..cluster.load_stats import LoadStatsConfig, LoadWindow
+from ..cluster.load_stats import LoadWindow
 from ..experts.config import MoEModelConfig
-from .metrics import MetricsConfig, RouterMetrics
+from .metrics import RouterMetrics
+from .observability_config import ObservabilityConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ObservabilityConfig:
-    load: LoadStatsConfig = LoadStatsConfig()
-    metrics: MetricsConfig = MetricsConfig()
-    report_interval_s: float = 2.0  # gauges of the window + push to the controller
-
-    def validate(self) -> ObservabilityConfig:
-        self.load.validate()
-        self.metrics.validate()
-        if not self.report_interval_s > 0:
-            raise ValueError(f"report_interval_s: must be > 0, got {self.report_interval_s}")
-        return self
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> ObservabilityConfig:
-        d = dict(d or {})
-        return cls(load=LoadStatsConfig(**d.pop("load", {})), metrics=MetricsConfig(**d.pop("metrics", {})),
-                   **d).validate()
 
 
 class RouterObserver:

@@ -20,7 +20,7 @@ from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
 from expertmesh.router_service.config import RayConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
-from expertmesh.router_service.observability import ObservabilityConfig
+from expertmesh.router_service.observability_config import ObservabilityConfig
 from tests.integration.test_live_remap import NonStopClient, wait_for
 from tests.tiny_checkpoints import greedy_tokens
 

@@ -24,11 +24,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from expertmesh.cluster.controller import start_controller
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.cluster.pool_spec import PoolSpec
-from expertmesh.experts.telemetry import TracingConfig, build_tracer, carrier_of, span_record
+from expertmesh.experts.telemetry import build_tracer, carrier_of, span_record
+from expertmesh.experts.tracing_config import TracingConfig
 from expertmesh.router_service.config import ModelConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
-from expertmesh.router_service.metrics import MetricsConfig
-from expertmesh.router_service.observability import ObservabilityConfig
+from expertmesh.router_service.observability_config import MetricsConfig, ObservabilityConfig
 from tests.tiny_checkpoints import write_direct_mixtral
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.router_service.metrics import METRIC_SPECS, MetricsConfig, MetricSpec
+from expertmesh.router_service.metrics import METRIC_SPECS, MetricSpec
+from expertmesh.router_service.observability_config import MetricsConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "ops" / "grafana" / "expertmesh-dashboard.json"

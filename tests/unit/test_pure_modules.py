@@ -29,14 +29,18 @@ PURE_MODULES = (
     "expertmesh.experts.modeling",
     "expertmesh.experts.reference",
     "expertmesh.experts.tokenizer",
+    "expertmesh.experts.tracing_config",
     "expertmesh.experts.weights",
     "expertmesh.experts.wire",  # the expert call's wire format (protobuf messages, no gRPC)
     # router: dispatch planning/combine, the dispatcher, sampling, batching, request handling, the transport interface
     "expertmesh.router_service.api",
     "expertmesh.router_service.batching",
+    "expertmesh.router_service.config",  # the configuration tree: the CLI checks it before anything starts
+    "expertmesh.router_service.config_tree",
     "expertmesh.router_service.dispatch",
     "expertmesh.router_service.dispatch_plan",
     "expertmesh.router_service.errors",
+    "expertmesh.router_service.observability_config",
     "expertmesh.router_service.sampling",
     "expertmesh.router_service.transports",
     "expertmesh.router_service.transports.base",
@@ -44,6 +48,7 @@ PURE_MODULES = (
     "expertmesh.cluster.actor_slots",
     "expertmesh.cluster.autoscale",
     "expertmesh.cluster.breaker",
+    "expertmesh.cluster.controller_config",
     "expertmesh.cluster.elastic",
     "expertmesh.cluster.eplb_greedy",
     "expertmesh.cluster.load_stats",
@@ -53,7 +58,14 @@ PURE_MODULES = (
     "expertmesh.cluster.pool_spec",
     "expertmesh.cluster.routing_table",
     "expertmesh.cluster.shard_placement",
-    # ops helpers
+    # ops: helpers, the drill's configuration, record, pure report and rendering, the CLI's flag table
+    "expertmesh.ops.commands.mesh_flags",
+    "expertmesh.ops.corpus",
+    "expertmesh.ops.drill",
+    "expertmesh.ops.drill.config",
+    "expertmesh.ops.drill.record",
+    "expertmesh.ops.drill.render",
+    "expertmesh.ops.drill.report",
     "expertmesh.ops.load_report",
     "expertmesh.ops.measure",
     "expertmesh.ops.plan_cli",
