@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -21,6 +20,7 @@ from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
 from tests.tiny_checkpoints import greedy_tokens
+from tests.traffic import wait_for
 
 CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "serve_config.yaml"
 
@@ -49,18 +49,21 @@ def deployed(checkpoints, tmp_path_factory):
                              ray.get_runtime_context().gcs_address, str(path)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    deadline = time.monotonic() + 240
-    while True:
+
+    def serving() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError("serve run exited")
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                break
         except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError(f"serve run did not come up:\n{log.read_text()[-4000:]}")
-        time.sleep(2)
+            return False
+        return status == health_pb2.HealthCheckResponse.SERVING
+
+    try:
+        wait_for(serving, 240, "serve run to report SERVING", every=0.25)
+    except (AssertionError, RuntimeError) as exc:
+        proc.kill()
+        raise RuntimeError(f"serve run did not come up ({exc}):\n{log.read_text()[-4000:]}") from exc
     yield channel
     channel.close()
     proc.send_signal(signal.SIGINT)
