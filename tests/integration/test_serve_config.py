@@ -14,8 +14,9 @@ import pytest
 import ray
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ray._private import state as ray_state
 
-from expertmesh.cluster.naming import NAMESPACE
+from expertmesh.cluster.naming import NAMESPACE, expert_actor_name
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
@@ -95,3 +96,9 @@ def test_errors_keep_their_codes_behind_serves_proxy(deployed):
 def test_the_builder_started_experts_and_controller_detached(deployed):
     names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
     assert {"controller", "expert-e0-r0", "expert-e0-r1", "expert-e3-r1"} <= names
+    # Exactly the controller and two replicas of each of the 4 experts (the config's replicas_per_expert), all
+    # detached: they outlive `serve run`'s driver, which is what lets Serve restart a router replica onto them.
+    assert names == {"controller"} | {expert_actor_name(e, r) for e in range(4) for r in range(2)}
+    for name in names:
+        actor_id = ray.get_actor(name, namespace=NAMESPACE)._actor_id.hex()
+        assert ray_state.actors(actor_id=actor_id)["IsDetached"], name
