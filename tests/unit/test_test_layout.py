@@ -1,4 +1,4 @@
-"""The tests' own layout: no test module imports another test module.
+"""The tests' own layout: no test module (nor helper, nor conftest) imports a test module.
 
 Shared fakes live in tests/fakes.py, traffic and polling helpers in tests/traffic.py, fixtures in conftest.py; a test
 module that imported helpers from another test module would run (and break with) that module's tests too.
@@ -53,6 +53,7 @@ def test_helper_modules_are_found():
 def test_no_test_module_imports_another_test_module():
     modules = sorted(TESTS.rglob("test_*.py"))
     assert len(modules) > 30  # unit and integration both scanned
+    modules += sorted(TESTS.rglob("conftest.py")) + [TESTS / f"{h.split('.')[-1]}.py" for h in sorted(HELPERS)]
     bad = [b for path in modules for b in _bad_imports(path)]
     assert not bad, "import helpers from tests/fakes.py, tests/traffic.py (or fixtures from conftest.py):\n" + \
         "\n".join(bad)
