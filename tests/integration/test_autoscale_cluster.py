@@ -21,9 +21,16 @@ from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
 from expertmesh.router_service.config import RayConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability_config import ObservabilityConfig
-from tests.integration.test_elastic import MAX_TOKENS, PromptCycler, code_prompts, control_log
-from tests.integration.test_live_remap import wait_for
 from tests.tiny_checkpoints import greedy_tokens
+from tests.traffic import (
+    MAX_TOKENS,
+    NonStopClient,
+    code_prompts,
+    control_log,
+    controller_state,
+    mesh_sender,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +53,6 @@ def ray_resource_request() -> list[dict] | None:
     return json.loads(raw) if raw else None
 
 
-def state(mesh: ExpertMesh) -> dict:
-    return ray.get(mesh.controller.get_state.remote())
-
-
 def test_scale_out_onto_a_requested_node_and_back_in(small_cluster):
     tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
     prompts = [tokenizer.encode(t).ids[:24] for t in code_prompts(8)]
@@ -63,13 +66,14 @@ def test_scale_out_onto_a_requested_node_and_back_in(small_cluster):
         observability=ObservabilityConfig(load=LoadStatsConfig(window_s=6.0, bucket_s=1.0), report_interval_s=1.0)))
     try:
         assert sorted(mesh.router.table.actors) == ["expert-g0-v0", "expert-g1-v0"]  # 2 GPUs x 4 slots: full
-        with PromptCycler(mesh, prompts) as client:
-            wait_for(lambda: state(mesh)["requested_gpus"] > 2, timeout=120, what="a GPU request")
-            kinds = [e["kind"] for e in state(mesh)["events"]]
+        with NonStopClient(mesh_sender(mesh), prompts) as client:
+            wait_for(lambda: controller_state(mesh)["requested_gpus"] > 2, timeout=120, what="a GPU request")
+            kinds = [e["kind"] for e in controller_state(mesh)["events"]]
             assert "request_resources" in kinds
             request = ray_resource_request()
             if request is not None:  # autoscaler v1 reads it from the KV store; v2 gets it over GCS RPC
-                assert len(request) == state(mesh)["requested_gpus"] and all(b == {"GPU": 1} for b in request)
+                assert len(request) == controller_state(mesh)["requested_gpus"]
+                assert all(b == {"GPU": 1} for b in request)
 
             new_node = small_cluster.add_node(num_cpus=2, num_gpus=2)  # the "autoscaler" answers
             small_cluster.wait_for_nodes()
@@ -87,7 +91,7 @@ def test_scale_out_onto_a_requested_node_and_back_in(small_cluster):
             wait_for(lambda: len(client.served) >= served_before_stop + 4, what="traffic after scaling out")
         peak = sum(len(r) for r in mesh.router.table.replicas.values())
         # No traffic: the window empties, every shard turns cold, and after the cooldown the extra replicas go.
-        wait_for(lambda: state(mesh)["requested_gpus"] == 0, timeout=120, what="the GPU request released")
+        wait_for(lambda: controller_state(mesh)["requested_gpus"] == 0, timeout=120, what="the GPU request released")
         wait_for(lambda: sum(len(r) for r in mesh.router.table.replicas.values()) < peak, timeout=120,
                  what="replicas removed")
         assert not client.errors, client.errors[:3]

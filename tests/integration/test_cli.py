@@ -1,4 +1,6 @@
-"""The `expertmesh` command, run as a user runs it (a subprocess that starts its own embedded Ray)."""
+"""The `expertmesh` command, run as a user runs it (a subprocess that starts its own embedded Ray, or a client of
+a running `expertmesh serve`). Every output is compared with a real result: the in-process reference model, or
+`transformers` on the same checkpoint."""
 
 from __future__ import annotations
 
@@ -6,9 +8,17 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR
+from expertmesh.cluster.naming import expert_actor_name
+from expertmesh.experts.config import load_model_config
+from expertmesh.experts.reference import load_reference_model
+from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
+from tests.served import start_server
+from tests.tiny_checkpoints import greedy_tokens
+
+TOL = 1e-4
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -36,6 +46,17 @@ def test_generate_on_the_embedded_default_model():
     out = json.loads(proc.stdout)
     assert len(out["token_ids"]) >= 1 and isinstance(out["text"], str) and out["text"]
     assert (DEFAULT_MODEL_DIR / "model.safetensors").is_file()
+    # The tokens are the in-process reference's greedy tokens for the same prompt (up to and with EOS, where the
+    # CLI stops), and the text is exactly their decoding.
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    reference = load_reference_model(DEFAULT_MODEL_DIR)
+    want = greedy_tokens(reference, tokenizer.encode("def ").ids, 12)
+    eos = reference.cfg.eos_token_id
+    if eos in want:
+        want = want[:want.index(eos) + 1]
+    assert out["token_ids"] == want
+    assert out["finish_reason"] == ("eos" if eos in want else "length")
+    assert out["text"] == tokenizer.decode(want)
 
 
 def test_user_errors_exit_2_with_one_line_naming_the_field(checkpoints):
@@ -46,3 +67,67 @@ def test_user_errors_exit_2_with_one_line_naming_the_field(checkpoints):
     assert proc.returncode == 2 and "--token-ids" in proc.stderr
     proc = run_cli("generate", "--token-ids", "1,2", "--target", "127.0.0.1:1", "--timeout", "5")  # no server
     assert proc.returncode == 2 and "UNAVAILABLE" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- a client of a running server ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    server = start_server("--model", str(checkpoints["mixtral"]))
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def test_remote_generate_json_equals_transformers_greedy(server, checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    prompt = [3, 14, 15, 92, 65, 35]
+    proc = run_cli("generate", "--target", server.target, "--token-ids", ",".join(map(str, prompt)),
+                   "--max-tokens", "10", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["mixtral"], dtype=torch.float32).eval()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(prompt):].tolist()
+    assert out["token_ids"] == want
+    assert out["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 10}
+
+
+@pytest.mark.parametrize("log_probs", [False, True])
+def test_remote_score_json_equals_the_reference(server, reference, log_probs):
+    ids = [5, 17, 42, 8, 90, 1]
+    args = ["score", "--target", server.target, "--token-ids", ",".join(map(str, ids)), "--json"]
+    proc = run_cli(*args, *(["--log-probs"] if log_probs else []), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    want = reference.forward([torch.tensor(ids)])[0]  # [S, V]
+    if log_probs:
+        want = want.log_softmax(-1)
+    got = torch.tensor(out["log_probs" if log_probs else "logits"])
+    assert out["token_ids"] == ids and got.shape == want.shape
+    assert (got - want).abs().max().item() <= TOL
+
+
+def test_status_lists_every_actor(server, checkpoints):
+    experts = load_model_config(checkpoints["mixtral"]).num_experts
+    actors = {expert_actor_name(e, 0) for e in range(experts)}  # one replica per expert by default
+    assert run_cli("generate", "--target", server.target, "--token-ids", "1,2,3", "--max-tokens", "2",
+                   timeout=120).returncode == 0  # some traffic, so every replica has a state to show
+    proc = run_cli("status", "--target", server.target, "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    state = json.loads(proc.stdout)
+    assert {r["actor"] for r in state["replicas"]} == actors
+    assert all(r.get("alive") for r in state["replicas"]), state["replicas"]
+    assert state["controller_alive"] is True
+    # Every shard (layer, expert) has its one replica, on the actor named for its expert.
+    shards = {(s.get("layer", 0), s.get("expert", 0)): s["replicas"] for s in state["shards"]}
+    layers = load_model_config(checkpoints["mixtral"]).moe_layers
+    assert set(shards) == {(layer, e) for layer in layers for e in range(experts)}
+    assert all(replicas == [expert_actor_name(e, 0)] for (_, e), replicas in shards.items())
+    # The table the human-readable form prints has a row per actor.
+    text = run_cli("status", "--target", server.target, timeout=120)
+    assert text.returncode == 0, text.stderr[-2000:]
+    rows = [line.split()[0] for line in text.stdout.splitlines() if line.startswith("expert-")]
+    assert sorted(rows) == sorted(actors)

@@ -6,8 +6,6 @@ equals the reference, and no expert call was ever retried (none reached an actor
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -21,21 +19,8 @@ from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
 from expertmesh.router_service.config import RayConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability_config import ObservabilityConfig
-from tests.integration.test_live_remap import NonStopClient, wait_for
 from tests.tiny_checkpoints import greedy_tokens
-
-MAX_TOKENS = 6
-
-
-def code_prompts(count: int = 16) -> list[str]:
-    """Lines of the standard library's own source: the kind of text the embedded model was trained on."""
-    import inspect
-    import json
-    import os
-
-    lines = [line for line in inspect.getsource(json).splitlines() + inspect.getsource(os).splitlines()
-             if len(line.strip()) > 20]
-    return lines[::25][:count]
+from tests.traffic import MAX_TOKENS, NonStopClient, code_prompts, control_log, mesh_sender, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -48,31 +33,6 @@ def gpu_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
-
-
-class PromptCycler(NonStopClient):
-    """NonStopClient over several prompts (more varied routing than one)."""
-
-    def __init__(self, mesh: ExpertMesh, prompts: list[list[int]]):
-        super().__init__(mesh)
-        self.prompts = prompts
-        self.served: list[tuple[int, list[int]]] = []
-
-    def _run(self) -> None:
-        i = 0
-        while not self._stop.is_set():
-            k = i % len(self.prompts)
-            try:
-                out = self.mesh.generate(token_ids=self.prompts[k], max_tokens=MAX_TOKENS, stop_at_eos=False)
-                self.served.append((k, out.token_ids))
-                self.results.append(out.token_ids)
-            except BaseException as exc:  # noqa: BLE001
-                self.errors.append(exc)
-            i += 1
-
-
-def control_log(mesh: ExpertMesh) -> list[dict]:
-    return ray.get(mesh.controller.get_state.remote())["control"]
 
 
 def test_skewed_traffic_rebalances_live_within_target(gpu_cluster):
@@ -91,7 +51,7 @@ def test_skewed_traffic_rebalances_live_within_target(gpu_cluster):
     try:
         start = dict(mesh.router.table.actors)
         assert sorted(start) == ["expert-g0-v0", "expert-g1-v0"]  # one actor per GPU, round-robin start
-        with PromptCycler(mesh, prompts) as client:
+        with NonStopClient(mesh_sender(mesh), prompts) as client:
             wait_for(lambda: any("remap" in e for e in control_log(mesh)), timeout=180, what="a rebalance")
             first = next(e for e in control_log(mesh) if "remap" in e)
             assert first["remap"]["ok"], first
@@ -121,4 +81,7 @@ def test_skewed_traffic_rebalances_live_within_target(gpu_cluster):
                 ray.get_actor(name, namespace=NAMESPACE)
     finally:
         mesh.shutdown()
-    time.sleep(0.5)
+    # Shutdown stops every expert actor (a remap's too) and the controller; wait until Ray has let them go rather
+    # than for a fixed time, so the module's cluster tears down with nothing of ours left on it.
+    wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE],
+             30, "every actor of the mesh to stop", every=0.1)

@@ -21,6 +21,7 @@ from expertmesh.router_service.config import ExpertsConfig, ModelConfig
 from expertmesh.router_service.dispatch import FailoverConfig, NoReplicaError
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.tiny_checkpoints import VOCAB, greedy_tokens
+from tests.traffic import controller_state, kill_and_wait, wait_for
 
 TOL = 1e-4
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
@@ -51,22 +52,6 @@ def make_mesh(checkpoints, replicas_per_expert: int = 1, restore: bool = False,
     return ExpertMesh(MeshConfig(model=ModelConfig(path=str(checkpoints["mixtral"])),
                                  experts=ExpertsConfig(replicas_per_expert=replicas_per_expert),
                                  failover=failover or FailoverConfig(), controller=ControllerConfig(enabled=restore)))
-
-
-def kill_and_wait(name: str, timeout: float = 60.0) -> None:
-    """Kill the actor and return once it is really gone (a call to it fails), so the next step finds it dead."""
-    handle = ray.get_actor(name, namespace=NAMESPACE)
-    ray.kill(handle, no_restart=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            ray.get(handle.ready.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
-            return
-        except ray.exceptions.GetTimeoutError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{name} still answers {timeout}s after ray.kill")
 
 
 def calls_per_actor(mesh: ExpertMesh) -> dict[str, int]:
@@ -126,10 +111,7 @@ class TestControllerRestores:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 return False
 
-        deadline = time.monotonic() + 60
-        while not restarted():
-            assert time.monotonic() < deadline, "Ray did not restart the controller"
-            time.sleep(0.2)
+        wait_for(restarted, 60, "Ray to restart the controller", every=0.2)
         kill_and_wait(victim)
         # A watching controller notices within a check interval (0.5 s) and a pass of pings (each ≤ 5 s); 30 s
         # leaves room for a loaded CI machine while still failing a controller that never watches.
@@ -140,13 +122,13 @@ class TestControllerRestores:
 
 def wait_for_event(mesh: ExpertMesh, kind: str, actor: str, timeout: float) -> dict:
     """The controller's state once it holds a `kind` event for `actor`; fails after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = ray.get(mesh.controller.get_state.remote())
-        if any(e["kind"] == kind and e["actor"] == actor for e in state["events"]):
-            return state
-        assert time.monotonic() < deadline, f"no {kind} event for {actor} in {timeout}s: {state['events']}"
-        time.sleep(0.2)
+
+    def holding() -> dict | None:
+        state = controller_state(mesh)
+        return state if any(e["kind"] == kind and e["actor"] == actor for e in state["events"]) else None
+
+    return wait_for(holding, timeout, f"a {kind} event for {actor}", every=0.2,
+                    detail=lambda: controller_state(mesh)["events"])
 
 
 def test_wait_policy_gives_up_with_no_replica_error(checkpoints, reference):

@@ -8,7 +8,6 @@ can kill the actors it serves with.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -24,6 +23,7 @@ from expertmesh.protos import inference_pb2 as pb
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.served import start_server
 from tests.tiny_checkpoints import greedy_tokens
+from tests.traffic import NonStopClient, wait_for
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 MAX_TOKENS = 6
@@ -37,22 +37,6 @@ ROUTER_BACK_S = 30
 @pytest.fixture(scope="module")
 def expected(checkpoints) -> list[int]:
     return greedy_tokens(load_reference_model(checkpoints["mixtral"]), PROMPT, MAX_TOKENS)
-
-
-def wait_for(what: str, check, timeout: float, every: float = 0.25, detail=lambda: ""):
-    """Poll check() until it returns something truthy; fail naming `what` (and detail()) after `timeout` s."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except Exception as exc:  # not there yet (actor gone, name not registered, call timed out)
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(every)
-    raise AssertionError(f"{what}: not within {timeout}s (last: {last!r}) {detail()}")
 
 
 def actor_info(name: str, timeout: float = 5) -> dict:
@@ -107,7 +91,7 @@ def test_node_lost_output_unchanged_and_replicas_restored_elsewhere(gpu_cluster,
             infos = {name: actor_info(name) for name in lost}
             return infos if all(i["generation"] == 1 for i in infos.values()) else None
 
-        infos = wait_for("lost replicas restored", restored, RESTORE_S,
+        infos = wait_for(restored, RESTORE_S, "lost replicas restored", every=0.25, ignore=(Exception,),
                          detail=lambda: ray.get(mesh.controller.get_state.remote())["events"])
         restore_s = time.monotonic() - started
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -126,7 +110,7 @@ def test_node_lost_output_unchanged_and_replicas_restored_elsewhere(gpu_cluster,
             assert mesh.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
             return not mesh.backend.dead
 
-        wait_for("router using the restored replicas", back_in_use, 30)
+        wait_for(back_in_use, 30, "router using the restored replicas", every=0.25, ignore=(Exception,))
 
         # The router may have taken them back at the last layer of that request, so they may not have served yet;
         # the next requests plan with them (each generate is checked against the reference as it goes).
@@ -134,7 +118,7 @@ def test_node_lost_output_unchanged_and_replicas_restored_elsewhere(gpu_cluster,
             assert mesh.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
             return sum(actor_info(name)["calls"] for name in lost) > 0
 
-        wait_for("restored replicas serving calls", restored_serve, 30)
+        wait_for(restored_serve, 30, "restored replicas serving calls", every=0.25, ignore=(Exception,))
     print(f"restored {len(lost)} replicas in {restore_s:.1f}s")
 
 
@@ -174,36 +158,6 @@ def cluster_state(chan) -> admin_pb2.ClusterState:
     return admin_pb2_grpc.AdminStub(chan).GetClusterState(admin_pb2.ClusterStateRequest(), timeout=30)
 
 
-class Traffic:
-    """Generate requests back to back on a thread; records every result or error."""
-
-    def __init__(self, chan):
-        self.chan = chan
-        self.results: list[list[int]] = []
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.results.append(generate(self.chan))
-            except Exception as exc:
-                self.errors.append(exc)
-
-    def __enter__(self) -> Traffic:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(90)
-
-    def wait_for_results(self, n: int, timeout: float = 60) -> None:
-        target = len(self.results) + n
-        wait_for(f"{n} more requests served", lambda: len(self.results) >= target or self.errors, timeout)
-
-
 def test_controller_killed_mid_traffic_comes_back_with_the_same_state(channel, expected):
     state = cluster_state(channel)
     assert state.controller_alive and len(state.replicas) == 8
@@ -212,7 +166,7 @@ def test_controller_killed_mid_traffic_comes_back_with_the_same_state(channel, e
     epoch = state.epoch
     old = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
 
-    with Traffic(channel) as traffic:
+    with NonStopClient(lambda _prompt: generate(channel), [PROMPT]) as traffic:
         traffic.wait_for_results(1)
         ray.kill(old)  # no_restart: the server's supervisor, not Ray, has to bring it back
 
@@ -223,7 +177,7 @@ def test_controller_killed_mid_traffic_comes_back_with_the_same_state(channel, e
                 return True
             return False
 
-        wait_for("old controller gone", gone, 30)
+        wait_for(gone, 30, "old controller gone", every=0.25, ignore=(Exception,))
         killed_at = time.monotonic()
 
         def back() -> admin_pb2.ClusterState | None:
@@ -233,7 +187,7 @@ def test_controller_killed_mid_traffic_comes_back_with_the_same_state(channel, e
             got = cluster_state(channel)
             return got if got.controller_alive else None
 
-        state = wait_for("controller alive again", back, CONTROLLER_BACK_S)
+        state = wait_for(back, CONTROLLER_BACK_S, "controller alive again", every=0.25, ignore=(Exception,))
         print(f"controller back after {time.monotonic() - killed_at:.1f}s")
         assert {r.actor: r.node_id for r in state.replicas} == placement
         assert state.epoch == epoch
@@ -249,7 +203,7 @@ def test_controller_killed_mid_traffic_comes_back_with_the_same_state(channel, e
             got = {r.actor: r for r in cluster_state(channel).replicas}["expert-e0-r0"]
             return got.alive and got.generation == 1
 
-        wait_for("expert-e0-r0 restored", restored, RESTORE_S)
+        wait_for(restored, RESTORE_S, "expert-e0-r0 restored", every=0.25, ignore=(Exception,))
         print(f"expert-e0-r0 restored after {time.monotonic() - killed_at:.1f}s")
         assert actor_info("expert-e0-r0")["generation"] == 1
         traffic.wait_for_results(2)
@@ -280,7 +234,7 @@ def test_router_replica_killed_is_replaced(channel, expected):
     def serving() -> bool:
         return generate(channel, timeout=10) == expected
 
-    wait_for("requests served again", serving, ROUTER_BACK_S, every=0.5)
+    wait_for(serving, ROUTER_BACK_S, "requests served again", every=0.5, ignore=(Exception,))
     print(f"router serving again after {time.monotonic() - killed_at:.1f}s")
     # From here on, no failure is acceptable.
     for _ in range(3):
@@ -290,4 +244,4 @@ def test_router_replica_killed_is_replaced(channel, expected):
         now = router_replicas()
         return len(now) == 1 and now[0][0] != name
 
-    wait_for("one new router replica", replaced, 10)
+    wait_for(replaced, 10, "one new router replica", every=0.25, ignore=(Exception,))

@@ -6,9 +6,6 @@ that was not ready or already stopped), and the new replica really serves.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import ray
 
@@ -17,47 +14,13 @@ from expertmesh.cluster.table_store import read_table
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.tiny_checkpoints import greedy_tokens
+from tests.traffic import NonStopClient, mesh_sender, wait_for
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 MAX_TOKENS = 6
 
 
 pytestmark = pytest.mark.usefixtures("local_ray")
-
-
-class NonStopClient:
-    """Generates the same prompt over and over on a thread, recording every result and error."""
-
-    def __init__(self, mesh: ExpertMesh):
-        self.mesh = mesh
-        self.results: list[list[int]] = []
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.results.append(self.mesh.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS,
-                                                       stop_at_eos=False).token_ids)
-            except BaseException as exc:  # noqa: BLE001 - the test reports every failure
-                self.errors.append(exc)
-
-    def __enter__(self) -> NonStopClient:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(60)
-
-
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_add_then_retire_a_replica_live(checkpoints):
@@ -70,7 +33,7 @@ def test_add_then_retire_a_replica_live(checkpoints):
         placement = {name: [list(s) for s in shards] for name, shards in mesh.router.table.actors.items()}
         slot = next(s for s in mesh.slots if s.name == original)
         new_slot = {"name": added, "node_id": slot.node_id, "num_cpus": 0.1, "num_gpus": 0.0, "gpu_slot": None}
-        with NonStopClient(mesh) as client:
+        with NonStopClient(mesh_sender(mesh, MAX_TOKENS), [PROMPT]) as client:
             wait_for(lambda: len(client.results) >= 2, what="traffic before the remap")
             grown = {**placement, added: placement[original]}
             report = ray.get(mesh.controller.apply_placement.remote(grown, {added: new_slot}), timeout=300)

@@ -76,6 +76,7 @@ def test_status_shows_load_and_imbalance(served):
     assert "max/mean imbalance" in run.stdout and "slots per expert" in run.stdout, run.stdout
     run = subprocess.run([sys.executable, "-m", "expertmesh.ops.cli", "status", "--target", served.target, "--json"],
                          capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
     state = json.loads(run.stdout)
     load = state["load"]
     assert load["layers"] == [0, 1] and load["num_experts"] == 4

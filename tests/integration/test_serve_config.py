@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -15,13 +14,15 @@ import pytest
 import ray
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ray._private import state as ray_state
 
-from expertmesh.cluster.naming import NAMESPACE
+from expertmesh.cluster.naming import NAMESPACE, expert_actor_name
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import kserve_v2_pb2 as kpb
 from tests.tiny_checkpoints import greedy_tokens
+from tests.traffic import wait_for
 
 CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "configs" / "serve_config.yaml"
 
@@ -53,18 +54,21 @@ def deployed(checkpoints, tmp_path_factory):
                              ray.get_runtime_context().gcs_address, str(path)],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    deadline = time.monotonic() + 240
-    while True:
+
+    def serving() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError("serve run exited")
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                break
         except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError(f"serve run did not come up:\n{log.read_text()[-4000:]}")
-        time.sleep(2)
+            return False
+        return status == health_pb2.HealthCheckResponse.SERVING
+
+    try:
+        wait_for(serving, 240, "serve run to report SERVING", every=0.25)
+    except (AssertionError, RuntimeError) as exc:
+        proc.kill()
+        raise RuntimeError(f"serve run did not come up ({exc}):\n{log.read_text()[-4000:]}") from exc
     yield channel
     channel.close()
     proc.send_signal(signal.SIGINT)
@@ -96,6 +100,12 @@ def test_errors_keep_their_codes_behind_serves_proxy(deployed):
 def test_the_builder_started_experts_and_controller_detached(deployed):
     names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
     assert {"controller", "expert-e0-r0", "expert-e0-r1", "expert-e3-r1"} <= names
+    # Exactly the controller and two replicas of each of the 4 experts (the config's replicas_per_expert), all
+    # detached: they outlive `serve run`'s driver, which is what lets Serve restart a router replica onto them.
+    assert names == {"controller"} | {expert_actor_name(e, r) for e in range(4) for r in range(2)}
+    for name in names:
+        actor_id = ray.get_actor(name, namespace=NAMESPACE)._actor_id.hex()
+        assert ray_state.actors(actor_id=actor_id)["IsDetached"], name
 
 
 def test_settings_from_the_serve_config_took_effect(deployed):

@@ -20,9 +20,9 @@ from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
-from tests.integration.test_elastic import MAX_TOKENS, code_prompts
 from tests.served import start_server
 from tests.tiny_checkpoints import greedy_tokens
+from tests.traffic import MAX_TOKENS, code_prompts
 
 
 @pytest.fixture(scope="module")

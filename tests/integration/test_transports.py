@@ -4,8 +4,6 @@ is killed under a running compiled graph, a gRPC reconnect after a restore, and 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 import torch
@@ -16,8 +14,8 @@ from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.router import Router
 from expertmesh.router_service.transports.compiled import CompiledGraphTransport
 from expertmesh.router_service.transports.grpc import GrpcTransport
-from tests.integration.test_failover import kill_and_wait
 from tests.tiny_checkpoints import VOCAB, greedy_tokens
+from tests.traffic import kill_and_wait, wait_for
 
 TOL = 1e-4
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
@@ -48,7 +46,7 @@ def mesh(checkpoints):
                 continue
         return True
 
-    wait_until(no_expert_alive, 30, "every expert actor to stop")
+    wait_for(no_expert_alive, 30, "every expert actor to stop", every=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +63,6 @@ def routers(mesh):
 def sequences() -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (17, 5, 1)]
-
-
-def wait_until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_every_transport_gives_the_reference_logits(routers, reference):
@@ -139,7 +130,7 @@ def test_killing_an_actor_under_the_compiled_graph_fails_over_then_rebuilds(rout
         graph = transport.graph
         return graph is not None and graph.key != old_key and not router.backend.dead
 
-    wait_until(rebuilt, 90, "a compiled graph on the restored actor")
+    wait_for(rebuilt, 90, "a compiled graph on the restored actor", every=0.2)
     assert transport.builds > builds
     rounds = transport.compiled_rounds
     assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
@@ -161,7 +152,7 @@ def test_grpc_transport_reconnects_after_a_restore(routers, expected):
         conn = transport.connections.get(victim)
         return not router.backend.dead and conn is not None and conn.actor_id != old.actor_id
 
-    wait_until(reconnected, 90, "the gRPC transport to dial the restored actor")
+    wait_for(reconnected, 90, "the gRPC transport to dial the restored actor", every=0.2)
     new = transport.connections[victim]
     assert new.actor_id == ray.get_actor(victim, namespace=NAMESPACE)._actor_id
     calls = ray.get(ray.get_actor(victim, namespace=NAMESPACE).info.remote())["calls"]
@@ -195,7 +186,7 @@ def test_an_idle_compiled_graph_is_torn_down_and_rebuilt_on_demand(mesh):
     try:
         assert transport.wait_built(60)
         loops = list(transport.graph.dag.worker_task_refs.values())
-        wait_until(lambda: transport.graph is None, 20, "the idle graph to be torn down")
+        wait_for(lambda: transport.graph is None, 20, "the idle graph to be torn down", every=0.2)
         _, running = ray.wait(loops, num_returns=len(loops), timeout=30)
         assert not running
         name = sorted(actors)[0]

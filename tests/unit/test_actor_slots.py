@@ -164,7 +164,25 @@ def test_gpu_node_too_few_cpus_raises():
 
 
 def test_namespace():
+    # Operators and drills attach from another driver with the namespace the README gives ("Actor naming"); every
+    # namespace spelled out in the README, the code and the configs must be this one, so a copy cannot drift.
+    import re
+    from pathlib import Path
+
     assert NAMESPACE == "expertmesh"
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    documented = set(re.findall(r'namespace="([^"]*)"', readme))  # the ray.get_actor example(s)
+    assert documented == {NAMESPACE}, documented
+    spelled = {}
+    folders = ("cluster", "experts", "router_service", "protos", "ops")
+    code = [p for folder in folders for p in (root / folder).rglob("*") if p.suffix in (".py", ".yaml", ".sh")]
+    for path in code:
+        for value in re.findall(r'(?:namespace\s*=\s*|NAMESPACE\s*=\s*|namespace:\s*)["\']([^"\']*)["\']',
+                                path.read_text(errors="replace")):
+            spelled.setdefault(value, []).append(str(path.relative_to(root)))
+    assert "cluster/naming.py" in spelled.get(NAMESPACE, [])  # the one definition was found
+    assert set(spelled) == {NAMESPACE}, spelled
 
 
 @pytest.mark.parametrize("group,replica", [(0, 0), (3, 1), (12, 0), (127, 15)])

@@ -1,60 +1,19 @@
 """Per-layer dispatch (`expertmesh.router_service.dispatch`): grouping tokens into actor calls, and combining.
 
-The transport here is a fake that computes the experts in process, so no Ray runtime is ever started.
+The transport here is a fake (tests/fakes.py) that computes the experts in process, so no Ray runtime is ever started.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from expertmesh.cluster.routing_table import RoutingTable
-from expertmesh.experts.ffn import GatedMLPWeights, activation, gated_mlp
 from expertmesh.experts.gating import DROPPED, Routing, route
 from expertmesh.experts.reference import LocalExperts
 from expertmesh.router_service.dispatch import RemoteExperts
 from expertmesh.router_service.dispatch_plan import ActorCall, combine, plan_calls
-
-HIDDEN, INTER = 16, 24
-
-
-def _weights(layers: int, experts: int, seed: int = 0) -> dict[tuple[int, int], GatedMLPWeights]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        (layer, e): GatedMLPWeights.from_parts(
-            torch.randn(INTER, HIDDEN, generator=gen) * 0.3,
-            torch.randn(INTER, HIDDEN, generator=gen) * 0.3,
-            torch.randn(HIDDEN, INTER, generator=gen) * 0.3,
-        )
-        for layer in range(layers)
-        for e in range(experts)
-    }
-
-
-class FakeTransport:
-    """Runs each call in process, only on shards the addressed actor hosts; records every call."""
-
-    def __init__(self, table: RoutingTable, shards: dict[tuple[int, int], GatedMLPWeights], hidden_act: str = "silu"):
-        self.table = table
-        self.shards = shards
-        self.act = activation(hidden_act)
-        self.submitted: list[tuple[str, int, list[int], list[int], tuple[int, ...]]] = []
-        self.gathers = 0
-
-    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray):
-        assert isinstance(x, np.ndarray) and x.shape == (sum(counts), HIDDEN)
-        assert len(experts) == len(counts) == len(set(experts))
-        self.submitted.append((actor, layer, list(experts), list(counts), x.shape))
-        outs = []
-        for expert, rows in zip(experts, torch.from_numpy(x).split(counts)):
-            assert (layer, expert) in self.table.actors[actor], f"{actor} does not host {(layer, expert)}"
-            outs.append(gated_mlp(rows, self.shards[(layer, expert)], self.act))
-        return torch.cat(outs).numpy()
-
-    def gather_settled(self, handles, timeout):
-        self.gathers += 1
-        return [h if isinstance(h, BaseException) else torch.from_numpy(h) for h in handles]
+from tests.fakes import HIDDEN, FakeTransport, expert_weights
 
 
 def _routing(experts: list[list[int]], weights: list[list[float]] | None = None) -> Routing:
@@ -199,7 +158,7 @@ def _assert_matches_local(table, shards, hidden, routing, layer, exact=False):
 @pytest.mark.parametrize("replicas", [1, 2, 3])
 def test_remote_equals_local(seed, replicas):
     layers, experts, top_k = 2, 4, 2
-    shards = _weights(layers, experts, seed)
+    shards = expert_weights(layers, experts, seed)
     table = RoutingTable.from_actor_shards(
         {f"expert-e{e}-r{r}": [(layer, e) for layer in range(layers)] for e in range(experts) for r in range(replicas)}
     )
@@ -218,7 +177,7 @@ def test_remote_equals_local(seed, replicas):
 
 
 def test_remote_equals_local_with_actors_hosting_several_experts():
-    shards = _weights(1, 6, seed=7)
+    shards = expert_weights(1, 6, seed=7)
     # 3 actors, 2 experts each, and a second replica of the pair (4, 5)
     table = RoutingTable.from_actor_shards(
         {"p0": [(0, 0), (0, 1)], "p1": [(0, 2), (0, 3)], "p2": [(0, 4), (0, 5)], "p2b": [(0, 4), (0, 5)]}
@@ -235,7 +194,7 @@ def test_remote_equals_local_with_actors_hosting_several_experts():
 
 
 def test_remote_calls_only_actors_hit():
-    shards = _weights(1, 4)
+    shards = expert_weights(1, 4)
     table = RoutingTable.from_actor_shards({f"a{e}": [(0, e)] for e in range(4)})
     hidden = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(0))
     routing = _routing([[3, 1], [1, 3], [3, 1]], [[0.6, 0.4]] * 3)
@@ -245,7 +204,7 @@ def test_remote_calls_only_actors_hit():
 
 
 def test_remote_with_capacity_drops():
-    shards = _weights(1, 4, seed=2)
+    shards = expert_weights(1, 4, seed=2)
     table = RoutingTable.from_actor_shards({f"a{e}-r{r}": [(0, e)] for e in range(4) for r in range(2)})
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(16, HIDDEN, generator=gen)
@@ -257,7 +216,7 @@ def test_remote_with_capacity_drops():
 
 
 def test_remote_all_dropped_makes_no_calls():
-    shards = _weights(1, 2)
+    shards = expert_weights(1, 2)
     table = RoutingTable.from_actor_shards({"a": [(0, 0)], "b": [(0, 1)]})
     transport = FakeTransport(table, shards)
     remote = RemoteExperts(table, transport)
@@ -284,7 +243,7 @@ def test_a_half_open_replica_gets_its_probe_and_closes():
 
     now = [0.0]
     table = RoutingTable.from_actor_shards({"a": [(0, 0)], "b": [(0, 0)]})
-    shards = _weights(1, 1)
+    shards = expert_weights(1, 1)
     transport = FakeTransport(table, shards)
     remote = RemoteExperts(table, transport, clock=lambda: now[0])
     for _ in range(5):

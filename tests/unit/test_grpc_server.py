@@ -10,17 +10,7 @@ import pytest
 from expertmesh.experts import wire
 from expertmesh.experts.grpc_server import MESSAGE_OPTIONS, ExpertGrpcServer
 from expertmesh.protos import expert_transport_pb2_grpc as pb_grpc
-
-
-class FakeExperts:
-    def __init__(self):
-        self.seen = []
-
-    def forward(self, layer, experts, counts, x, trace=None):
-        self.seen.append((layer, experts, counts, x.shape, trace))
-        if layer < 0:
-            raise KeyError((layer, experts[0]))
-        return np.asarray(x) * 2 + layer
+from tests.fakes import FakeExperts
 
 
 @pytest.fixture

@@ -14,17 +14,9 @@ from expertmesh.cluster.table_store import decode_table, encode_table, table_of
 from expertmesh.experts.gating import route
 from expertmesh.experts.reference import LocalExperts
 from expertmesh.router_service.dispatch import RemoteExperts
-from tests.unit.test_dispatch_plan import HIDDEN, FakeTransport, _weights
+from tests.fakes import HIDDEN, NamedFakeTransport, expert_weights
 
 LAYERS, EXPERTS = 3, 4
-
-
-class NamedFakeTransport(FakeTransport):
-    """FakeTransport with the name -> handle map every real transport keeps (the switch edits it)."""
-
-    def __init__(self, table: RoutingTable, shards):
-        super().__init__(table, shards)
-        self.actors = {name: object() for name in table.actors}
 
 
 def _tables():
@@ -53,7 +45,7 @@ def _step(backend: RemoteExperts, local: LocalExperts, gen: torch.Generator) -> 
 
 def test_staged_table_applies_at_the_next_step_only():
     old, new, union = _tables()
-    shards = _weights(LAYERS, EXPERTS)
+    shards = expert_weights(LAYERS, EXPERTS)
     transport = NamedFakeTransport(union, shards)
     transport.actors = {name: object() for name in old.actors}
     backend = RemoteExperts(old, transport)
@@ -92,7 +84,7 @@ def test_staged_table_applies_at_the_next_step_only():
 
 def test_replicas_added_by_a_remap_share_the_load():
     old, new, union = _tables()
-    shards = _weights(LAYERS, EXPERTS)
+    shards = expert_weights(LAYERS, EXPERTS)
     transport = NamedFakeTransport(union, shards)
     backend = RemoteExperts(old, transport)
     backend.stage_table(new, {"hot0": object(), "moved1": object()})
@@ -108,7 +100,7 @@ def test_replicas_added_by_a_remap_share_the_load():
 
 def test_dead_replica_retired_by_a_remap_is_forgotten():
     old, new, union = _tables()
-    transport = NamedFakeTransport(union, _weights(LAYERS, EXPERTS))
+    transport = NamedFakeTransport(union, expert_weights(LAYERS, EXPERTS))
     backend = RemoteExperts(old, transport)
     backend.dead.add("a1")
     backend.stage_table(new, {"hot0": object(), "moved1": object()})
@@ -128,7 +120,7 @@ def test_table_record_round_trips():
 
 def test_an_idle_router_switches_without_waiting_for_a_step():
     old, new, union = _tables()
-    transport = NamedFakeTransport(union, _weights(LAYERS, EXPERTS))
+    transport = NamedFakeTransport(union, expert_weights(LAYERS, EXPERTS))
     backend = RemoteExperts(old, transport)
     gen = torch.Generator().manual_seed(2)
     backend.begin_step()
@@ -147,7 +139,7 @@ def test_steps_from_several_threads_take_turns():
     import threading
 
     old, new, union = _tables()
-    transport = NamedFakeTransport(union, _weights(LAYERS, EXPERTS))
+    transport = NamedFakeTransport(union, expert_weights(LAYERS, EXPERTS))
     backend = RemoteExperts(old, transport)
     gen = torch.Generator().manual_seed(3)
     hidden, routing = torch.randn(4, HIDDEN, generator=gen), route(torch.randn(4, EXPERTS, generator=gen), 2, True)

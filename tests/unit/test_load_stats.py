@@ -21,14 +21,7 @@ from expertmesh.cluster.load_stats import (
     routing_entropy,
     top1_switches,
 )
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import FakeClock
 
 
 def test_imbalance_and_std_pinned():

@@ -11,6 +11,7 @@ import torch
 from expertmesh.experts.gating import Routing, concat_routings, route
 from expertmesh.experts.modeling import MoEDecoder
 from expertmesh.experts.reference import load_reference_model
+from tests.fakes import CountingObserver, FailingInProcessTransport
 from tests.tiny_checkpoints import VOCAB
 
 FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
@@ -169,40 +170,6 @@ def test_concat_routings_pinned():
     assert torch.equal(whole.experts, halves.experts) and torch.equal(whole.weights, halves.weights)
 
 
-class _InProcessTransport:
-    """Transport that runs each call here (outputs computed at submit); `fail` names actors whose next call fails."""
-
-    def __init__(self, shards, act, actors):
-        self.shards, self.act, self.actors = shards, act, actors
-        self.fail: set[str] = set()
-        self.log: list[tuple[str, int]] = []
-
-    def submit(self, actor, layer, experts, counts, x):
-        self.log.append(("submit", layer, sum(counts)))
-        if actor in self.fail:
-            self.fail.discard(actor)
-            return RuntimeError(f"{actor} failed")
-        from expertmesh.experts.ffn import gated_mlp
-
-        rows = torch.from_numpy(x).split(counts)
-        return torch.cat([gated_mlp(r, self.shards[(layer, e)], self.act) for e, r in zip(experts, rows)])
-
-    def gather_settled(self, handles, timeout):
-        self.log.append(("gather", None, 0))
-        return list(handles)
-
-
-class _CountingObserver:
-    def __init__(self):
-        self.tokens: dict[int, int] = {}
-
-    def on_layer(self, layer, served, calls, seconds):
-        self.tokens[layer] = self.tokens.get(layer, 0) + sum(sum(c.counts) for c in calls)
-
-    def on_retry(self, actor):
-        pass
-
-
 def test_remote_experts_submit_wait_under_overlap_with_failover(checkpoints):
     from expertmesh.cluster.routing_table import RoutingTable
     from expertmesh.router_service.dispatch import RemoteExperts
@@ -211,9 +178,9 @@ def test_remote_experts_submit_wait_under_overlap_with_failover(checkpoints):
     cfg, local = plain.cfg, plain.experts
     # Two replicas per expert, so a failed call's tokens move to the other one within the step.
     layout = {f"e{e}-r{r}": [(layer, e) for layer in cfg.moe_layers] for e in range(cfg.num_experts) for r in (0, 1)}
-    transport = _InProcessTransport(local.shards, local.act, {name: object() for name in layout})
+    transport = FailingInProcessTransport(local.shards, local.act, {name: object() for name in layout})
     backend = RemoteExperts(RoutingTable.from_actor_shards(layout), transport)
-    backend.observer = _CountingObserver()
+    backend.observer = CountingObserver()
     overlapped = MoEDecoder(cfg, plain.w, backend, overlap=True)
     prompts = _prompts((6, 2, 7), seed=3)
     want = plain.forward(prompts)

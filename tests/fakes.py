@@ -1,0 +1,127 @@
+"""Fakes shared by the tests: in-process transports, a fake expert forward, weight builders, a fake clock.
+
+Everything here runs in this process without Ray, so unit tests can drive the router's dispatch, failover and remap
+logic against exact in-process expert math. Test modules import from here (never from each other).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from expertmesh.cluster.routing_table import RoutingTable
+from expertmesh.experts.ffn import GatedMLPWeights, activation, gated_mlp
+
+# Hidden and intermediate sizes of the weights `expert_weights` builds (small: the math, not the size, is tested).
+HIDDEN, INTER = 16, 24
+
+
+def expert_weights(layers: int, experts: int, seed: int = 0) -> dict[tuple[int, int], GatedMLPWeights]:
+    """(layer, expert) -> random gated-MLP weights [INTER, HIDDEN] / [HIDDEN, INTER], the same for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        (layer, e): GatedMLPWeights.from_parts(
+            torch.randn(INTER, HIDDEN, generator=gen) * 0.3,
+            torch.randn(INTER, HIDDEN, generator=gen) * 0.3,
+            torch.randn(HIDDEN, INTER, generator=gen) * 0.3,
+        )
+        for layer in range(layers)
+        for e in range(experts)
+    }
+
+
+class FakeTransport:
+    """Runs each call in process, only on shards the addressed actor hosts; records every call.
+
+    Checks what a real transport would get: a float array [sum(counts), HIDDEN], distinct experts, one count each.
+    """
+
+    def __init__(self, table: RoutingTable, shards: dict[tuple[int, int], GatedMLPWeights], hidden_act: str = "silu"):
+        self.table = table
+        self.shards = shards
+        self.act = activation(hidden_act)
+        self.submitted: list[tuple[str, int, list[int], list[int], tuple[int, ...]]] = []
+        self.gathers = 0
+
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray):
+        assert isinstance(x, np.ndarray) and x.shape == (sum(counts), HIDDEN)
+        assert len(experts) == len(counts) == len(set(experts))
+        self.submitted.append((actor, layer, list(experts), list(counts), x.shape))
+        outs = []
+        for expert, rows in zip(experts, torch.from_numpy(x).split(counts)):
+            assert (layer, expert) in self.table.actors[actor], f"{actor} does not host {(layer, expert)}"
+            outs.append(gated_mlp(rows, self.shards[(layer, expert)], self.act))
+        return torch.cat(outs).numpy()
+
+    def gather_settled(self, handles, timeout):
+        self.gathers += 1
+        return [h if isinstance(h, BaseException) else torch.from_numpy(h) for h in handles]
+
+
+class NamedFakeTransport(FakeTransport):
+    """FakeTransport with the name -> handle map every real transport keeps (a table switch edits it)."""
+
+    def __init__(self, table: RoutingTable, shards: dict[tuple[int, int], GatedMLPWeights]):
+        super().__init__(table, shards)
+        self.actors = {name: object() for name in table.actors}
+
+
+class FailingInProcessTransport:
+    """Runs each call here (outputs computed at submit, any hidden size); `fail` names actors whose next call fails.
+
+    `log` records ("submit", layer, tokens) and ("gather", None, 0) in order, to check when rounds went out.
+    """
+
+    def __init__(self, shards: dict[tuple[int, int], GatedMLPWeights], act, actors: dict[str, object]):
+        self.shards, self.act, self.actors = shards, act, actors
+        self.fail: set[str] = set()
+        self.log: list[tuple[str, int | None, int]] = []
+
+    def submit(self, actor, layer, experts, counts, x):
+        self.log.append(("submit", layer, sum(counts)))
+        if actor in self.fail:
+            self.fail.discard(actor)
+            return RuntimeError(f"{actor} failed")
+        rows = torch.from_numpy(x).split(counts)
+        return torch.cat([gated_mlp(r, self.shards[(layer, e)], self.act) for e, r in zip(experts, rows)])
+
+    def gather_settled(self, handles, timeout):
+        self.log.append(("gather", None, 0))
+        return list(handles)
+
+
+class CountingObserver:
+    """A dispatch observer that sums the (token, slot) pairs served per layer and ignores retries."""
+
+    def __init__(self):
+        self.tokens: dict[int, int] = {}
+
+    def on_layer(self, layer, served, calls, seconds):
+        self.tokens[layer] = self.tokens.get(layer, 0) + sum(sum(c.counts) for c in calls)
+
+    def on_retry(self, actor):
+        pass
+
+
+class FakeExperts:
+    """An expert actor's forward without the actor: returns x * 2 + layer, records every call, and raises KeyError
+    for a negative layer (a shard the actor does not host)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def forward(self, layer, experts, counts, x, trace=None):
+        self.seen.append((layer, experts, counts, x.shape, trace))
+        if layer < 0:
+            raise KeyError((layer, experts[0]))
+        return np.asarray(x) * 2 + layer
+
+
+class FakeClock:
+    """A clock that stands still until a test moves `now` (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now

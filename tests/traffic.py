@@ -1,0 +1,132 @@
+"""What integration tests use to drive and watch a running mesh: one background (non-stop) client, prompts, polling
+for a condition instead of sleeping, killing an actor and waiting until it is really gone, and the controller's state.
+
+Test modules import from here (never from each other). Ray is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# Tokens per request of the elastic drills' traffic: short, so the client cycles through its prompts quickly.
+MAX_TOKENS = 6
+
+
+def wait_for(check: Callable[[], T], timeout: float = 60.0, what: str = "condition", every: float = 0.1,
+             detail: Callable[[], Any] = lambda: "",
+             ignore: tuple[type[BaseException], ...] = ()) -> T:
+    """Poll `check()` every `every` s until it returns something truthy, and return that.
+
+    Fails after `timeout` s naming `what` (and `detail()`, e.g. the controller's events). Exceptions of the types in
+    `ignore` count as "not yet" (an actor being restored, a name not registered again yet); the last one is reported.
+    """
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = check()
+        except ignore as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r}) {detail()}")
+        time.sleep(every)
+
+
+class NonStopClient:
+    """Sends requests back to back on a thread, cycling through `prompts`, until the `with` block ends.
+
+    `send(prompt) -> token ids` is the request (an ExpertMesh call, a gRPC stream, ...). Every answer is recorded in
+    `results`, and as (prompt index, token ids) in `served`; every exception in `errors` (the test asserts there are
+    none, so nothing a client would have seen fails silently).
+    """
+
+    def __init__(self, send: Callable[[list[int]], list[int]], prompts: Sequence[list[int]]):
+        assert prompts, "give at least one prompt"
+        self.send = send
+        self.prompts = list(prompts)
+        self.results: list[list[int]] = []
+        self.served: list[tuple[int, list[int]]] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            k = i % len(self.prompts)
+            try:
+                tokens = self.send(self.prompts[k])
+                self.served.append((k, tokens))
+                self.results.append(tokens)
+            except BaseException as exc:  # noqa: BLE001 - the test reports every failure
+                self.errors.append(exc)
+            i += 1
+
+    def __enter__(self) -> NonStopClient:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(90)
+
+    def wait_for_results(self, n: int, timeout: float = 60) -> None:
+        """Until `n` more answers came back (or an error did: the test then reports it)."""
+        target = len(self.results) + n
+        wait_for(lambda: len(self.results) >= target or self.errors, timeout, f"{n} more requests served")
+
+
+def mesh_sender(mesh, max_tokens: int = MAX_TOKENS) -> Callable[[list[int]], list[int]]:
+    """NonStopClient's `send` for an in-process ExpertMesh: greedy, never stopping at EOS (fixed-length answers)."""
+    return lambda ids: mesh.generate(token_ids=ids, max_tokens=max_tokens, stop_at_eos=False).token_ids
+
+
+def code_prompts(count: int = 16) -> list[str]:
+    """Lines of the standard library's own source: the kind of text the embedded model was trained on."""
+    import inspect
+    import json
+    import os
+
+    lines = [line for line in inspect.getsource(json).splitlines() + inspect.getsource(os).splitlines()
+             if len(line.strip()) > 20]
+    return lines[::25][:count]
+
+
+def kill_and_wait(name: str, timeout: float = 60.0) -> None:
+    """Kill the actor and return once it is really gone (a call to it fails), so the next step finds it dead."""
+    import ray
+
+    from expertmesh.cluster.naming import NAMESPACE
+
+    handle = ray.get_actor(name, namespace=NAMESPACE)
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.ready.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{name} still answers {timeout}s after ray.kill")
+
+
+def controller_state(mesh) -> dict:
+    """The mesh controller's get_state(): actors, events, epoch, control log, requested GPUs."""
+    import ray
+
+    return ray.get(mesh.controller.get_state.remote())
+
+
+def control_log(mesh) -> list[dict]:
+    """The controller's elastic control steps so far (each with its reason, imbalance and remap)."""
+    return controller_state(mesh)["control"]

@@ -1,0 +1,289 @@
+"""The protobuf <-> request mapping (router_service/api.py), directly: no Ray, no server.
+
+Every function on valid messages (what it builds) and on invalid ones (the gRPC status code, and the field named
+first in the message, which is what a client sees in the status details).
+"""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from expertmesh.experts.config import MoEModelConfig
+from expertmesh.protos import inference_pb2 as pb
+from expertmesh.protos import kserve_v2_pb2 as kpb
+from expertmesh.router_service import api
+from expertmesh.router_service.batching import DoneEvent, TokenEvent
+from expertmesh.router_service.errors import RequestError
+from expertmesh.router_service.sampling import SamplingParams
+
+MODEL = "tiny"
+VOCAB, CONTEXT, EOS = 50, 16, 2
+CFG = MoEModelConfig(
+    family="mixtral", vocab_size=VOCAB, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
+    num_experts=4, top_k=2, expert_intermediate_size=8, norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=1e4,
+    max_position_embeddings=CONTEXT, moe_layers=(0, 1), eos_token_id=EOS,
+)
+
+
+def encode(text: str) -> list[int]:
+    """A stand-in tokenizer: one id per non-space character."""
+    return [ord(c) % VOCAB for c in text if not c.isspace()]
+
+
+def no_tokenizer(text: str) -> list[int]:
+    raise RequestError("prompt", "this checkpoint has no tokenizer.json; send token_ids")
+
+
+def raises_api_error(code: str, field: str, call, *args, **kwargs) -> api.ApiError:
+    """Run call(*args, **kwargs); it must raise ApiError with a real gRPC code, its message starting with `field`."""
+    with pytest.raises(api.ApiError) as err:
+        call(*args, **kwargs)
+    assert err.value.code == code, err.value
+    assert isinstance(getattr(grpc.StatusCode, err.value.code), grpc.StatusCode)  # what the front sets
+    assert err.value.message.startswith(f"{field}:"), err.value.message
+    assert str(err.value) == f"{code}: {err.value.message}"
+    return err.value
+
+
+# ---- ApiError, invalid, as_api_error, check_model_name ---------------------------------------------------------------
+
+
+def test_api_error_keeps_code_and_message_through_pickle():
+    err = api.ApiError("NOT_FOUND", "model: unknown")
+    back = pickle.loads(pickle.dumps(err))  # how Ray moves it between processes
+    assert type(back) is api.ApiError and (back.code, back.message) == ("NOT_FOUND", "model: unknown")
+
+
+def test_invalid_is_invalid_argument_naming_the_field():
+    err = api.invalid("top_k", "must be ≥ 0")
+    assert (err.code, err.message) == ("INVALID_ARGUMENT", "top_k: must be ≥ 0")
+
+
+def test_as_api_error_maps_known_errors_only():
+    err = api.ApiError("NOT_FOUND", "x: y")
+    assert api.as_api_error(err) is err
+    mapped = api.as_api_error(RequestError("max_tokens", "must be positive"))
+    assert (mapped.code, mapped.message) == ("INVALID_ARGUMENT", "max_tokens: must be positive")
+    assert api.as_api_error(RuntimeError("boom")) is None
+    assert api.as_api_error(ValueError("a plain ValueError is not a caller's mistake")) is None
+
+
+def test_check_model_name():
+    api.check_model_name("", MODEL)  # unset: the served model
+    api.check_model_name(MODEL, MODEL)
+    err = raises_api_error("NOT_FOUND", "model", api.check_model_name, "other", MODEL)
+    assert "'other'" in err.message and repr(MODEL) in err.message
+    raises_api_error("NOT_FOUND", "model_name", lambda: api.check_model_name("other", MODEL, field="model_name"))
+
+
+# ---- GenerateRequest -> GenerationRequest ----------------------------------------------------------------------------
+
+
+def gen_request(**fields) -> pb.GenerateRequest:
+    fields.setdefault("max_tokens", 4)
+    if "prompt" not in fields and "token_ids" not in fields:
+        fields["token_ids"] = pb.TokenIds(ids=[1, 2, 3])
+    return pb.GenerateRequest(**fields)
+
+
+def test_generation_request_from_token_ids_with_defaults():
+    got = api.generation_request(gen_request(), CFG, encode, MODEL)
+    assert got.prompt_ids == [1, 2, 3] and got.max_tokens == 4
+    assert got.sampling == SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None)  # unset top_p is 1
+    assert got.stop_token_ids == frozenset() and got.stop_strings == ()
+    assert got.eos_token_id == EOS
+
+
+def test_generation_request_from_a_prompt_with_every_field():
+    req = gen_request(prompt="ab c", model=MODEL, temperature=0.7, top_p=0.9, top_k=5, seed=11,
+                      stop_token_ids=[7, 8], stop=["\n", "END"], ignore_eos=True, max_tokens=6)
+    got = api.generation_request(req, CFG, encode, MODEL)
+    assert got.prompt_ids == encode("ab c") and len(got.prompt_ids) == 3
+    assert got.sampling == SamplingParams(temperature=pytest.approx(0.7), top_p=pytest.approx(0.9), top_k=5, seed=11)
+    assert got.stop_token_ids == frozenset({7, 8}) and got.stop_strings == ("\n", "END")
+    assert got.eos_token_id is None and got.max_tokens == 6  # ignore_eos: never stop at EOS
+
+
+BAD_GENERATE = [
+    (dict(model="other"), "NOT_FOUND", "model"),
+    (dict(token_ids=None), "INVALID_ARGUMENT", "prompt"),  # neither prompt nor token_ids
+    (dict(prompt=""), "INVALID_ARGUMENT", "prompt"),
+    (dict(prompt="   "), "INVALID_ARGUMENT", "prompt"),  # encodes to no tokens
+    (dict(token_ids=pb.TokenIds(ids=[])), "INVALID_ARGUMENT", "token_ids"),
+    (dict(token_ids=pb.TokenIds(ids=[1, VOCAB])), "INVALID_ARGUMENT", "token_ids"),
+    (dict(token_ids=pb.TokenIds(ids=[-1])), "INVALID_ARGUMENT", "token_ids"),
+    (dict(token_ids=pb.TokenIds(ids=[1] * (CONTEXT + 1))), "INVALID_ARGUMENT", "token_ids"),
+    (dict(prompt="x" * (CONTEXT + 1)), "INVALID_ARGUMENT", "prompt"),
+    (dict(max_tokens=0), "INVALID_ARGUMENT", "max_tokens"),
+    (dict(max_tokens=-2), "INVALID_ARGUMENT", "max_tokens"),
+    (dict(max_tokens=CONTEXT - 2), "INVALID_ARGUMENT", "max_tokens"),  # 3 prompt tokens + 14 > 16
+    (dict(temperature=float("nan")), "INVALID_ARGUMENT", "temperature"),
+    (dict(temperature=-0.5), "INVALID_ARGUMENT", "temperature"),
+    (dict(top_p=0.0), "INVALID_ARGUMENT", "top_p"),
+    (dict(top_p=1.5), "INVALID_ARGUMENT", "top_p"),
+    (dict(top_k=-1), "INVALID_ARGUMENT", "top_k"),
+    (dict(seed=2**63), "INVALID_ARGUMENT", "seed"),
+    (dict(stop_token_ids=[3, VOCAB]), "INVALID_ARGUMENT", "stop_token_ids"),
+    (dict(stop_token_ids=[-4]), "INVALID_ARGUMENT", "stop_token_ids"),
+    (dict(stop=["ok", ""]), "INVALID_ARGUMENT", "stop"),
+]
+
+
+@pytest.mark.parametrize("fields,code,field", BAD_GENERATE)
+def test_bad_generate_requests_get_their_code_and_field(fields, code, field):
+    if fields.get("token_ids", 0) is None:
+        req = pb.GenerateRequest(max_tokens=4)
+    else:
+        req = gen_request(**fields)
+    raises_api_error(code, field, _map, req)
+
+
+def _map(req: pb.GenerateRequest):
+    """generation_request with RequestError mapped the way the Serve deployment maps it (as_api_error)."""
+    try:
+        return api.generation_request(req, CFG, encode, MODEL)
+    except RequestError as exc:
+        raise api.as_api_error(exc) from exc
+
+
+def test_a_prompt_without_a_tokenizer_names_the_prompt():
+    with pytest.raises(RequestError) as err:
+        api.generation_request(gen_request(prompt="hello"), CFG, no_tokenizer, MODEL)
+    assert err.value.field == "prompt" and api.as_api_error(err.value).code == "INVALID_ARGUMENT"
+
+
+# ---- events -> GenerateResponse --------------------------------------------------------------------------------------
+
+
+def test_token_message():
+    msg = api.token_message(TokenEvent(token_ids=[4, 5], text="hi"))
+    assert msg.HasField("token") and not msg.HasField("done")
+    assert list(msg.token.token_ids) == [4, 5] and msg.token.text == "hi"
+
+
+def test_done_message_carries_usage_and_routing():
+    event = DoneEvent(finish_reason="eos", prompt_tokens=3, completion_tokens=2,
+                      tokens_per_expert={0: [1, 0, 3, 6], 1: [2, 2, 2, 4]}, rerouted=5, dropped=1, degraded=2)
+    msg = api.done_message(event)
+    assert msg.HasField("done") and not msg.HasField("token")
+    done = msg.done
+    assert done.finish_reason == "eos"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (3, 2)
+    assert {r.layer: list(r.tokens_per_expert) for r in done.routing.layers} == event.tokens_per_expert
+    assert (done.routing.rerouted_tokens, done.routing.dropped_tokens, done.routing.degraded_tokens) == (5, 1, 2)
+    assert pb.GenerateResponse.FromString(msg.SerializeToString()) == msg
+
+
+# ---- ScoreRequest / ScoreResponse ------------------------------------------------------------------------------------
+
+
+def test_score_ids():
+    assert api.score_ids(pb.ScoreRequest(token_ids=[0, 9, VOCAB - 1]), CFG, MODEL) == [0, 9, VOCAB - 1]
+    assert api.score_ids(pb.ScoreRequest(token_ids=[1], model=MODEL), CFG, MODEL) == [1]
+    raises_api_error("NOT_FOUND", "model", api.score_ids, pb.ScoreRequest(token_ids=[1], model="x"), CFG, MODEL)
+    for ids in ([], [VOCAB], [1] * (CONTEXT + 1)):
+        with pytest.raises(RequestError) as err:
+            api.score_ids(pb.ScoreRequest(token_ids=ids), CFG, MODEL)
+        assert err.value.field == "token_ids" and api.as_api_error(err.value).code == "INVALID_ARGUMENT"
+
+
+def test_score_message_logits_and_log_probs():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, -1.0, 0.5]])  # [S=2, V=3]
+    raw = api.score_message(logits, log_probs=False)
+    assert (raw.seq_len, raw.vocab_size) == (2, 3)
+    assert list(raw.values) == pytest.approx(logits.reshape(-1).tolist())  # row-major: position, then vocab
+    logp = api.score_message(logits, log_probs=True)
+    got = torch.tensor(list(logp.values)).reshape(2, 3)
+    torch.testing.assert_close(got, torch.log_softmax(logits, -1))
+    assert torch.allclose(got.exp().sum(-1), torch.ones(2))
+
+
+# ---- KServe v2 -------------------------------------------------------------------------------------------------------
+
+
+def test_model_metadata():
+    meta = api.model_metadata(MODEL, CFG)
+    assert meta.name == MODEL and list(meta.versions) == ["1"] and meta.platform == "expertmesh"
+    (inp,), (out,) = meta.inputs, meta.outputs
+    assert (inp.name, inp.datatype, list(inp.shape)) == ("input_ids", "INT64", [-1, -1])
+    assert (out.name, out.datatype, list(out.shape)) == ("logits", "FP32", [-1, -1, VOCAB])
+
+
+def infer_request(ids: np.ndarray | None = None, raw: bool = False, **fields) -> kpb.ModelInferRequest:
+    ids = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int64) if ids is None else ids
+    req = kpb.ModelInferRequest(model_name=fields.pop("model_name", MODEL), **fields)
+    tensor = req.inputs.add(name="input_ids", datatype="INT64", shape=list(ids.shape))
+    if raw:
+        req.raw_input_contents.append(ids.astype("<i8").tobytes())
+    else:
+        tensor.contents.int64_contents.extend(ids.reshape(-1).tolist())
+    return req
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_infer_input_from_contents_or_raw_bytes(raw):
+    ids = np.array([[1, 2, 3], [4, 5, VOCAB - 1]], dtype=np.int64)
+    req = infer_request(ids, raw=raw, model_version="1")
+    req.outputs.add(name="logits")
+    got = api.infer_input(req, CFG, MODEL)
+    assert got.dtype == np.int64 and np.array_equal(got, ids)
+    assert np.array_equal(api.infer_input(infer_request(ids, raw=raw, model_name=""), CFG, MODEL), ids)
+
+
+def _bad_infer(change) -> kpb.ModelInferRequest:
+    req = infer_request()
+    change(req)
+    return req
+
+
+BAD_INFER = [
+    (lambda r: setattr(r, "model_name", "other"), "NOT_FOUND", "model_name"),
+    (lambda r: setattr(r, "model_version", "2"), "NOT_FOUND", "model_version"),
+    (lambda r: r.inputs.add(name="extra", datatype="INT64", shape=[1, 1]), "INVALID_ARGUMENT", "inputs"),
+    (lambda r: setattr(r.inputs[0], "name", "tokens"), "INVALID_ARGUMENT", "inputs"),
+    (lambda r: setattr(r.inputs[0], "datatype", "INT32"), "INVALID_ARGUMENT", "inputs[input_ids].datatype"),
+    (lambda r: r.inputs[0].shape.__delitem__(0), "INVALID_ARGUMENT", "inputs[input_ids].shape"),  # rank 1
+    (lambda r: r.inputs[0].shape.__setitem__(1, 0), "INVALID_ARGUMENT", "inputs[input_ids].shape"),
+    (lambda r: r.inputs[0].contents.int64_contents.append(7), "INVALID_ARGUMENT", "inputs[input_ids].contents"),
+    (lambda r: r.raw_input_contents.append(b"\0" * 8), "INVALID_ARGUMENT", "raw_input_contents"),
+    (lambda r: r.inputs[0].contents.int64_contents.__setitem__(0, VOCAB), "INVALID_ARGUMENT", "input_ids"),
+    (lambda r: r.inputs[0].contents.int64_contents.__setitem__(0, -1), "INVALID_ARGUMENT", "input_ids"),
+    (lambda r: r.outputs.add(name="probs"), "INVALID_ARGUMENT", "outputs"),
+]
+
+
+@pytest.mark.parametrize("change,code,field", BAD_INFER)
+def test_bad_infer_requests_get_their_code_and_field(change, code, field):
+    raises_api_error(code, field, api.infer_input, _bad_infer(change), CFG, MODEL)
+
+
+def test_infer_input_refuses_a_sequence_longer_than_the_context():
+    ids = np.ones((1, CONTEXT + 1), dtype=np.int64)
+    err = raises_api_error("INVALID_ARGUMENT", "inputs[input_ids].shape", api.infer_input, infer_request(ids), CFG,
+                           MODEL)
+    assert str(CONTEXT) in err.message
+
+
+def test_infer_response_is_raw_little_endian_fp32():
+    logits = np.arange(2 * 3 * VOCAB, dtype=np.float32).reshape(2, 3, VOCAB) / 7
+    resp = api.infer_response(kpb.ModelInferRequest(id="req-9"), MODEL, logits)
+    assert (resp.model_name, resp.model_version, resp.id) == (MODEL, "1", "req-9")
+    (out,) = resp.outputs
+    assert (out.name, out.datatype, list(out.shape)) == ("logits", "FP32", [2, 3, VOCAB])
+    back = np.frombuffer(resp.raw_output_contents[0], dtype="<f4").reshape(out.shape)
+    assert np.array_equal(back, logits)
+    with pytest.raises(AssertionError):
+        api.infer_response(kpb.ModelInferRequest(), MODEL, logits.astype(np.float64))  # only float32 goes out
+
+
+def test_the_mapping_imports_no_ray():
+    code = "import sys; import expertmesh.router_service.api; print('ray' in sys.modules, 'ray.serve' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False"]
