@@ -6,8 +6,6 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
-
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """The folder's tokenizer, or None when the checkpoint ships none (token ids still work)."""

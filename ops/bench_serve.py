@@ -49,9 +49,9 @@ def _ms(seconds: float | None) -> float | None:
 def _vocab_size(model_dir: str | None) -> int | None:
     try:
         if model_dir is None:
-            from ..experts.tokenizer import DEFAULT_MODEL_DIR
+            from ..experts.embedded_model import EMBEDDED_MODEL_DIR
 
-            folder = DEFAULT_MODEL_DIR
+            folder = EMBEDDED_MODEL_DIR
         else:
             folder = Path(model_dir)
         return int(json.loads((folder / "config.json").read_text())["vocab_size"])

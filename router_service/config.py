@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster.controller_config import ControllerConfig
+from ..experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ..experts.errors import ConfigError
-from ..experts.tokenizer import DEFAULT_MODEL_DIR
 from ..experts.tracing_config import TracingConfig
 from .batching import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
@@ -42,10 +42,9 @@ from .observability_config import ObservabilityConfig
 from .transports.base import TRANSPORTS
 
 __all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "ServerConfig",
-           "ConfigError", "DTYPES", "EMBEDDED_MODEL_NAME"]
+           "ConfigError", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
-EMBEDDED_MODEL_NAME = "expertmesh-demo"
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class ModelConfig:
 
     @property
     def resolved_path(self) -> Path:
-        return (Path(self.path) if self.path else DEFAULT_MODEL_DIR).resolve()
+        return (Path(self.path) if self.path else EMBEDDED_MODEL_DIR).resolve()
 
     @property
     def served_name(self) -> str:

@@ -27,11 +27,12 @@ from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
-from . import api
+from . import proto_mapping
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
 from .config import MeshConfig
 from .dispatch import NoReplicaError
 from .expert_pool import connect_actors
+from .proto_mapping import ApiError
 from .router import Router
 from .startup import start_mesh
 
@@ -46,25 +47,25 @@ def pool_spec_from_dict(pool: dict) -> PoolSpec:
                     tracing=pool.get("tracing")).with_actor_shards(pool["actor_shards"])
 
 
-def _set_status(grpc_context, error: api.ApiError) -> api.ApiError:
+def _set_status(grpc_context, error: ApiError) -> ApiError:
     if grpc_context is not None:
         grpc_context.set_code(getattr(grpc.StatusCode, error.code))
         grpc_context.set_details(error.message)
     return error
 
 
-def _classify(exc: BaseException) -> api.ApiError:
-    known = api.as_api_error(exc)
+def _classify(exc: BaseException) -> ApiError:
+    known = proto_mapping.as_api_error(exc)
     if known is not None:
         return known
     if isinstance(exc, NoReplicaError):
-        return api.ApiError("UNAVAILABLE", str(exc))
+        return ApiError("UNAVAILABLE", str(exc))
     if isinstance(exc, QueueFullError):
-        return api.ApiError("RESOURCE_EXHAUSTED", f"server busy: {exc}; retry later")
+        return ApiError("RESOURCE_EXHAUSTED", f"server busy: {exc}; retry later")
     if isinstance(exc, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError):
-        return api.ApiError("UNAVAILABLE", f"an expert actor is unavailable: {type(exc).__name__}")
+        return ApiError("UNAVAILABLE", f"an expert actor is unavailable: {type(exc).__name__}")
     log.exception("unexpected error")
-    return api.ApiError("INTERNAL", f"internal error ({type(exc).__name__}); see the router's log")
+    return ApiError("INTERNAL", f"internal error ({type(exc).__name__}); see the router's log")
 
 
 @serve.deployment(name="router", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -94,7 +95,7 @@ class RouterDeployment:
             return  # no auth, or called through a handle from inside the cluster (the front checked it)
         metadata = dict(grpc_context.invocation_metadata())
         if metadata.get("authorization") != f"Bearer {token}":
-            raise _set_status(grpc_context, api.ApiError("UNAUTHENTICATED", "missing or wrong bearer token"))
+            raise _set_status(grpc_context, ApiError("UNAUTHENTICATED", "missing or wrong bearer token"))
 
     # ---- expertmesh.v1.Inference -----------------------------------------------------------------------------
 
@@ -106,12 +107,12 @@ class RouterDeployment:
         span = self.router.observer.start_request(trace, rpc="Generate")
         try:
             self._authorize(grpc_context)
-            gen_request = api.generation_request(request, self.cfg, self.router.encode, self.model_name)
+            gen_request = proto_mapping.generation_request(request, self.cfg, self.router.encode, self.model_name)
             async for event in self.batcher.stream(gen_request, span=span):
                 if isinstance(event, DoneEvent):
-                    yield api.done_message(event)
+                    yield proto_mapping.done_message(event)
                 else:
-                    yield api.token_message(event)
+                    yield proto_mapping.token_message(event)
         except asyncio.CancelledError:
             raise  # client cancel or deadline: batcher.stream's finally frees the sequence
         except Exception as exc:
@@ -123,9 +124,9 @@ class RouterDeployment:
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:  # noqa: N802
         try:
             self._authorize(grpc_context)
-            ids = api.score_ids(request, self.cfg, self.model_name)
+            ids = proto_mapping.score_ids(request, self.cfg, self.model_name)
             logits = await self.batcher.run_exclusive(lambda: self.router.score(ids))
-            return api.score_message(logits, request.log_probs)
+            return proto_mapping.score_message(logits, request.log_probs)
         except Exception as exc:
             raise _set_status(grpc_context, _classify(exc)) from None
 
@@ -139,8 +140,8 @@ class RouterDeployment:
 
     async def ModelReady(self, request, grpc_context=None):  # noqa: N802
         try:
-            api.check_model_name(request.name, self.model_name, field="name")
-        except api.ApiError as exc:
+            proto_mapping.check_model_name(request.name, self.model_name, field="name")
+        except ApiError as exc:
             raise _set_status(grpc_context, exc) from None
         return kpb.ModelReadyResponse(ready=True)
 
@@ -149,18 +150,19 @@ class RouterDeployment:
 
     async def ModelMetadata(self, request, grpc_context=None):  # noqa: N802
         try:
-            api.check_model_name(request.name, self.model_name, field="name")
-        except api.ApiError as exc:
+            proto_mapping.check_model_name(request.name, self.model_name, field="name")
+        except ApiError as exc:
             raise _set_status(grpc_context, exc) from None
-        return api.model_metadata(self.model_name, self.cfg)
+        return proto_mapping.model_metadata(self.model_name, self.cfg)
 
     async def ModelInfer(self, request, grpc_context=None):  # noqa: N802
         try:
             self._authorize(grpc_context)
-            ids = api.infer_input(request, self.cfg, self.model_name)  # [batch, seq]
+            ids = proto_mapping.infer_input(request, self.cfg, self.model_name)  # [batch, seq]
             rows = [row.tolist() for row in ids]
             logits = await self.batcher.run_exclusive(lambda: self.router.score_batch(rows))
-            return api.infer_response(request, self.model_name, torch.stack(logits).numpy().astype(np.float32))
+            out = torch.stack(logits).numpy().astype(np.float32)  # [batch, seq, vocab]
+            return proto_mapping.infer_response(request, self.model_name, out)
         except Exception as exc:
             raise _set_status(grpc_context, _classify(exc)) from None
 
@@ -213,12 +215,12 @@ class RouterDeployment:
 
     async def _replica_action(self, method: str, actor: str, grpc_context) -> admin_pb2.ReplicaReply:
         if actor not in self.router.table.actors:
-            raise _set_status(grpc_context, api.ApiError("NOT_FOUND", f"actor: no expert replica named {actor!r}"))
+            raise _set_status(grpc_context, ApiError("NOT_FOUND", f"actor: no expert replica named {actor!r}"))
         try:
             controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
             ok = await asyncio.wait_for(getattr(controller, method).remote(actor), timeout=10)
         except Exception as exc:
-            raise _set_status(grpc_context, api.ApiError("UNAVAILABLE", f"controller unavailable: {exc}")) from None
+            raise _set_status(grpc_context, ApiError("UNAVAILABLE", f"controller unavailable: {exc}")) from None
         return admin_pb2.ReplicaReply(ok=ok, message=f"{method.replace('_', ' ')}: {actor}")
 
 

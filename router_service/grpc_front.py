@@ -20,8 +20,8 @@ from ray import serve
 
 from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
-from .api import ApiError
 from .config import ServerConfig
+from .proto_mapping import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ PROMPT_TEXTS = (
 
 
 def model_dir_path(model_dir: str | None) -> Path:
-    from ...experts.tokenizer import DEFAULT_MODEL_DIR
+    from ...experts.embedded_model import EMBEDDED_MODEL_DIR
 
-    return Path(model_dir) if model_dir else DEFAULT_MODEL_DIR
+    return Path(model_dir) if model_dir else EMBEDDED_MODEL_DIR
 
 
 def make_prompts(model_dir: str | None) -> list[list[int]]:

@@ -16,8 +16,9 @@ from expertmesh.cluster.controller_config import ControllerConfig
 from expertmesh.cluster.elastic import ElasticConfig
 from expertmesh.cluster.load_stats import LoadStatsConfig
 from expertmesh.cluster.naming import NAMESPACE
+from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
 from expertmesh.experts.reference import load_reference_model
-from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
+from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.router_service.config import RayConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability_config import ObservabilityConfig
@@ -54,9 +55,9 @@ def ray_resource_request() -> list[dict] | None:
 
 
 def test_scale_out_onto_a_requested_node_and_back_in(small_cluster):
-    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
     prompts = [tokenizer.encode(t).ids[:24] for t in code_prompts(8)]
-    reference = load_reference_model(DEFAULT_MODEL_DIR)
+    reference = load_reference_model(EMBEDDED_MODEL_DIR)
     expected = [greedy_tokens(reference, p, MAX_TOKENS) for p in prompts]
     elastic = ElasticConfig(
         control_interval_s=2.0, slots_per_gpu=4, num_cpus_per_actor=0.1, min_window_tokens=100,

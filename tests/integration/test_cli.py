@@ -13,8 +13,9 @@ import torch
 
 from expertmesh.cluster.naming import expert_actor_name
 from expertmesh.experts.config import load_model_config
+from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
 from expertmesh.experts.reference import load_reference_model
-from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
+from expertmesh.experts.tokenizer import load_tokenizer
 from tests.served import start_server
 from tests.tiny_checkpoints import greedy_tokens
 
@@ -45,11 +46,11 @@ def test_generate_on_the_embedded_default_model():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert len(out["token_ids"]) >= 1 and isinstance(out["text"], str) and out["text"]
-    assert (DEFAULT_MODEL_DIR / "model.safetensors").is_file()
+    assert (EMBEDDED_MODEL_DIR / "model.safetensors").is_file()
     # The tokens are the in-process reference's greedy tokens for the same prompt (up to and with EOS, where the
     # CLI stops), and the text is exactly their decoding.
-    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
-    reference = load_reference_model(DEFAULT_MODEL_DIR)
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
+    reference = load_reference_model(EMBEDDED_MODEL_DIR)
     want = greedy_tokens(reference, tokenizer.encode("def ").ids, 12)
     eos = reference.cfg.eos_token_id
     if eos in want:

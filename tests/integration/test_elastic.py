@@ -14,8 +14,9 @@ from expertmesh.cluster.controller_config import ControllerConfig
 from expertmesh.cluster.elastic import ElasticConfig
 from expertmesh.cluster.load_stats import LoadStatsConfig
 from expertmesh.cluster.naming import NAMESPACE, parse_gpu_actor_name
+from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
 from expertmesh.experts.reference import load_reference_model
-from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
+from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.router_service.config import RayConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability_config import ObservabilityConfig
@@ -36,9 +37,9 @@ def gpu_cluster():
 
 
 def test_skewed_traffic_rebalances_live_within_target(gpu_cluster):
-    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
     prompts = [tokenizer.encode(t).ids[:24] for t in code_prompts()]
-    reference = load_reference_model(DEFAULT_MODEL_DIR)
+    reference = load_reference_model(EMBEDDED_MODEL_DIR)
     expected = [greedy_tokens(reference, p, MAX_TOKENS) for p in prompts]
     # 8 experts on 2 GPUs with 5 slots each per layer; 25 % extra = 2 more replicas per layer. The first decision
     # waits for a window holding every prompt once (~830 routed slots per layer), so the load it sees is the

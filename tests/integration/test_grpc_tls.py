@@ -9,7 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
+from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
+from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
 from tests.served import self_signed_cert, start_server
@@ -56,7 +57,7 @@ def test_tls_serves_and_plaintext_is_refused(tls_server, secure_channel):
 def test_prompt_text_streams_pieces_that_add_up_to_the_decoded_tokens(secure_channel):
     ids, text, done = stream(secure_channel, prompt="import os\n\ndef ", max_tokens=24, ignore_eos=True)
     assert len(ids) == 24 and done.finish_reason == "length"
-    assert text == load_tokenizer(DEFAULT_MODEL_DIR).decode(ids) and text.strip()
+    assert text == load_tokenizer(EMBEDDED_MODEL_DIR).decode(ids) and text.strip()
 
 
 def test_stop_string_ends_the_text_before_it(secure_channel):

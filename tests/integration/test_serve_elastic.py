@@ -16,8 +16,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
 from expertmesh.experts.reference import load_reference_model
-from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR, load_tokenizer
+from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from tests.served import start_server
@@ -37,9 +38,9 @@ def gpu_cluster():
 
 @pytest.fixture(scope="module")
 def prompts_and_expected():
-    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
     prompts = [tokenizer.encode(t).ids[:24] for t in code_prompts()]
-    reference = load_reference_model(DEFAULT_MODEL_DIR)
+    reference = load_reference_model(EMBEDDED_MODEL_DIR)
     return prompts, [greedy_tokens(reference, p, MAX_TOKENS) for p in prompts]
 
 

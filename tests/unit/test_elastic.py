@@ -140,11 +140,11 @@ def test_config_errors_name_the_field():
 
 def test_planned_layout_checks_slots_and_the_placement_against_the_cluster():
     from expertmesh.experts.checkpoint import CheckpointReader
-    from expertmesh.experts.tokenizer import DEFAULT_MODEL_DIR
+    from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
     from expertmesh.router_service.errors import RequestError
     from expertmesh.router_service.pool_layout import planned_layout
 
-    cfg = CheckpointReader(DEFAULT_MODEL_DIR).config  # the embedded model: 4 MoE layers x 8 experts
+    cfg = CheckpointReader(EMBEDDED_MODEL_DIR).config  # the embedded model: 4 MoE layers x 8 experts
     nodes = [NodeResources("n0", 4, 1), NodeResources("n1", 4, 1)]
     with pytest.raises(RequestError, match="slots_per_gpu.*give at least 4"):
         planned_layout(cfg, nodes, ElasticConfig(slots_per_gpu=3))

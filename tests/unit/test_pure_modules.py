@@ -23,6 +23,7 @@ PURE_MODULES = (
     "expertmesh.experts.arrays",
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
+    "expertmesh.experts.embedded_model",
     "expertmesh.experts.errors",
     "expertmesh.experts.ffn",
     "expertmesh.experts.gating",
@@ -33,7 +34,7 @@ PURE_MODULES = (
     "expertmesh.experts.weights",
     "expertmesh.experts.wire",  # the expert call's wire format (protobuf messages, no gRPC)
     # router: dispatch planning/combine, the dispatcher, sampling, batching, request handling, the transport interface
-    "expertmesh.router_service.api",
+    "expertmesh.router_service.proto_mapping",
     "expertmesh.router_service.batching",
     "expertmesh.router_service.config",  # the configuration tree: the CLI checks it before anything starts
     "expertmesh.router_service.config_tree",

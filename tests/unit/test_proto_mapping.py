@@ -1,4 +1,4 @@
-"""The protobuf <-> request mapping (router_service/api.py), directly: no Ray, no server.
+"""The protobuf <-> request mapping (router_service/proto_mapping.py), directly: no Ray, no server.
 
 Every function on valid messages (what it builds) and on invalid ones (the gRPC status code, and the field named
 first in the message, which is what a client sees in the status details).
@@ -7,8 +7,6 @@ first in the message, which is what a client sees in the status details).
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 
 import grpc
 import numpy as np
@@ -18,7 +16,7 @@ import torch
 from expertmesh.experts.config import MoEModelConfig
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import kserve_v2_pb2 as kpb
-from expertmesh.router_service import api
+from expertmesh.router_service import proto_mapping
 from expertmesh.router_service.batching import DoneEvent, TokenEvent
 from expertmesh.router_service.errors import RequestError
 from expertmesh.router_service.sampling import SamplingParams
@@ -41,9 +39,9 @@ def no_tokenizer(text: str) -> list[int]:
     raise RequestError("prompt", "this checkpoint has no tokenizer.json; send token_ids")
 
 
-def raises_api_error(code: str, field: str, call, *args, **kwargs) -> api.ApiError:
+def raises_api_error(code: str, field: str, call, *args, **kwargs) -> proto_mapping.ApiError:
     """Run call(*args, **kwargs); it must raise ApiError with a real gRPC code, its message starting with `field`."""
-    with pytest.raises(api.ApiError) as err:
+    with pytest.raises(proto_mapping.ApiError) as err:
         call(*args, **kwargs)
     assert err.value.code == code, err.value
     assert isinstance(getattr(grpc.StatusCode, err.value.code), grpc.StatusCode)  # what the front sets
@@ -56,31 +54,32 @@ def raises_api_error(code: str, field: str, call, *args, **kwargs) -> api.ApiErr
 
 
 def test_api_error_keeps_code_and_message_through_pickle():
-    err = api.ApiError("NOT_FOUND", "model: unknown")
+    err = proto_mapping.ApiError("NOT_FOUND", "model: unknown")
     back = pickle.loads(pickle.dumps(err))  # how Ray moves it between processes
-    assert type(back) is api.ApiError and (back.code, back.message) == ("NOT_FOUND", "model: unknown")
+    assert type(back) is proto_mapping.ApiError and (back.code, back.message) == ("NOT_FOUND", "model: unknown")
 
 
 def test_invalid_is_invalid_argument_naming_the_field():
-    err = api.invalid("top_k", "must be ≥ 0")
+    err = proto_mapping.invalid("top_k", "must be ≥ 0")
     assert (err.code, err.message) == ("INVALID_ARGUMENT", "top_k: must be ≥ 0")
 
 
 def test_as_api_error_maps_known_errors_only():
-    err = api.ApiError("NOT_FOUND", "x: y")
-    assert api.as_api_error(err) is err
-    mapped = api.as_api_error(RequestError("max_tokens", "must be positive"))
+    err = proto_mapping.ApiError("NOT_FOUND", "x: y")
+    assert proto_mapping.as_api_error(err) is err
+    mapped = proto_mapping.as_api_error(RequestError("max_tokens", "must be positive"))
     assert (mapped.code, mapped.message) == ("INVALID_ARGUMENT", "max_tokens: must be positive")
-    assert api.as_api_error(RuntimeError("boom")) is None
-    assert api.as_api_error(ValueError("a plain ValueError is not a caller's mistake")) is None
+    assert proto_mapping.as_api_error(RuntimeError("boom")) is None
+    assert proto_mapping.as_api_error(ValueError("a plain ValueError is not a caller's mistake")) is None
 
 
 def test_check_model_name():
-    api.check_model_name("", MODEL)  # unset: the served model
-    api.check_model_name(MODEL, MODEL)
-    err = raises_api_error("NOT_FOUND", "model", api.check_model_name, "other", MODEL)
+    proto_mapping.check_model_name("", MODEL)  # unset: the served model
+    proto_mapping.check_model_name(MODEL, MODEL)
+    err = raises_api_error("NOT_FOUND", "model", proto_mapping.check_model_name, "other", MODEL)
     assert "'other'" in err.message and repr(MODEL) in err.message
-    raises_api_error("NOT_FOUND", "model_name", lambda: api.check_model_name("other", MODEL, field="model_name"))
+    raises_api_error("NOT_FOUND", "model_name",
+                     lambda: proto_mapping.check_model_name("other", MODEL, field="model_name"))
 
 
 # ---- GenerateRequest -> GenerationRequest ----------------------------------------------------------------------------
@@ -94,7 +93,7 @@ def gen_request(**fields) -> pb.GenerateRequest:
 
 
 def test_generation_request_from_token_ids_with_defaults():
-    got = api.generation_request(gen_request(), CFG, encode, MODEL)
+    got = proto_mapping.generation_request(gen_request(), CFG, encode, MODEL)
     assert got.prompt_ids == [1, 2, 3] and got.max_tokens == 4
     assert got.sampling == SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None)  # unset top_p is 1
     assert got.stop_token_ids == frozenset() and got.stop_strings == ()
@@ -104,7 +103,7 @@ def test_generation_request_from_token_ids_with_defaults():
 def test_generation_request_from_a_prompt_with_every_field():
     req = gen_request(prompt="ab c", model=MODEL, temperature=0.7, top_p=0.9, top_k=5, seed=11,
                       stop_token_ids=[7, 8], stop=["\n", "END"], ignore_eos=True, max_tokens=6)
-    got = api.generation_request(req, CFG, encode, MODEL)
+    got = proto_mapping.generation_request(req, CFG, encode, MODEL)
     assert got.prompt_ids == encode("ab c") and len(got.prompt_ids) == 3
     assert got.sampling == SamplingParams(temperature=pytest.approx(0.7), top_p=pytest.approx(0.9), top_k=5, seed=11)
     assert got.stop_token_ids == frozenset({7, 8}) and got.stop_strings == ("\n", "END")
@@ -148,22 +147,22 @@ def test_bad_generate_requests_get_their_code_and_field(fields, code, field):
 def _map(req: pb.GenerateRequest):
     """generation_request with RequestError mapped the way the Serve deployment maps it (as_api_error)."""
     try:
-        return api.generation_request(req, CFG, encode, MODEL)
+        return proto_mapping.generation_request(req, CFG, encode, MODEL)
     except RequestError as exc:
-        raise api.as_api_error(exc) from exc
+        raise proto_mapping.as_api_error(exc) from exc
 
 
 def test_a_prompt_without_a_tokenizer_names_the_prompt():
     with pytest.raises(RequestError) as err:
-        api.generation_request(gen_request(prompt="hello"), CFG, no_tokenizer, MODEL)
-    assert err.value.field == "prompt" and api.as_api_error(err.value).code == "INVALID_ARGUMENT"
+        proto_mapping.generation_request(gen_request(prompt="hello"), CFG, no_tokenizer, MODEL)
+    assert err.value.field == "prompt" and proto_mapping.as_api_error(err.value).code == "INVALID_ARGUMENT"
 
 
 # ---- events -> GenerateResponse --------------------------------------------------------------------------------------
 
 
 def test_token_message():
-    msg = api.token_message(TokenEvent(token_ids=[4, 5], text="hi"))
+    msg = proto_mapping.token_message(TokenEvent(token_ids=[4, 5], text="hi"))
     assert msg.HasField("token") and not msg.HasField("done")
     assert list(msg.token.token_ids) == [4, 5] and msg.token.text == "hi"
 
@@ -171,7 +170,7 @@ def test_token_message():
 def test_done_message_carries_usage_and_routing():
     event = DoneEvent(finish_reason="eos", prompt_tokens=3, completion_tokens=2,
                       tokens_per_expert={0: [1, 0, 3, 6], 1: [2, 2, 2, 4]}, rerouted=5, dropped=1, degraded=2)
-    msg = api.done_message(event)
+    msg = proto_mapping.done_message(event)
     assert msg.HasField("done") and not msg.HasField("token")
     done = msg.done
     assert done.finish_reason == "eos"
@@ -185,21 +184,22 @@ def test_done_message_carries_usage_and_routing():
 
 
 def test_score_ids():
-    assert api.score_ids(pb.ScoreRequest(token_ids=[0, 9, VOCAB - 1]), CFG, MODEL) == [0, 9, VOCAB - 1]
-    assert api.score_ids(pb.ScoreRequest(token_ids=[1], model=MODEL), CFG, MODEL) == [1]
-    raises_api_error("NOT_FOUND", "model", api.score_ids, pb.ScoreRequest(token_ids=[1], model="x"), CFG, MODEL)
+    assert proto_mapping.score_ids(pb.ScoreRequest(token_ids=[0, 9, VOCAB - 1]), CFG, MODEL) == [0, 9, VOCAB - 1]
+    assert proto_mapping.score_ids(pb.ScoreRequest(token_ids=[1], model=MODEL), CFG, MODEL) == [1]
+    raises_api_error("NOT_FOUND", "model", proto_mapping.score_ids, pb.ScoreRequest(token_ids=[1], model="x"), CFG,
+                     MODEL)
     for ids in ([], [VOCAB], [1] * (CONTEXT + 1)):
         with pytest.raises(RequestError) as err:
-            api.score_ids(pb.ScoreRequest(token_ids=ids), CFG, MODEL)
-        assert err.value.field == "token_ids" and api.as_api_error(err.value).code == "INVALID_ARGUMENT"
+            proto_mapping.score_ids(pb.ScoreRequest(token_ids=ids), CFG, MODEL)
+        assert err.value.field == "token_ids" and proto_mapping.as_api_error(err.value).code == "INVALID_ARGUMENT"
 
 
 def test_score_message_logits_and_log_probs():
     logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, -1.0, 0.5]])  # [S=2, V=3]
-    raw = api.score_message(logits, log_probs=False)
+    raw = proto_mapping.score_message(logits, log_probs=False)
     assert (raw.seq_len, raw.vocab_size) == (2, 3)
     assert list(raw.values) == pytest.approx(logits.reshape(-1).tolist())  # row-major: position, then vocab
-    logp = api.score_message(logits, log_probs=True)
+    logp = proto_mapping.score_message(logits, log_probs=True)
     got = torch.tensor(list(logp.values)).reshape(2, 3)
     torch.testing.assert_close(got, torch.log_softmax(logits, -1))
     assert torch.allclose(got.exp().sum(-1), torch.ones(2))
@@ -209,7 +209,7 @@ def test_score_message_logits_and_log_probs():
 
 
 def test_model_metadata():
-    meta = api.model_metadata(MODEL, CFG)
+    meta = proto_mapping.model_metadata(MODEL, CFG)
     assert meta.name == MODEL and list(meta.versions) == ["1"] and meta.platform == "expertmesh"
     (inp,), (out,) = meta.inputs, meta.outputs
     assert (inp.name, inp.datatype, list(inp.shape)) == ("input_ids", "INT64", [-1, -1])
@@ -232,9 +232,9 @@ def test_infer_input_from_contents_or_raw_bytes(raw):
     ids = np.array([[1, 2, 3], [4, 5, VOCAB - 1]], dtype=np.int64)
     req = infer_request(ids, raw=raw, model_version="1")
     req.outputs.add(name="logits")
-    got = api.infer_input(req, CFG, MODEL)
+    got = proto_mapping.infer_input(req, CFG, MODEL)
     assert got.dtype == np.int64 and np.array_equal(got, ids)
-    assert np.array_equal(api.infer_input(infer_request(ids, raw=raw, model_name=""), CFG, MODEL), ids)
+    assert np.array_equal(proto_mapping.infer_input(infer_request(ids, raw=raw, model_name=""), CFG, MODEL), ids)
 
 
 def _bad_infer(change) -> kpb.ModelInferRequest:
@@ -261,29 +261,23 @@ BAD_INFER = [
 
 @pytest.mark.parametrize("change,code,field", BAD_INFER)
 def test_bad_infer_requests_get_their_code_and_field(change, code, field):
-    raises_api_error(code, field, api.infer_input, _bad_infer(change), CFG, MODEL)
+    raises_api_error(code, field, proto_mapping.infer_input, _bad_infer(change), CFG, MODEL)
 
 
 def test_infer_input_refuses_a_sequence_longer_than_the_context():
     ids = np.ones((1, CONTEXT + 1), dtype=np.int64)
-    err = raises_api_error("INVALID_ARGUMENT", "inputs[input_ids].shape", api.infer_input, infer_request(ids), CFG,
-                           MODEL)
+    err = raises_api_error("INVALID_ARGUMENT", "inputs[input_ids].shape", proto_mapping.infer_input,
+                           infer_request(ids), CFG, MODEL)
     assert str(CONTEXT) in err.message
 
 
 def test_infer_response_is_raw_little_endian_fp32():
     logits = np.arange(2 * 3 * VOCAB, dtype=np.float32).reshape(2, 3, VOCAB) / 7
-    resp = api.infer_response(kpb.ModelInferRequest(id="req-9"), MODEL, logits)
+    resp = proto_mapping.infer_response(kpb.ModelInferRequest(id="req-9"), MODEL, logits)
     assert (resp.model_name, resp.model_version, resp.id) == (MODEL, "1", "req-9")
     (out,) = resp.outputs
     assert (out.name, out.datatype, list(out.shape)) == ("logits", "FP32", [2, 3, VOCAB])
     back = np.frombuffer(resp.raw_output_contents[0], dtype="<f4").reshape(out.shape)
     assert np.array_equal(back, logits)
     with pytest.raises(AssertionError):
-        api.infer_response(kpb.ModelInferRequest(), MODEL, logits.astype(np.float64))  # only float32 goes out
-
-
-def test_the_mapping_imports_no_ray():
-    code = "import sys; import expertmesh.router_service.api; print('ray' in sys.modules, 'ray.serve' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == ["False", "False"]
+        proto_mapping.infer_response(kpb.ModelInferRequest(), MODEL, logits.astype(np.float64))  # only float32 goes out
