@@ -1,6 +1,7 @@
-"""The `expertmesh` command, run as a user runs it (a subprocess that starts its own embedded Ray, or a client of
-a running `expertmesh serve`). Every output is compared with a real result: the in-process reference model, or
-`transformers` on the same checkpoint."""
+"""The `expertmesh` command: `--local` runs as a user runs it (a subprocess that starts its own embedded Ray); the
+client commands of a running `expertmesh serve` run in process (`ops.cli.main`, which a subprocess would only wrap).
+Every output is compared with a real result: the in-process reference model, or `transformers` on the same
+checkpoint."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from expertmesh.experts.config import load_model_config
 from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.tokenizer import load_tokenizer
+from expertmesh.ops.cli import main
 from tests.served import start_server
 from tests.tiny_checkpoints import greedy_tokens
 
@@ -25,6 +27,14 @@ TOL = 1e-4
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "expertmesh.ops.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def cli_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`expertmesh ARGS` in this process: its exit code and what it printed."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["expertmesh", *args], code, out, err)
 
 
 def test_score_json_equals_transformers(checkpoints):
@@ -80,12 +90,12 @@ def server(checkpoints):
     assert server.stop() == 0, server.log()
 
 
-def test_remote_generate_json_equals_transformers_greedy(server, checkpoints):
+def test_remote_generate_json_equals_transformers_greedy(server, checkpoints, capsys):
     from transformers import AutoModelForCausalLM
 
     prompt = [3, 14, 15, 92, 65, 35]
-    proc = run_cli("generate", "--target", server.target, "--token-ids", ",".join(map(str, prompt)),
-                   "--max-tokens", "10", "--json", timeout=120)
+    proc = cli_main(capsys, "generate", "--target", server.target, "--token-ids", ",".join(map(str, prompt)),
+                    "--max-tokens", "10", "--json", "--timeout", "120")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     hf = AutoModelForCausalLM.from_pretrained(checkpoints["mixtral"], dtype=torch.float32).eval()
@@ -97,10 +107,10 @@ def test_remote_generate_json_equals_transformers_greedy(server, checkpoints):
 
 
 @pytest.mark.parametrize("log_probs", [False, True])
-def test_remote_score_json_equals_the_reference(server, reference, log_probs):
+def test_remote_score_json_equals_the_reference(server, reference, log_probs, capsys):
     ids = [5, 17, 42, 8, 90, 1]
-    args = ["score", "--target", server.target, "--token-ids", ",".join(map(str, ids)), "--json"]
-    proc = run_cli(*args, *(["--log-probs"] if log_probs else []), timeout=120)
+    args = ["score", "--target", server.target, "--token-ids", ",".join(map(str, ids)), "--json", "--timeout", "120"]
+    proc = cli_main(capsys, *args, *(["--log-probs"] if log_probs else []))
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     want = reference.forward([torch.tensor(ids)])[0]  # [S, V]
@@ -111,12 +121,12 @@ def test_remote_score_json_equals_the_reference(server, reference, log_probs):
     assert (got - want).abs().max().item() <= TOL
 
 
-def test_status_lists_every_actor(server, checkpoints):
+def test_status_lists_every_actor(server, checkpoints, capsys):
     experts = load_model_config(checkpoints["mixtral"]).num_experts
     actors = {expert_actor_name(e, 0) for e in range(experts)}  # one replica per expert by default
-    assert run_cli("generate", "--target", server.target, "--token-ids", "1,2,3", "--max-tokens", "2",
-                   timeout=120).returncode == 0  # some traffic, so every replica has a state to show
-    proc = run_cli("status", "--target", server.target, "--json", timeout=120)
+    assert cli_main(capsys, "generate", "--target", server.target, "--token-ids", "1,2,3", "--max-tokens", "2",
+                    "--timeout", "120").returncode == 0  # some traffic, so every replica has a state to show
+    proc = cli_main(capsys, "status", "--target", server.target, "--json", "--timeout", "120")
     assert proc.returncode == 0, proc.stderr[-2000:]
     state = json.loads(proc.stdout)
     assert {r["actor"] for r in state["replicas"]} == actors
@@ -128,7 +138,7 @@ def test_status_lists_every_actor(server, checkpoints):
     assert set(shards) == {(layer, e) for layer in layers for e in range(experts)}
     assert all(replicas == [expert_actor_name(e, 0)] for (_, e), replicas in shards.items())
     # The table the human-readable form prints has a row per actor.
-    text = run_cli("status", "--target", server.target, timeout=120)
+    text = cli_main(capsys, "status", "--target", server.target, "--timeout", "120")
     assert text.returncode == 0, text.stderr[-2000:]
     rows = [line.split()[0] for line in text.stdout.splitlines() if line.startswith("expert-")]
     assert sorted(rows) == sorted(actors)

@@ -11,6 +11,7 @@ import sys
 
 import yaml
 
+from expertmesh.ops.cli import main
 from tests.served import start_server
 
 
@@ -19,7 +20,7 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_serve_takes_a_config_file_and_flags_override_it(checkpoints, tmp_path):
+def test_serve_takes_a_config_file_and_flags_override_it(checkpoints, tmp_path, capsys):
     config = tmp_path / "mesh.yaml"
     config.write_text(yaml.safe_dump({
         "model": {"path": str(checkpoints["mixtral"]), "name": "from-file"},
@@ -29,13 +30,12 @@ def test_serve_takes_a_config_file_and_flags_override_it(checkpoints, tmp_path):
     }))
     server = start_server("--config", str(config), "--model-name", "from-flag")
     try:
-        status = cli("status", "--target", server.target, "--json")
-        assert status.returncode == 0, status.stderr
-        state = json.loads(status.stdout)
+        assert main(["status", "--target", server.target, "--json"]) == 0
+        state = json.loads(capsys.readouterr().out)
         assert state["model"] == "from-flag"  # the flag over the file
         assert state["no_replica_policy"] == "degrade"  # the file over the default
-        generated = cli("generate", "--target", server.target, "--token-ids", "1,2,3", "--max-tokens", "3", "--json")
-        assert generated.returncode == 0 and len(json.loads(generated.stdout)["token_ids"]) == 3, generated.stderr
+        assert main(["generate", "--target", server.target, "--token-ids", "1,2,3", "--max-tokens", "3", "--json"]) == 0
+        assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
     finally:
         server.stop()
 
