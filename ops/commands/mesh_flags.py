@@ -156,8 +156,8 @@ def mesh_config_from_args(args: argparse.Namespace, defaults: MeshConfig | None 
         if flag.path.startswith(_AUTOSCALE):
             autoscale = dict(config.controller.elastic.autoscale or {})
             key = flag.path.removeprefix(_AUTOSCALE)
-            if key != "target_load_per_replica" and "target_load_per_replica" not in autoscale \
-                    and "controller.elastic.autoscale.target_load_per_replica" not in given:
+            if key != "target_load_per_replica" and "target_load_per_replica" not in autoscale:
+                # (--autoscale-target, when given, was applied first: FLAGS order among fields of one depth)
                 raise ConfigError(flag.path, f"{flag.flag} needs --autoscale-target")
             autoscale[key] = value
             config = replace_path(config, "controller.elastic.autoscale", autoscale)
