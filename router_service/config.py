@@ -39,12 +39,15 @@ from .batching import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
 from .dispatch import FailoverConfig
 from .observability_config import ObservabilityConfig
+from .server_checks import check_can_listen, check_tls_pair
 from .transports.base import TRANSPORTS
 
 __all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "ServerConfig",
            "ConfigError", "DTYPES"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_MESSAGE_BYTES = 1 << 30  # gRPC's limits are 32-bit; Serve's hop adds its own overhead to a request
+MIN_RESPONSE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
     auth_token: str | None = None  # clients send `authorization: Bearer <token>`; None: no auth
-    max_message_bytes: int = 16 * 1024 * 1024
+    max_message_bytes: int = 16 * 1024 * 1024  # largest request; responses up to max_response_bytes
 
     def validate(self) -> ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -160,13 +163,29 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}: {path} is not a file")
+        if self.tls_cert is not None:
+            check_tls_pair(self.tls_cert, self.tls_key)  # PEM, a key that belongs to the certificate
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
-        if self.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes: must be ≥ 1024, got {self.max_message_bytes}")
+        if not 1024 <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes: must be in [1024, {MAX_MESSAGE_BYTES}] (1 GiB), got "
+                             f"{self.max_message_bytes}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth_token: must not be blank")
         return self
+
+    @property
+    def max_response_bytes(self) -> int:
+        """Largest response: logits are big (positions × vocabulary × 4 bytes), so at least 64 MiB."""
+        return max(self.max_message_bytes, MIN_RESPONSE_BYTES)
+
+    def check_can_listen(self) -> None:
+        """The host resolves to this machine and the port is free: for `expertmesh serve`, before Ray starts. Not
+        part of validate(), which also runs where the front does not listen (a Serve config, a drill's plan)."""
+        try:
+            check_can_listen(self.host, self.port)
+        except ValueError as exc:
+            raise ConfigError(*f"server.{exc}".split(": ", 1)) from None
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from . import proto_mapping
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
 from .config import MeshConfig
 from .dispatch import NoReplicaError
+from .error_log import ClientErrorLog, quiet_serve_request_logs
 from .expert_pool import connect_actors
 from .proto_mapping import ApiError
 from .router import Router
@@ -39,6 +40,10 @@ from .startup import start_mesh
 log = logging.getLogger(__name__)
 SERVER_NAME = "expertmesh"
 SERVER_VERSION = "0.1.0"
+# What Serve's by-value hop (front -> replica over Serve's replica gRPC server) adds to a request: Serve's own
+# metadata and pickling around the message.
+HOP_OVERHEAD_BYTES = 1 << 20
+_errors = ClientErrorLog()  # one line per refused request, rate-limited (router_service/error_log.py)
 
 
 def pool_spec_from_dict(pool: dict) -> PoolSpec:
@@ -47,7 +52,8 @@ def pool_spec_from_dict(pool: dict) -> PoolSpec:
                     tracing=pool.get("tracing")).with_actor_shards(pool["actor_shards"])
 
 
-def _set_status(grpc_context, error: ApiError) -> ApiError:
+def _set_status(grpc_context, error: ApiError, method: str = "request") -> ApiError:
+    _errors.log(method, error)
     if grpc_context is not None:
         grpc_context.set_code(getattr(grpc.StatusCode, error.code))
         grpc_context.set_details(error.message)
@@ -66,6 +72,20 @@ def _classify(exc: BaseException) -> ApiError:
         return ApiError("UNAVAILABLE", f"an expert actor is unavailable: {type(exc).__name__}")
     log.exception("unexpected error")
     return ApiError("INTERNAL", f"internal error ({type(exc).__name__}); see the router's log")
+
+
+def router_options(config: MeshConfig) -> dict:
+    """Serve options of the router deployment: replicas or autoscaling (router section), and the request size
+    Serve's replica gRPC server takes.
+
+    The front calls streaming methods by value, over Serve's inter-deployment gRPC, whose replica server keeps gRPC's
+    4 MiB receive default unless RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH is set in the replica's environment (Ray
+    2.60 reads it when the replica starts). Set here from server.max_message_bytes, so every request the front
+    accepts also crosses the hop; nothing for the user to export.
+    """
+    hop_limit = config.server.max_message_bytes + HOP_OVERHEAD_BYTES
+    env = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(hop_limit)}
+    return config.router.deployment_options() | {"ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": env}}}
 
 
 @serve.deployment(name="router", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -88,6 +108,8 @@ class RouterDeployment:
         self.batcher.observer = self.router.observer
         self.router.observer.batcher_gauges = self._batcher_gauges
         self.model_name = self.config.model.served_name
+        self.max_response_bytes = self.config.server.max_response_bytes
+        quiet_serve_request_logs()
 
     def _authorize(self, grpc_context) -> None:
         token = self.config.server.auth_token
@@ -107,7 +129,10 @@ class RouterDeployment:
         span = self.router.observer.start_request(trace, rpc="Generate")
         try:
             self._authorize(grpc_context)
-            gen_request = proto_mapping.generation_request(request, self.cfg, self.router.encode, self.model_name)
+            # In a thread: tokenizing (bounded by the prompt-size check, and without the GIL) must not hold up the
+            # event loop that feeds every other stream's tokens.
+            gen_request = await asyncio.to_thread(proto_mapping.generation_request, request, self.cfg,
+                                                  self.router.encode, self.model_name)
             async for event in self.batcher.stream(gen_request, span=span):
                 if isinstance(event, DoneEvent):
                     yield proto_mapping.done_message(event)
@@ -116,7 +141,7 @@ class RouterDeployment:
         except asyncio.CancelledError:
             raise  # client cancel or deadline: batcher.stream's finally frees the sequence
         except Exception as exc:
-            raise _set_status(grpc_context, _classify(exc)) from None
+            raise _set_status(grpc_context, _classify(exc), "Generate") from None
         finally:
             if span is not None:
                 span.end()
@@ -125,10 +150,11 @@ class RouterDeployment:
         try:
             self._authorize(grpc_context)
             ids = proto_mapping.score_ids(request, self.cfg, self.model_name)
+            proto_mapping.check_logits_fit(1, len(ids), self.cfg.vocab_size, self.max_response_bytes, "token_ids")
             logits = await self.batcher.run_exclusive(lambda: self.router.score(ids))
             return proto_mapping.score_message(logits, request.log_probs)
         except Exception as exc:
-            raise _set_status(grpc_context, _classify(exc)) from None
+            raise _set_status(grpc_context, _classify(exc), "Score") from None
 
     # ---- inference.GRPCInferenceService (KServe v2) ----------------------------------------------------------
 
@@ -142,7 +168,7 @@ class RouterDeployment:
         try:
             proto_mapping.check_model_name(request.name, self.model_name, field="name")
         except ApiError as exc:
-            raise _set_status(grpc_context, exc) from None
+            raise _set_status(grpc_context, exc, "ModelReady") from None
         return kpb.ModelReadyResponse(ready=True)
 
     async def ServerMetadata(self, request, grpc_context=None):  # noqa: N802
@@ -152,19 +178,21 @@ class RouterDeployment:
         try:
             proto_mapping.check_model_name(request.name, self.model_name, field="name")
         except ApiError as exc:
-            raise _set_status(grpc_context, exc) from None
+            raise _set_status(grpc_context, exc, "ModelMetadata") from None
         return proto_mapping.model_metadata(self.model_name, self.cfg)
 
     async def ModelInfer(self, request, grpc_context=None):  # noqa: N802
         try:
             self._authorize(grpc_context)
             ids = proto_mapping.infer_input(request, self.cfg, self.model_name)  # [batch, seq]
+            proto_mapping.check_logits_fit(*ids.shape, self.cfg.vocab_size, self.max_response_bytes,
+                                           f"inputs[{proto_mapping.INPUT_NAME}].shape")
             rows = [row.tolist() for row in ids]
             logits = await self.batcher.run_exclusive(lambda: self.router.score_batch(rows))
             out = torch.stack(logits).numpy().astype(np.float32)  # [batch, seq, vocab]
             return proto_mapping.infer_response(request, self.model_name, out)
         except Exception as exc:
-            raise _set_status(grpc_context, _classify(exc)) from None
+            raise _set_status(grpc_context, _classify(exc), "ModelInfer") from None
 
     # ---- grpc.health.v1.Health -------------------------------------------------------------------------------
 
@@ -295,5 +323,5 @@ def build_app(args: dict) -> serve.Application:
     """
     config = MeshConfig.from_dict(args).validate()
     runtime = start_mesh(config, detached=True, reuse=True)
-    return RouterDeployment.options(**config.router.deployment_options()).bind(config.to_dict(),
+    return RouterDeployment.options(**router_options(config)).bind(config.to_dict(),
                                                                              asdict(runtime.spec))

@@ -20,8 +20,12 @@ from ray import serve
 
 from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
-from .config import ServerConfig
+from .config import ConfigError, ServerConfig
+from .log_limit import LogRateLimit
+from .malformed_requests import RefuseMalformedRequests
 from .proto_mapping import ApiError
+
+MAX_DETAILS_CHARS = 1024  # status details travel in a trailer (16 KiB by default); errors already cap echoed input
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +45,13 @@ class _Forwarder:
         # the per-item cost of by-reference streaming was about as large as the whole expert round.
         self.handle = handle.options(_by_reference=False)
         self.stream_handle = self.handle.options(stream=True)
+        # Unary calls by reference (a Ray object for the request and one for the result): their one result can be
+        # large (Score / ModelInfer logits: positions × vocabulary × 4 bytes, 4 MiB for the embedded model's whole
+        # context) and the by-value hop's channel takes only gRPC's 4 MiB default; one object per call costs
+        # nothing next to a forward pass.
+        self.unary_handle = handle.options(_by_reference=True)
         self.auth_token = auth_token
+        self.warnings = LogRateLimit()
 
     async def authorize(self, context: grpc.aio.ServicerContext) -> None:
         if self.auth_token is None:
@@ -53,14 +63,17 @@ class _Forwarder:
     async def fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         error = _api_error(exc)
         if error is not None:
-            await context.abort(getattr(grpc.StatusCode, error.code), error.message)
-        log.warning("router call failed: %r", exc)
+            await context.abort(getattr(grpc.StatusCode, error.code), error.message[:MAX_DETAILS_CHARS])
+        dropped = self.warnings.admit(type(exc).__name__)
+        if dropped is not None:
+            more = f" ({dropped} more like it dropped)" if dropped else ""
+            log.warning("router call failed: %s%s", repr(exc)[:MAX_DETAILS_CHARS], more)
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"router unavailable ({type(exc).__name__}); retry")
 
     async def unary(self, method: str, request, context: grpc.aio.ServicerContext):
         await self.authorize(context)
         try:
-            return await getattr(self.handle, method).remote(request)
+            return await getattr(self.unary_handle, method).remote(request)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -122,9 +135,11 @@ class _Health(health_pb2_grpc.HealthServicer):
 async def start_front(handle: serve.handle.DeploymentHandle, settings: ServerConfig) -> tuple[grpc.aio.Server, int]:
     """Start serving; returns the server and the port it bound (useful with port 0)."""
     settings.validate()
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=[RefuseMalformedRequests()], options=[
         ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", max(settings.max_message_bytes, 64 * 1024 * 1024)),
+        ("grpc.max_send_message_length", settings.max_response_bytes),
+        # gRPC's default SO_REUSEPORT would let this front share a port another server already listens on.
+        ("grpc.so_reuseport", 0),
     ])
     forward = _Forwarder(handle, settings.auth_token)
     inference_pb2_grpc.add_InferenceServicer_to_server(
@@ -138,13 +153,15 @@ async def start_front(handle: serve.handle.DeploymentHandle, settings: ServerCon
                   ["GetRouterStats", "GetClusterState", "KillReplica", "DrainReplica"], []), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(forward), server)
     address = f"{settings.host}:{settings.port}"
-    if settings.tls_cert:
-        key, cert = Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes()
-        creds = grpc.ssl_server_credentials([(key, cert)])
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if settings.tls_cert:
+            key, cert = Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes()
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio's "Failed to bind": the port was taken after the check at start-up
+        port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise ConfigError("server.port", f"cannot listen on {address}")
     await server.start()
     return server, port

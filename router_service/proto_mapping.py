@@ -34,6 +34,21 @@ def invalid(field: str, message: str) -> ApiError:
     return ApiError("INVALID_ARGUMENT", f"{field}: {message}")
 
 
+ECHO_CHARS = 64  # the most of a caller's value an error message repeats
+
+
+def shown(value: str | bytes, limit: int = ECHO_CHARS) -> str:
+    """A caller's value as an error message may show it: its repr, cut to `limit` characters with its full size.
+
+    Why: an error echoes what was sent, and gRPC carries the message in a trailer (16 KiB at most by default); a
+    1 MB model name echoed whole turned NOT_FOUND into a RESOURCE_EXHAUSTED about metadata size.
+    """
+    if len(value) <= limit:
+        return repr(value)
+    size = len(value.encode("utf-8", "replace")) if isinstance(value, str) else len(value)
+    return f"{value[:limit]!r}…({size} bytes)"
+
+
 def as_api_error(exc: BaseException) -> ApiError | None:
     """The ApiError a known failure maps to, or None for an unexpected one."""
     if isinstance(exc, ApiError):
@@ -45,7 +60,23 @@ def as_api_error(exc: BaseException) -> ApiError | None:
 
 def check_model_name(requested: str, served: str, field: str = "model") -> None:
     if requested and requested != served:
-        raise ApiError("NOT_FOUND", f"{field}: unknown model {requested!r}; this server serves {served!r}")
+        raise ApiError("NOT_FOUND", f"{field}: unknown model {shown(requested)}; this server serves {served!r}")
+
+
+# A prompt longer than this many bytes per token of the context cannot fit it: natural text and code run at 2-5
+# bytes per token, and the longest tokens of common vocabularies (runs of spaces) are under 64 bytes. Checked
+# before tokenizing, so a multi-megabyte prompt is refused in microseconds instead of being tokenized in full.
+PROMPT_BYTES_PER_TOKEN = 64
+
+
+def check_prompt_size(prompt: str, context: int) -> None:
+    """Refuse a prompt that cannot fit `context` tokens, from its size alone (no tokenizing)."""
+    limit = context * PROMPT_BYTES_PER_TOKEN
+    # Characters are a lower bound of the UTF-8 size: the common huge prompt is refused without encoding it.
+    size = len(prompt) if len(prompt) > limit else len(prompt.encode("utf-8", "replace"))
+    if size > limit:
+        raise invalid("prompt", f"{size} bytes cannot fit the model's context of {context} tokens (at most {limit} "
+                                f"bytes, {PROMPT_BYTES_PER_TOKEN} per token); shorten it or send token_ids")
 
 
 def generation_request(
@@ -59,6 +90,7 @@ def generation_request(
     if which == "prompt":
         if not req.prompt:
             raise invalid("prompt", "must not be empty")
+        check_prompt_size(req.prompt, cfg.max_position_embeddings)
         ids = encode(req.prompt)  # RequestError("prompt", ...) without a tokenizer
         if not ids:
             raise invalid("prompt", "encodes to no tokens")
@@ -108,6 +140,19 @@ def score_ids(req: pb.ScoreRequest, cfg: MoEModelConfig, model_name: str) -> lis
     return check_token_ids(list(req.token_ids), cfg.vocab_size, cfg.max_position_embeddings)
 
 
+def check_logits_fit(rows: int, seq: int, vocab: int, limit: int, field: str) -> None:
+    """Refuse, before computing them, logits that could not be sent: rows × seq × vocab float32 over `limit` bytes.
+
+    RESOURCE_EXHAUSTED naming the limit: the same code gRPC gives a request over the receive limit, and unlike
+    UNAVAILABLE it does not invite a retry that can never succeed.
+    """
+    size = rows * seq * vocab * 4
+    if size > limit:
+        raise ApiError("RESOURCE_EXHAUSTED", f"{field}: the logits of {rows} × {seq} positions × {vocab} vocabulary "
+                                             f"(float32) take {size} bytes, over the server's response limit of "
+                                             f"{limit} bytes (server.max_message_bytes); send fewer positions")
+
+
 def score_message(logits: torch.Tensor, log_probs: bool) -> pb.ScoreResponse:
     values = torch.log_softmax(logits, dim=-1) if log_probs else logits  # [S, V]
     return pb.ScoreResponse(seq_len=values.shape[0], vocab_size=values.shape[1],
@@ -134,15 +179,19 @@ def infer_input(req: kpb.ModelInferRequest, cfg: MoEModelConfig, model_name: str
     if req.model_version not in ("", "1"):
         raise ApiError("NOT_FOUND", f"model_version: {req.model_name or model_name} has only version '1'")
     if len(req.inputs) != 1 or req.inputs[0].name != INPUT_NAME:
-        names = [t.name for t in req.inputs]
-        raise invalid("inputs", f"expected exactly one input named '{INPUT_NAME}', got {names}")
+        names = ", ".join(shown(t.name) for t in req.inputs[:4]) + (", ..." if len(req.inputs) > 4 else "")
+        raise invalid("inputs", f"expected exactly one input named '{INPUT_NAME}', got {len(req.inputs)}: [{names}]")
     tensor = req.inputs[0]
     if tensor.datatype != "INT64":
-        raise invalid(f"inputs[{INPUT_NAME}].datatype", f"must be INT64, got {tensor.datatype!r}")
+        raise invalid(f"inputs[{INPUT_NAME}].datatype", f"must be INT64, got {shown(tensor.datatype)}")
     shape = list(tensor.shape)
     if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
         raise invalid(f"inputs[{INPUT_NAME}].shape", f"must be [batch, seq] with both ≥ 1, got {shape}")
     count = shape[0] * shape[1]
+    if req.raw_input_contents and tensor.contents.ListFields():
+        # KServe v2: an input's data is in raw_input_contents or in its contents, never both (which would win?).
+        raise invalid("raw_input_contents", f"given together with inputs[{INPUT_NAME}].contents; give the input's "
+                                            "data in one of them, not both")
     if req.raw_input_contents:
         raw = req.raw_input_contents[0]
         if len(raw) != count * 8:
@@ -160,7 +209,7 @@ def infer_input(req: kpb.ModelInferRequest, cfg: MoEModelConfig, model_name: str
         raise invalid(INPUT_NAME, f"token ids must be in [0, {cfg.vocab_size})")
     for out in req.outputs:
         if out.name != OUTPUT_NAME:
-            raise invalid("outputs", f"unknown output {out.name!r}; this model has '{OUTPUT_NAME}'")
+            raise invalid("outputs", f"unknown output {shown(out.name)}; this model has '{OUTPUT_NAME}'")
     return ids
 
 

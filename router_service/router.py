@@ -89,7 +89,9 @@ class Router:
         if self.tokenizer is None:
             raise RequestError("prompt", f"the checkpoint at {self.spec.model_dir} has no tokenizer.json; "
                                          "pass token ids instead")
-        return self.tokenizer.encode(prompt).ids
+        # encode_batch releases the GIL while it works (encode does not), so tokenizing a long prompt on a thread
+        # leaves the replica's event loop, and every other stream, running.
+        return self.tokenizer.encode_batch([prompt])[0].ids
 
     def decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids)

@@ -21,7 +21,7 @@ from ..cluster.controller import start_controller
 from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from .config import MeshConfig
-from .deployment import RouterDeployment
+from .deployment import RouterDeployment, router_options
 from .grpc_front import start_front
 from .startup import MeshRuntime, start_mesh
 
@@ -30,11 +30,13 @@ APP_NAME = "expertmesh"
 
 
 async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
+    config.validate()
+    config.server.check_can_listen()  # a port in use fails here, in a line, not after Ray and every actor started
     runtime: MeshRuntime = start_mesh(config)
     server = None
     try:
         serve.start(proxy_location="Disabled")
-        handle = serve.run(RouterDeployment.options(**config.router.deployment_options()).bind(
+        handle = serve.run(RouterDeployment.options(**router_options(config)).bind(
             config.to_dict(), asdict(runtime.spec)), name=APP_NAME, route_prefix=None, blocking=False)
         server, port = await start_front(handle, config.server)
         scheme = "tls" if config.server.tls_cert else "plaintext"

@@ -281,3 +281,67 @@ def test_infer_response_is_raw_little_endian_fp32():
     assert np.array_equal(back, logits)
     with pytest.raises(AssertionError):
         proto_mapping.infer_response(kpb.ModelInferRequest(), MODEL, logits.astype(np.float64))  # only float32 goes out
+
+
+# ---- hostile input: sizes, echoes, ambiguous data ------------------------------------------------------------------
+
+
+def test_raw_bytes_of_the_wrong_size_name_raw_input_contents():
+    req = infer_request(raw=True)
+    req.raw_input_contents[0] += b"\0" * 8
+    err = raises_api_error("INVALID_ARGUMENT", "raw_input_contents", proto_mapping.infer_input, req, CFG, MODEL)
+    assert "56 bytes" in err.message
+
+
+def test_data_in_both_raw_input_contents_and_contents_is_refused():
+    """KServe v2: an input's data is in raw_input_contents or in its contents; given both, neither silently wins."""
+    req = infer_request(raw=True)
+    req.inputs[0].contents.int64_contents.extend([7] * 6)  # the same shape's worth, different values
+    err = raises_api_error("INVALID_ARGUMENT", "raw_input_contents", proto_mapping.infer_input, req, CFG, MODEL)
+    assert "inputs[input_ids].contents" in err.message and "not both" in err.message
+
+
+def test_shown_caps_an_echoed_value():
+    assert proto_mapping.shown("tiny") == "'tiny'"
+    long = "é" * 100_000
+    got = proto_mapping.shown(long)
+    assert got == repr("é" * proto_mapping.ECHO_CHARS) + "…(200000 bytes)"
+    assert proto_mapping.shown(b"\0" * 1000).endswith("…(1000 bytes)")
+
+
+def test_errors_echo_at_most_a_capped_part_of_a_huge_value():
+    huge = "m" * (1 << 20)  # a 1 MB model name, echoed whole, overflowed gRPC's 16 KiB trailer
+    for call in (lambda: proto_mapping.check_model_name(huge, MODEL),
+                 lambda: proto_mapping.infer_input(_bad_infer(lambda r: setattr(r, "model_name", huge)), CFG, MODEL),
+                 lambda: proto_mapping.infer_input(_bad_infer(lambda r: setattr(r.inputs[0], "name", huge)), CFG,
+                                                   MODEL),
+                 lambda: proto_mapping.infer_input(_bad_infer(lambda r: setattr(r.inputs[0], "datatype", huge)), CFG,
+                                                   MODEL),
+                 lambda: proto_mapping.infer_input(_bad_infer(lambda r: r.outputs.add(name=huge)), CFG, MODEL)):
+        with pytest.raises(proto_mapping.ApiError) as err:
+            call()
+        assert len(err.value.message) < 300 and f"({1 << 20} bytes)" in err.value.message, err.value.message[:300]
+
+
+def test_a_prompt_too_large_for_the_context_is_refused_before_tokenizing():
+    calls = []
+
+    def counting_encode(text: str) -> list[int]:
+        calls.append(len(text))
+        return encode(text)
+
+    limit = CONTEXT * proto_mapping.PROMPT_BYTES_PER_TOKEN
+    fits = proto_mapping.generation_request(gen_request(prompt="a" + " " * (limit - 1)), CFG, counting_encode, MODEL)
+    assert fits.prompt_ids == encode("a") and calls == [limit]  # at the bound: tokenized (one token)
+    for prompt in ("a" * (limit + 1), "é" * (limit // 2 + 1), "x" * 4_000_000):  # bytes, not characters, count
+        err = raises_api_error("INVALID_ARGUMENT", "prompt", proto_mapping.generation_request,
+                               gen_request(prompt=prompt), CFG, counting_encode, MODEL)
+        assert str(limit) in err.message and str(CONTEXT) in err.message
+    assert calls == [limit]  # none of the refused prompts was tokenized
+
+
+def test_logits_over_the_response_limit_are_refused_naming_the_limit():
+    proto_mapping.check_logits_fit(2, 8, VOCAB, 2 * 8 * VOCAB * 4, "token_ids")  # exactly at the limit: fine
+    err = raises_api_error("RESOURCE_EXHAUSTED", "token_ids", proto_mapping.check_logits_fit, 2, 8, VOCAB,
+                           2 * 8 * VOCAB * 4 - 1, "token_ids")
+    assert str(2 * 8 * VOCAB * 4 - 1) in err.message and "server.max_message_bytes" in err.message

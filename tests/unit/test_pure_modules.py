@@ -40,9 +40,12 @@ PURE_MODULES = (
     "expertmesh.router_service.config_tree",
     "expertmesh.router_service.dispatch",
     "expertmesh.router_service.dispatch_plan",
+    "expertmesh.router_service.error_log",  # how a replica logs refused requests (standard logging only)
     "expertmesh.router_service.errors",
+    "expertmesh.router_service.log_limit",
     "expertmesh.router_service.observability_config",
     "expertmesh.router_service.sampling",
+    "expertmesh.router_service.server_checks",  # TLS pair, host, port: checked before anything starts
     "expertmesh.router_service.transports",
     "expertmesh.router_service.transports.base",
     # cluster policies and plans
