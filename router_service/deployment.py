@@ -316,7 +316,8 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
         except Exception:
             return None
 
-    names = list(router.table.actors)
+    # Drained replicas have left the routing table; list them anyway, so an operator sees them (and can undrain).
+    names = list(router.table.actors) + sorted(drained - set(router.table.actors))
     infos = await asyncio.gather(*(info(n) for n in names))
     for name, got in zip(names, infos):
         try:

@@ -181,6 +181,7 @@ def test_forced_kill_of_the_last_replica_is_not_serving_until_it_is_restored(cha
                  f"{ACTOR} restored", every=0.5)
         wait_for(lambda: health(channel) == SERVING, 30, "health SERVING after the restore")
         assert generate(channel) == expected
+        wait_for(lambda: watch.statuses[-1:] == [SERVING], 30, "Watch streaming SERVING again")
     assert watch.error is None, watch.error
     assert watch.statuses[0] == SERVING and NOT_SERVING in watch.statuses and watch.statuses[-1] == SERVING
 
