@@ -187,7 +187,8 @@ class RouterDeployment:
 
     async def Check(self, request, grpc_context=None):  # noqa: N802
         if not health.known_service(request.service):
-            raise _set_status(grpc_context, ApiError("NOT_FOUND", f"service: unknown service {request.service!r}"))
+            message = f"service: unknown service {request.service[:200]!r}"
+            raise _set_status(grpc_context, ApiError("NOT_FOUND", message))
         return health.response(await self._health_status())
 
     async def Watch(self, request, grpc_context=None):  # noqa: N802
