@@ -12,6 +12,7 @@ small record in Ray's GCS key-value store (epoch, drained replicas), not from sc
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import threading
@@ -28,6 +29,7 @@ from .expert_actors import start_expert_actor
 from .load_stats import merge_snapshots
 from .naming import CONTROLLER_NAME, NAMESPACE
 from .pool_spec import PoolSpec
+from .shard_liveness import describe_shards, orphaned_by_removal
 from .table_store import clear_table, publish_table, read_table
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,10 @@ class Controller:
         self.generations: dict[str, int] = {}
         self.nodes: dict[str, str] = {}  # actor -> node id it was last seen on
         self.restoring: set[str] = set()
+        self.lost: set[str] = set()  # expected actors whose last probe failed (restoring or not)
+        # A drain stops its actor after a grace period unless an undrain (or a newer drain) took over since.
+        self._drain_tickets: dict[str, int] = {}
+        self._ticket_counter = itertools.count(1)
         self.events: list[dict] = []
         self.loads: dict[str, tuple[float, dict]] = {}  # router id -> (received at, its latest load snapshot)
         self.started_at = time.time()
@@ -109,7 +115,9 @@ class Controller:
             if info is not None:
                 self.generations[name] = info["generation"]
                 self.nodes[name] = info["node_id"]
+                self.lost.discard(name)
                 continue
+            self.lost.add(name)
             self._event("lost", name)
             if self.config.restore:
                 self.restoring.add(name)
@@ -143,6 +151,7 @@ class Controller:
                 return
             self.generations[name] = generation
             self.nodes[name] = info["node_id"]
+            self.lost.discard(name)
             self.epoch += 1
             self._persist()
             self._event("restored", name, seconds=round(time.time() - started, 3), node_id=info["node_id"],
@@ -353,26 +362,59 @@ class Controller:
         del self.control_log[:-50]
         return entry
 
-    async def kill_replica(self, name: str) -> bool:
+    # ---- operator actions (Admin API) ------------------------------------------------------------------------
+
+    def down(self) -> set[str]:
+        """Actors that serve nothing now: drained, lost (last probe failed) or being restored."""
+        return set(self.drained) | self.lost | self.restoring
+
+    async def liveness(self) -> dict:
+        """What routers need for their health verdict, cheaply: {"drained": [...], "down": [...]}."""
+        return {"drained": sorted(self.drained), "down": sorted(self.down())}
+
+    def _refusal(self, name: str, verb: str, force: bool) -> dict | None:
+        """NOT_FOUND for an actor this controller does not run; FAILED_PRECONDITION when taking `name` out would
+        leave a shard with no live replica and the caller did not force it."""
+        if name not in self.spec.actor_shards:
+            return _outcome("NOT_FOUND", f"actor: no expert replica named {name!r}")
+        orphaned = orphaned_by_removal(self.spec.actor_shards, self.down(), name)
+        if orphaned and not force:
+            return _outcome("FAILED_PRECONDITION",
+                            f"{verb} {name} would leave no live replica of {describe_shards(orphaned)}; requests "
+                            f"for them would wait and fail. Add replicas first, or set force to do it anyway")
+        return None
+
+    async def kill_replica(self, name: str, force: bool = False) -> dict:
+        """Kill `name` now (a failover drill); the watch restores it. -> {"code", "message"} (code "OK" or a gRPC
+        status name)."""
+        refused = self._refusal(name, "killing", force)
+        if refused is not None:
+            return refused
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         except ValueError:
-            return False
-        self._event("killed", name)
-        return True
+            return _outcome("FAILED_PRECONDITION", f"{name} is not running (already lost or drained)")
+        self._event("killed", name, forced=force)
+        return _outcome("OK", f"killed {name}")
 
-    async def drain_replica(self, name: str, grace_s: float = 5.0) -> bool:
+    async def drain_replica(self, name: str, force: bool = False, grace_s: float = 5.0) -> dict:
         """Stop restoring `name`, let routers stop using it, then stop it after `grace_s` for in-flight calls."""
-        if name not in self.spec.actor_shards or name in self.drained:
-            return False
+        if name in self.drained:
+            return _outcome("FAILED_PRECONDITION", f"{name} is already drained")
+        refused = self._refusal(name, "draining", force)
+        if refused is not None:
+            return refused
         self.drained.add(name)
+        ticket = self._drain_tickets[name] = next(self._ticket_counter)
         self.epoch += 1
         self._persist()
         self._publish()  # routers stop sending it calls at their next step
-        self._event("draining", name)
+        self._event("draining", name, forced=force)
 
         def stop_later() -> None:
             time.sleep(grace_s)
+            if self._drain_tickets.get(name) != ticket:
+                return  # undrained (or drained again) in the meantime: that call owns the actor now
             try:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
             except ValueError:
@@ -380,7 +422,44 @@ class Controller:
             self._event("drained", name)
 
         threading.Thread(target=stop_later, daemon=True).start()
-        return True
+        return _outcome("OK", f"draining {name}")
+
+    async def undrain_replica(self, name: str) -> dict:
+        """Put a drained replica back: the same actor if it is still up (within the drain's grace), else a new one
+        started on its slot and warmed up; then publish it, so routers route to it again."""
+        if name not in self.spec.actor_shards:
+            return _outcome("NOT_FOUND", f"actor: no expert replica named {name!r}")
+        if name not in self.drained:
+            return _outcome("FAILED_PRECONDITION", f"{name} is not drained")
+        if name not in self.slots:
+            return _outcome("FAILED_PRECONDITION", f"{name}: no record of where it ran; cannot start it again")
+        self._drain_tickets.pop(name, None)  # the pending stop of the drain must not kill what comes back
+        info = await self._probe(name)
+        started = time.time()
+        if info is None:
+            generation = self.generations.get(name, 0) + 1
+            try:
+                handle = self._spawn(self.slots[name], self.spec, generation)
+                info = await asyncio.wait_for(handle.info.remote(), self.config.restore_timeout_s)
+            except Exception as exc:
+                self._event("undrain_failed", name, error=f"{type(exc).__name__}: {exc}"[:500])
+                return _outcome("UNAVAILABLE", f"{name} did not start again: {type(exc).__name__}")
+        if name not in self.drained or name not in self.spec.actor_shards:
+            return _outcome("FAILED_PRECONDITION", f"{name} changed while it was starting (undrained or remapped)")
+        self.generations[name] = info["generation"]
+        self.nodes[name] = info["node_id"]
+        self.lost.discard(name)
+        self.drained.discard(name)
+        self.epoch += 1
+        self._persist()
+        self._publish()  # routers look it up by name, wait until it answers, and route to it from their next step
+        self._event("undrained", name, seconds=round(time.time() - started, 3), generation=info["generation"])
+        return _outcome("OK", f"undrained {name}")
+
+
+def _outcome(code: str, message: str) -> dict:
+    """An operator action's result: code "OK" or the gRPC status name the Admin API answers with."""
+    return {"code": code, "message": message}
 
 
 def start_controller(spec: PoolSpec, slots: list[ActorSlot], config: ControllerConfig | None = None,

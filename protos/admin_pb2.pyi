@@ -115,10 +115,12 @@ class ClusterState(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., controller_alive: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., router: _Optional[_Union[RouterStats, _Mapping]] = ..., no_replica_policy: _Optional[str] = ..., model: _Optional[str] = ..., load_json: _Optional[str] = ..., control_json: _Optional[str] = ..., requested_gpus: _Optional[int] = ...) -> None: ...
 
 class ReplicaRequest(_message.Message):
-    __slots__ = ("actor",)
+    __slots__ = ("actor", "force")
     ACTOR_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     actor: str
-    def __init__(self, actor: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, actor: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class ReplicaReply(_message.Message):
     __slots__ = ("ok", "message")

@@ -54,6 +54,11 @@ class AdminStub:
                 request_serializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.FromString,
                 _registered_method=True)
+        self.UndrainReplica = channel.unary_unary(
+                '/expertmesh.v1.Admin/UndrainReplica',
+                request_serializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -74,7 +79,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def KillReplica(self, request, context):
-        """Kill one expert actor now (a failover drill); the controller restores it.
+        """Kill one expert actor now (a failover drill); the controller restores it. Refused (FAILED_PRECONDITION) when
+        it is the last live replica of a shard, unless `force`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,6 +88,14 @@ class AdminServicer:
 
     def DrainReplica(self, request, context):
         """Take one expert actor out of service: routers stop using it, it stops after in-flight work, no restore.
+        Refused (FAILED_PRECONDITION) when it is the last live replica of a shard, unless `force`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UndrainReplica(self, request, context):
+        """Put a drained expert actor back: started again if it was stopped, then routers route to it again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +121,11 @@ def add_AdminServicer_to_server(servicer, server):
             ),
             'DrainReplica': grpc.unary_unary_rpc_method_handler(
                     servicer.DrainReplica,
+                    request_deserializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.FromString,
+                    response_serializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.SerializeToString,
+            ),
+            'UndrainReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndrainReplica,
                     request_deserializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.FromString,
                     response_serializer=expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.SerializeToString,
             ),
@@ -217,6 +236,33 @@ class Admin:
             request,
             target,
             '/expertmesh.v1.Admin/DrainReplica',
+            expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.SerializeToString,
+            expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndrainReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Admin/UndrainReplica',
             expertmesh_dot_protos_dot_admin__pb2.ReplicaRequest.SerializeToString,
             expertmesh_dot_protos_dot_admin__pb2.ReplicaReply.FromString,
             options,

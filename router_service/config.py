@@ -13,7 +13,7 @@ dispatch.py, batching in batching.py, the controller in cluster/controller_confi
     controller:     restores, intervals, elasticity (rebalancing, autoscaling)
     observability:  load window, metrics
     tracing:        OpenTelemetry exporter
-    server:         the gRPC front: host, port, TLS, bearer token, message size
+    server:         the gRPC front: host, port, TLS, bearer token, admin token, message size
 
 It round-trips to and from a plain dict (`to_dict` / `from_dict`, unknown keys refused by name) and a YAML or JSON
 file (`load`). `validate()` checks every section and the settings that depend on each other; the one error type,
@@ -154,6 +154,9 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
     auth_token: str | None = None  # clients send `authorization: Bearer <token>`; None: no auth
+    # Kill/Drain/UndrainReplica need this too, as `x-expertmesh-admin-token` metadata; None: they are refused
+    # (router_service/admin_auth.py).
+    admin_token: str | None = None
     max_message_bytes: int = 16 * 1024 * 1024  # largest request; responses up to max_response_bytes
 
     def validate(self) -> ServerConfig:
@@ -172,6 +175,11 @@ class ServerConfig:
                              f"{self.max_message_bytes}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth_token: must not be blank")
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise ValueError("admin_token: must not be blank")
+        if self.admin_token is not None and self.admin_token == self.auth_token:
+            raise ValueError("admin_token: must differ from auth_token (every client holding the bearer token "
+                             "could otherwise drain replicas)")
         return self
 
     @property

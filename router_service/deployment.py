@@ -11,23 +11,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import asdict
 
 import grpc
 import numpy as np
 import ray
 import torch
-from grpc_health.v1 import health_pb2
 from ray import serve
 
 from ..cluster.naming import CONTROLLER_NAME, NAMESPACE, parse_expert_actor_name
 from ..cluster.pool_spec import PoolSpec
+from ..cluster.shard_liveness import HealthVerdict, health_verdict
 from ..cluster.table_store import read_table
 from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
-from . import proto_mapping
+from . import health, proto_mapping
+from .admin_auth import admin_denial
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
 from .config import MeshConfig
 from .dispatch import NoReplicaError
@@ -44,6 +46,8 @@ SERVER_VERSION = "0.1.0"
 # metadata and pickling around the message.
 HOP_OVERHEAD_BYTES = 1 << 20
 _errors = ClientErrorLog()  # one line per refused request, rate-limited (router_service/error_log.py)
+HEALTH_CACHE_S = 0.5  # health checks (every Watch stream polls) reuse a verdict this young
+CONTROLLER_ASK_S = 2.0  # the controller's liveness view, or the router's own without it
 
 
 def pool_spec_from_dict(pool: dict) -> PoolSpec:
@@ -110,6 +114,10 @@ class RouterDeployment:
         self.model_name = self.config.model.served_name
         self.max_response_bytes = self.config.server.max_response_bytes
         quiet_serve_request_logs()
+        # Every shard the model has, whatever the published table still names (a drained shard drops out of it).
+        self.shards = [(layer, e) for layer in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
+        self._verdict: tuple[float, HealthVerdict] | None = None
+        self._controller = None  # cached handle; dropped when a call to it fails
 
     def _authorize(self, grpc_context) -> None:
         token = self.config.server.auth_token
@@ -118,6 +126,15 @@ class RouterDeployment:
         metadata = dict(grpc_context.invocation_metadata())
         if metadata.get("authorization") != f"Bearer {token}":
             raise _set_status(grpc_context, ApiError("UNAUTHENTICATED", "missing or wrong bearer token"))
+
+    def _authorize_admin(self, grpc_context) -> None:
+        """Destructive Admin calls: the bearer rule, then the admin token (router_service/admin_auth.py)."""
+        self._authorize(grpc_context)
+        if grpc_context is None:
+            return  # through a handle: the gRPC front checked the admin token
+        denied = admin_denial(self.config.server.admin_token, dict(grpc_context.invocation_metadata()))
+        if denied is not None:
+            raise _set_status(grpc_context, ApiError("PERMISSION_DENIED", denied))
 
     # ---- expertmesh.v1.Inference -----------------------------------------------------------------------------
 
@@ -197,10 +214,46 @@ class RouterDeployment:
     # ---- grpc.health.v1.Health -------------------------------------------------------------------------------
 
     async def Check(self, request, grpc_context=None):  # noqa: N802
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        if not health.known_service(request.service):
+            message = f"service: unknown service {request.service[:200]!r}"
+            raise _set_status(grpc_context, ApiError("NOT_FOUND", message))
+        return health.response(await self._health_status())
 
     async def Watch(self, request, grpc_context=None):  # noqa: N802
-        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        async for message in health.watch(request.service, self._health_status):
+            yield message
+
+    async def _health_status(self) -> int:
+        verdict = await self.health_verdict()
+        return health.SERVING if verdict.serving else health.NOT_SERVING
+
+    async def health_verdict(self) -> HealthVerdict:
+        """Can this router answer every request now? NOT serving while a shard has no live replica and the
+        no-replica policy cannot serve it (cluster/shard_liveness.py). Down actors: the controller's view (drained,
+        lost, restoring; it probes every actor every check_interval_s) when it answers, else this router's own
+        (actors its calls found dead)."""
+        now = time.monotonic()
+        if self._verdict is not None and now - self._verdict[0] < HEALTH_CACHE_S:
+            return self._verdict[1]
+        down = await self._controller_down()
+        if down is None:
+            down = set(self.router.backend.dead)
+        verdict = health_verdict(self.shards, self.router.table.replicas, down,
+                                 self.router.backend.failover.no_replica_policy)
+        if self._verdict is not None and self._verdict[1].serving != verdict.serving:
+            log.warning("health: %s (%s)", "SERVING" if verdict.serving else "NOT_SERVING", verdict.reason)
+        self._verdict = (now, verdict)
+        return verdict
+
+    async def _controller_down(self) -> set[str] | None:
+        try:
+            if self._controller is None:
+                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            liveness = await asyncio.wait_for(self._controller.liveness.remote(), timeout=CONTROLLER_ASK_S)
+            return set(liveness["down"])
+        except Exception:  # no controller (--no-controller), restarting, or slow: fall back on the router's view
+            self._controller = None
+            return None
 
     # ---- expertmesh.v1.Admin ---------------------------------------------------------------------------------
 
@@ -234,22 +287,31 @@ class RouterDeployment:
         return await cluster_state(self.router, self._router_stats(), self.model_name)
 
     async def KillReplica(self, request, grpc_context=None):  # noqa: N802
-        self._authorize(grpc_context)
-        return await self._replica_action("kill_replica", request.actor, grpc_context)
+        self._authorize_admin(grpc_context)
+        return await self._replica_action("kill_replica", grpc_context, request.actor, force=request.force)
 
     async def DrainReplica(self, request, grpc_context=None):  # noqa: N802
-        self._authorize(grpc_context)
-        return await self._replica_action("drain_replica", request.actor, grpc_context)
+        self._authorize_admin(grpc_context)
+        return await self._replica_action("drain_replica", grpc_context, request.actor, force=request.force)
 
-    async def _replica_action(self, method: str, actor: str, grpc_context) -> admin_pb2.ReplicaReply:
-        if actor not in self.router.table.actors:
-            raise _set_status(grpc_context, ApiError("NOT_FOUND", f"actor: no expert replica named {actor!r}"))
+    async def UndrainReplica(self, request, grpc_context=None):  # noqa: N802
+        self._authorize_admin(grpc_context)
+        # Starting a stopped replica again loads its weights: allow for the controller's restore timeout.
+        return await self._replica_action("undrain_replica", grpc_context, request.actor, timeout_s=300.0)
+
+    async def _replica_action(self, method: str, grpc_context, actor: str, timeout_s: float = 10.0,
+                              **options) -> admin_pb2.ReplicaReply:
+        """Ask the controller (it alone knows which replicas are live, drained or restoring); its refusal becomes
+        the call's status: NOT_FOUND, FAILED_PRECONDITION (the last live replica of a shard), UNAVAILABLE."""
         try:
             controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
-            ok = await asyncio.wait_for(getattr(controller, method).remote(actor), timeout=10)
+            outcome = await asyncio.wait_for(getattr(controller, method).remote(actor, **options), timeout=timeout_s)
         except Exception as exc:
             raise _set_status(grpc_context, ApiError("UNAVAILABLE", f"controller unavailable: {exc}")) from None
-        return admin_pb2.ReplicaReply(ok=ok, message=f"{method.replace('_', ' ')}: {actor}")
+        if outcome["code"] != "OK":
+            raise _set_status(grpc_context, ApiError(outcome["code"], outcome["message"]))
+        self._verdict = None  # the next health check sees the change at once
+        return admin_pb2.ReplicaReply(ok=True, message=outcome["message"])
 
 
 async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name: str) -> admin_pb2.ClusterState:
@@ -283,7 +345,8 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
         except Exception:
             return None
 
-    names = list(router.table.actors)
+    # Drained replicas have left the routing table; list them anyway, so an operator sees them (and can undrain).
+    names = list(router.table.actors) + sorted(drained - set(router.table.actors))
     infos = await asyncio.gather(*(info(n) for n in names))
     for name, got in zip(names, infos):
         try:

@@ -20,6 +20,8 @@ from ray import serve
 
 from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
+from . import health
+from .admin_auth import DESTRUCTIVE_ADMIN_METHODS, admin_denial
 from .config import ConfigError, ServerConfig
 from .log_limit import LogRateLimit
 from .malformed_requests import RefuseMalformedRequests
@@ -40,7 +42,7 @@ def _api_error(exc: BaseException) -> ApiError | None:
 
 
 class _Forwarder:
-    def __init__(self, handle: serve.handle.DeploymentHandle, auth_token: str | None):
+    def __init__(self, handle: serve.handle.DeploymentHandle, auth_token: str | None, admin_token: str | None):
         # By value over Serve's inter-deployment gRPC instead of one Ray object per streamed token: at 32 streams
         # the per-item cost of by-reference streaming was about as large as the whole expert round.
         self.handle = handle.options(_by_reference=False)
@@ -52,6 +54,7 @@ class _Forwarder:
         self.unary_handle = handle.options(_by_reference=True)
         self.auth_token = auth_token
         self.warnings = LogRateLimit()
+        self.admin_token = admin_token
 
     async def authorize(self, context: grpc.aio.ServicerContext) -> None:
         if self.auth_token is None:
@@ -59,6 +62,13 @@ class _Forwarder:
         metadata = dict(context.invocation_metadata() or ())
         if metadata.get("authorization") != f"Bearer {self.auth_token}":
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
+
+    async def authorize_admin(self, context: grpc.aio.ServicerContext) -> None:
+        """Kill/Drain/UndrainReplica: the admin token too (router_service/admin_auth.py); the deployment trusts
+        calls that come through this front's handle, so this is where it is checked."""
+        denied = admin_denial(self.admin_token, dict(context.invocation_metadata() or ()))
+        if denied is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
 
     async def fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
         error = _api_error(exc)
@@ -72,6 +82,8 @@ class _Forwarder:
 
     async def unary(self, method: str, request, context: grpc.aio.ServicerContext):
         await self.authorize(context)
+        if method in DESTRUCTIVE_ADMIN_METHODS:
+            await self.authorize_admin(context)
         try:
             return await getattr(self.unary_handle, method).remote(request)
         except asyncio.CancelledError:
@@ -120,16 +132,29 @@ def _servicer(base: type, forward: _Forwarder, unary: list[str], streaming: list
 
 
 class _Health(health_pb2_grpc.HealthServicer):
-    """SERVING while the router deployment answers; NOT_SERVING (not an error) when it does not."""
+    """The router deployment's verdict (NOT_SERVING while a shard has no live replica the policy can do without,
+    see deployment.health_verdict); NOT_SERVING too, not an error, when the deployment does not answer."""
 
     def __init__(self, forward: _Forwarder):
         self._forward = forward
 
-    async def Check(self, request, context):  # noqa: N802
+    async def _status(self) -> int:
         try:
-            return await asyncio.wait_for(self._forward.handle.Check.remote(request), timeout=10)
+            # The whole server's status; the service name was checked here.
+            reply = await asyncio.wait_for(self._forward.handle.Check.remote(health_pb2.HealthCheckRequest()),
+                                           timeout=10)
+            return reply.status
         except Exception:
-            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+            return health.NOT_SERVING
+
+    async def Check(self, request, context):  # noqa: N802
+        if not health.known_service(request.service):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"service: unknown service {request.service[:200]!r}")
+        return health.response(await self._status())
+
+    async def Watch(self, request, context):  # noqa: N802
+        async for message in health.watch(request.service, self._status):
+            yield message
 
 
 async def start_front(handle: serve.handle.DeploymentHandle, settings: ServerConfig) -> tuple[grpc.aio.Server, int]:
@@ -141,7 +166,7 @@ async def start_front(handle: serve.handle.DeploymentHandle, settings: ServerCon
         # gRPC's default SO_REUSEPORT would let this front share a port another server already listens on.
         ("grpc.so_reuseport", 0),
     ])
-    forward = _Forwarder(handle, settings.auth_token)
+    forward = _Forwarder(handle, settings.auth_token, settings.admin_token)
     inference_pb2_grpc.add_InferenceServicer_to_server(
         _servicer(inference_pb2_grpc.InferenceServicer, forward, ["Score"], ["Generate"]), server)
     kserve_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
@@ -150,7 +175,7 @@ async def start_front(handle: serve.handle.DeploymentHandle, settings: ServerCon
         server)
     admin_pb2_grpc.add_AdminServicer_to_server(
         _servicer(admin_pb2_grpc.AdminServicer, forward,
-                  ["GetRouterStats", "GetClusterState", "KillReplica", "DrainReplica"], []), server)
+                  ["GetRouterStats", "GetClusterState", *sorted(DESTRUCTIVE_ADMIN_METHODS)], []), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(forward), server)
     address = f"{settings.host}:{settings.port}"
     try:

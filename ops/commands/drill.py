@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from .mesh_flags import DRILLED_SERVER_GROUPS, add_mesh_flags, mesh_config_from_args
 
@@ -25,6 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", metavar="HOST:PORT", help="attach to a running server instead of starting one")
     p.add_argument("--address", help="with --target: its Ray cluster (needed to kill router/controller)")
+    p.add_argument("--admin-token", default=os.environ.get("EXPERTMESH_ADMIN_TOKEN"),
+                   help="admin token: sent with Admin KillReplica when attached with --target and no --address; a "
+                        "self-started server gets it (default: $EXPERTMESH_ADMIN_TOKEN)")
     p.add_argument("--out", metavar="DIR", default="drill_out", help="report folder (default: drill_out)")
     p.add_argument("--json", action="store_true", help="print only the JSON report")
     # The self-started server's settings (ignored with --target).
@@ -38,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     config = DrillConfig(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
                          concurrency=args.concurrency, max_tokens=args.max_tokens, seed=args.seed,
                          fraction=args.fraction, nodes=args.nodes, target=args.target, address=args.address,
-                         out=args.out, mesh=mesh_config_from_args(args, default_drill_mesh()))
+                         out=args.out, admin_token=args.admin_token,
+                         mesh=mesh_config_from_args(args, default_drill_mesh()))
     result = run_drill(config, verbose=not args.json)
     summary = result.pop("summary")
     print(json.dumps(result, indent=2) if args.json else f"{summary}\nreport: {result['files']['markdown']}")

@@ -103,6 +103,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tls-key", "server.tls_key", "server", "PEM private key (with --tls-cert)", {"metavar": "PEM"}),
     Flag("--auth-token", "server.auth_token", "server", "require `authorization: Bearer TOKEN` (default: "
          "$EXPERTMESH_TOKEN, else no auth)"),
+    Flag("--admin-token", "server.admin_token", "server", "enable Admin Kill/Drain/UndrainReplica for callers "
+         "sending `x-expertmesh-admin-token: TOKEN` (default: $EXPERTMESH_ADMIN_TOKEN, else they are refused)"),
     Flag("--max-message-bytes", "server.max_message_bytes", "server", "largest request or response",
          {"type": int}),
 )
@@ -165,4 +167,7 @@ def mesh_config_from_args(args: argparse.Namespace, defaults: MeshConfig | None 
         config = replace_path(config, flag.path, value)
     if "server.auth_token" not in given and config.server.auth_token is None and os.environ.get("EXPERTMESH_TOKEN"):
         config = replace_path(config, "server.auth_token", os.environ["EXPERTMESH_TOKEN"])
+    if "server.admin_token" not in given and config.server.admin_token is None \
+            and os.environ.get("EXPERTMESH_ADMIN_TOKEN"):
+        config = replace_path(config, "server.admin_token", os.environ["EXPERTMESH_ADMIN_TOKEN"])
     return config.validate()

@@ -40,6 +40,9 @@ class DrillConfig:
     address: str | None = None  # with target: its Ray cluster (needed to kill the router or the controller)
     out: str = "drill_out"  # report folder
     num_cpus: int | None = None  # CPUs of the self-started local Ray (None: max(2, this machine's))
+    # Sent with Admin KillReplica when the drill kills through the Admin API (--target without --address); a
+    # self-started server gets it as its server.admin_token. Never written to the record (to_dict leaves it out).
+    admin_token: str | None = None
     # The self-started server (ignored with `target`; its ray.address is the drill's own Ray).
     mesh: MeshConfig = field(default_factory=default_drill_mesh)
 
@@ -79,6 +82,8 @@ class DrillConfig:
                              "through Ray)")
         if self.target is not None and self.kill == "node":
             raise ValueError("kill: node needs a cluster the drill started itself (no --target)")
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise ValueError("admin_token: must not be blank")
         if self.target is None and self.address is not None:
             raise ValueError("address: give --target too, or neither (the drill then starts its own Ray)")
 
@@ -87,9 +92,11 @@ class DrillConfig:
         return self.target is None
 
     def to_dict(self) -> dict:
-        """Plain data: the drill's fields, the server's tree (`mesh`) and, flat, what the report shows of it."""
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "mesh"}
-        return data | {key: getattr(self, key) for key in _SERVER_KEYS} | {"mesh": self.mesh.to_dict()}
+        """Plain data: the drill's fields, the server's tree (`mesh`) and, flat, what the report shows of it. The
+        admin token is a secret: left out here and in the tree (records and reports are shared)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("mesh", "admin_token")}
+        mesh = self.mesh.replace(**{"server.admin_token": None}).to_dict()
+        return data | {key: getattr(self, key) for key in _SERVER_KEYS} | {"mesh": mesh}
 
     @classmethod
     def from_dict(cls, data: dict) -> DrillConfig:
@@ -113,6 +120,13 @@ class DrillConfig:
 
 def serve_args(config: DrillConfig, ray_address: str, config_file: Path) -> list[str]:
     """The `expertmesh serve` arguments (after `serve --port 0`) of the server a drill starts on `ray_address`;
-    writes the server's configuration tree (config.mesh) to `config_file`, which they name."""
-    Path(config_file).write_text(json.dumps(config.mesh.to_dict(), indent=2) + "\n")
+    writes the server's configuration tree (config.mesh, with the drill's admin token if it has one) to
+    `config_file`, which they name. The file may hold a secret: only its owner may read it."""
+    mesh = config.mesh
+    if config.admin_token is not None:
+        mesh = mesh.replace(**{"server.admin_token": config.admin_token})
+    path = Path(config_file)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(json.dumps(mesh.to_dict(), indent=2) + "\n")
     return ["--config", str(config_file), "--address", ray_address]

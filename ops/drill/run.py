@@ -32,6 +32,7 @@ import grpc
 from ...cluster.naming import CONTROLLER_NAME, NAMESPACE, is_expert_actor_name
 from ...protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from ...protos import inference_pb2 as pb
+from ...router_service.admin_auth import admin_metadata
 from ..server_process import ServerProcess, start_server
 from .config import DrillConfig, serve_args
 from .record import DrillRecord, KillRecord, PollRecord, RequestRecord
@@ -211,7 +212,10 @@ class _Drill:
             chan = grpc.insecure_channel(self.rec.target)
             try:
                 stub = admin_pb2_grpc.AdminStub(chan)
-                notes = [stub.KillReplica(admin_pb2.ReplicaRequest(actor=n), timeout=15).message for n in names]
+                # force: a drill kills on purpose, the last live replica of a shard included (the controller
+                # restores it; the report shows what the policy did meanwhile).
+                notes = [stub.KillReplica(admin_pb2.ReplicaRequest(actor=n, force=True), timeout=15,
+                                          metadata=admin_metadata(self.o.admin_token)).message for n in names]
             finally:
                 chan.close()
             return t, "; ".join(notes)

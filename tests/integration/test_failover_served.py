@@ -20,6 +20,7 @@ from expertmesh.cluster.naming import CONTROLLER_NAME, NAMESPACE
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
+from expertmesh.router_service.admin_auth import admin_metadata
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.served import start_server
 from tests.tiny_checkpoints import greedy_tokens
@@ -32,6 +33,7 @@ MAX_TOKENS = 6
 RESTORE_S = 30
 CONTROLLER_BACK_S = 15
 ROUTER_BACK_S = 30
+ADMIN_TOKEN = "failover-admin"  # KillReplica through the Admin API needs it
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +132,8 @@ def served(checkpoints):
     ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
     try:
         server = start_server("--address", ray.get_runtime_context().gcs_address,
-                              "--model", str(checkpoints["mixtral"]), "--replicas-per-expert", "2")
+                              "--model", str(checkpoints["mixtral"]), "--replicas-per-expert", "2",
+                              "--admin-token", ADMIN_TOKEN)
         try:
             yield server
         finally:
@@ -194,8 +197,9 @@ def test_controller_killed_mid_traffic_comes_back_with_the_same_state(channel, e
         traffic.wait_for_results(1)
 
         # An expert killed through the Admin API is restored by the new controller while requests keep flowing.
+        # Not forced: expert-e0-r1 still serves expert 0.
         reply = admin_pb2_grpc.AdminStub(channel).KillReplica(admin_pb2.ReplicaRequest(actor="expert-e0-r0"),
-                                                              timeout=30)
+                                                              metadata=admin_metadata(ADMIN_TOKEN), timeout=30)
         assert reply.ok, reply.message
         killed_at = time.monotonic()
 

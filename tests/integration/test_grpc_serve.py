@@ -58,6 +58,31 @@ def test_health_reports_serving(channel):
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_health_watch_streams_the_status_instead_of_unimplemented(channel):
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+
+
+@pytest.mark.parametrize("method", ["KillReplica", "DrainReplica", "UndrainReplica"])
+def test_destructive_admin_calls_are_refused_when_the_server_has_no_admin_token(channel, method):
+    """This server has a bearer token but no admin token: a client holding the bearer token (and whatever admin
+    token it sends) cannot take replicas out, and the service keeps serving."""
+    stub = admin_pb2_grpc.AdminStub(channel)
+    for metadata in (AUTH, AUTH + (("x-expertmesh-admin-token", TOKEN),)):
+        with pytest.raises(grpc.RpcError) as err:
+            getattr(stub, method)(admin_pb2.ReplicaRequest(actor="expert-e0-r0", force=True), metadata=metadata,
+                                  timeout=30)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "--admin-token" in err.value.details()
+    state = stub.GetClusterState(admin_pb2.ClusterStateRequest(), metadata=AUTH, timeout=30)
+    assert all(r.alive and not r.drained and r.generation == 0 for r in state.replicas)
+    assert [e for e in state.events if e.kind in ("killed", "draining")] == []
+    assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    assert generate(channel, [1, 2, 3], 2)[0]
+
+
 def test_tritonclient_works_unchanged(served, reference):
     import tritonclient.grpc as triton
 

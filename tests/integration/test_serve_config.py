@@ -108,6 +108,20 @@ def test_the_builder_started_experts_and_controller_detached(deployed):
         assert ray_state.actors(actor_id=actor_id)["IsDetached"], name
 
 
+def test_destructive_admin_calls_are_refused_behind_serves_proxy_without_an_admin_token(deployed):
+    """The deployment checks the admin token itself (Serve's proxy has no front before it); this config sets none."""
+    stub = admin_pb2_grpc.AdminStub(deployed)
+    for method in ("KillReplica", "DrainReplica", "UndrainReplica"):
+        with pytest.raises(grpc.RpcError) as err:
+            getattr(stub, method)(admin_pb2.ReplicaRequest(actor="expert-e0-r0", force=True), timeout=30)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--admin-token" in err.value.details()
+    state = stub.GetClusterState(admin_pb2.ClusterStateRequest(), timeout=30)
+    assert all(r.alive and not r.drained for r in state.replicas)
+    watch = health_pb2_grpc.HealthStub(deployed).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+
+
 def test_settings_from_the_serve_config_took_effect(deployed):
     """model.name and failover.no_replica_policy came from the YAML's args, not from defaults."""
     state = admin_pb2_grpc.AdminStub(deployed).GetClusterState(admin_pb2.ClusterStateRequest(), timeout=30)

@@ -95,6 +95,8 @@ def test_bad_plain_data_is_refused_naming_the_field(data, field):
     ({"server.port": 70000}, "server.port"),
     ({"server.tls_cert": "/nonexistent.pem"}, "server.tls_key"),
     ({"server.auth_token": "  "}, "server.auth_token"),
+    ({"server.admin_token": ""}, "server.admin_token"),
+    ({"server.auth_token": "same", "server.admin_token": "same"}, "server.admin_token"),
     ({"experts.replicas_per_expert": 2, "controller.elastic": {}}, "experts.replicas_per_expert"),
 ])
 def test_validation_names_the_dotted_field(settings, field):
@@ -193,6 +195,16 @@ def test_auth_token_comes_from_the_environment_only_when_not_given(monkeypatch):
     monkeypatch.setenv("EXPERTMESH_TOKEN", "from-env")
     assert parse().server.auth_token == "from-env"
     assert parse("--auth-token", "given").server.auth_token == "given"
+
+
+def test_admin_token_comes_from_its_own_environment_variable_only_when_not_given(monkeypatch):
+    monkeypatch.delenv("EXPERTMESH_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("EXPERTMESH_TOKEN", raising=False)
+    assert parse().server.admin_token is None  # default: destructive Admin calls are refused
+    monkeypatch.setenv("EXPERTMESH_ADMIN_TOKEN", "admin-from-env")
+    assert parse().server.admin_token == "admin-from-env"
+    assert parse("--admin-token", "given").server.admin_token == "given"
+    assert parse().server.auth_token is None  # the bearer token does not follow from it
 
 
 def test_flag_values_are_checked_by_the_tree_naming_the_field():

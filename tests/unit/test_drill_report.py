@@ -11,6 +11,7 @@ edited copies check that a failed request, a changed output and an unrecovered k
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 
@@ -285,6 +286,7 @@ def test_render_markdown_and_png(wait_record, tmp_path):
     ({"target": "127.0.0.1:9000", "kill": "router"}, "address: --kill router against --target needs --address"),
     ({"target": "127.0.0.1:9000", "kill": "node", "address": "auto"}, "kill: node needs a cluster the drill"),
     ({"address": "auto"}, "address: give --target too, or neither"),
+    ({"admin_token": " "}, "admin_token: must not be blank"),
 ])
 def test_drill_config_names_the_bad_field(change, message):
     DrillConfig().validate()
@@ -309,6 +311,20 @@ def test_serve_args_carry_the_self_started_servers_configuration_tree(tmp_path):
     assert MeshConfig.load(path) == mesh  # every setting of the tree reaches the server, not only three
     assert (config.replicas_per_expert, config.no_replica_policy, config.model_dir) == (1, "degrade", None)
     assert DrillConfig().replicas_per_expert == 2  # a drill's default: one kill never empties a shard
+
+
+def test_the_admin_token_reaches_the_self_started_server_but_never_the_record(tmp_path):
+    config = DrillConfig(admin_token="drill-admin")
+    path = tmp_path / "serve_config.json"
+    serve_args(config, "127.0.0.1:6379", path)
+    assert MeshConfig.load(path).server.admin_token == "drill-admin"
+    assert path.stat().st_mode & 0o777 == 0o600  # a secret on disk: its owner only
+    recorded = json.dumps(config.to_dict())
+    assert "drill-admin" not in recorded
+    assert DrillConfig.from_dict(config.to_dict()).admin_token is None
+    # A server tree that already holds one (a --config file) is recorded without it too.
+    tree = DrillConfig(mesh=MeshConfig().replace(**{"server.admin_token": "from-file"}))
+    assert "from-file" not in json.dumps(tree.to_dict())
 
 
 def test_drill_config_reads_records_written_before_the_tree(tmp_path):

@@ -35,6 +35,7 @@ PURE_MODULES = (
     "expertmesh.experts.wire",  # the expert call's wire format (protobuf messages, no gRPC)
     # router: dispatch planning/combine, the dispatcher, sampling, batching, request handling, the transport interface
     "expertmesh.router_service.proto_mapping",
+    "expertmesh.router_service.admin_auth",  # who may call the destructive Admin RPCs
     "expertmesh.router_service.batching",
     "expertmesh.router_service.config",  # the configuration tree: the CLI checks it before anything starts
     "expertmesh.router_service.config_tree",
@@ -62,6 +63,7 @@ PURE_MODULES = (
     "expertmesh.cluster.pool_spec",
     "expertmesh.cluster.routing_table",
     "expertmesh.cluster.shard_placement",
+    "expertmesh.cluster.shard_liveness",  # the last-live-replica guard and the health verdict
     # ops: helpers, the drill's configuration, record, pure report and rendering, the CLI's flag table
     "expertmesh.ops.commands.mesh_flags",
     "expertmesh.ops.corpus",
