@@ -46,6 +46,7 @@ SERVER_VERSION = "0.1.0"
 # metadata and pickling around the message.
 HOP_OVERHEAD_BYTES = 1 << 20
 _errors = ClientErrorLog()  # one line per refused request, rate-limited (router_service/error_log.py)
+MAX_ACTOR_NAME_CHARS = 256  # actor names are short (expert-e12-r3); longer ones are refused unread
 HEALTH_CACHE_S = 0.5  # health checks (every Watch stream polls) reuse a verdict this young
 CONTROLLER_ASK_S = 2.0  # the controller's liveness view, or the router's own without it
 
@@ -303,6 +304,9 @@ class RouterDeployment:
                               **options) -> admin_pb2.ReplicaReply:
         """Ask the controller (it alone knows which replicas are live, drained or restoring); its refusal becomes
         the call's status: NOT_FOUND, FAILED_PRECONDITION (the last live replica of a shard), UNAVAILABLE."""
+        if len(actor) > MAX_ACTOR_NAME_CHARS:  # no actor has such a name; do not echo it whole in the status
+            raise _set_status(grpc_context, ApiError("NOT_FOUND", "actor: no expert replica named "
+                                                                  f"{proto_mapping.shown(actor)}"))
         try:
             controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
             outcome = await asyncio.wait_for(getattr(controller, method).remote(actor, **options), timeout=timeout_s)

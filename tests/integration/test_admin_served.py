@@ -194,3 +194,14 @@ def test_health_of_an_unknown_service_is_not_found(channel):
     assert next(watch).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
     watch.cancel()
     assert stub.Check(health_pb2.HealthCheckRequest(service="expertmesh.v1.Inference"), timeout=10).status == SERVING
+
+
+@pytest.mark.parametrize("method", ["KillReplica", "DrainReplica", "UndrainReplica"])
+def test_a_huge_actor_name_is_not_found_without_being_echoed_whole(channel, method):
+    """Issue 18 item 7 for Admin: a 1 MB actor name gets NOT_FOUND with a short message (not a metadata-size
+    RESOURCE_EXHAUSTED), and nothing changes."""
+    stub = admin_pb2_grpc.AdminStub(channel)
+    err = refused(lambda: getattr(stub, method)(admin_pb2.ReplicaRequest(actor="x" * 1_000_000), metadata=ADMIN,
+                                                timeout=60))
+    assert err.code() == grpc.StatusCode.NOT_FOUND and len(err.details()) < 300, err.details()[:300]
+    assert replica(channel).alive and health(channel) == SERVING
