@@ -20,6 +20,7 @@ from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import read_table
 from ..experts.checkpoint import CheckpointReader
+from ..experts.transport_secret import transport_secret
 from ..experts.weights import check_checkpoint
 from .config import MeshConfig, RayConfig
 from .expert_pool import ExpertPool
@@ -80,6 +81,7 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
     owns_ray = connect_ray(config.ray)
     runtime = MeshRuntime(config, reader, owns_ray)
     try:
+        transport_secret()  # the expert transport's cluster secret exists before any actor or router needs it
         elastic = config.controller.elastic
         groups, slots = pool_layout(reader.config, config.experts.replicas_per_expert,
                                     config.experts.num_cpus_per_actor, config.experts.placement, elastic)
