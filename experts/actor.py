@@ -109,12 +109,13 @@ class ExpertActor:
         return True
 
     def grpc_address(self) -> str:
-        """host:port of this actor's gRPC transport server, started on the first ask (on the node's IP) so actors
-        only reached over Ray calls pay nothing for it."""
+        """host:port of this actor's gRPC transport server, started on the first ask (on the node's cluster IP, for
+        callers holding the cluster secret) so actors only reached over Ray calls pay nothing for it."""
         if self._grpc is None:
             from .grpc_server import ExpertGrpcServer
+            from .transport_secret import transport_secret
 
-            self._grpc = ExpertGrpcServer(self.forward, ray.util.get_node_ip_address())
+            self._grpc = ExpertGrpcServer(self.forward, ray.util.get_node_ip_address(), transport_secret())
         return self._grpc.address
 
     def forward_step(self, step: tuple) -> np.ndarray | None:

@@ -9,6 +9,7 @@ grpc_context and then raised (a streaming method must raise after set_code, or t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -151,13 +152,17 @@ class RouterDeployment:
             # event loop that feeds every other stream's tokens.
             gen_request = await asyncio.to_thread(proto_mapping.generation_request, request, self.cfg,
                                                   self.router.encode, self.model_name)
-            async for event in self.batcher.stream(gen_request, span=span):
-                if isinstance(event, DoneEvent):
-                    yield proto_mapping.done_message(event)
-                else:
-                    yield proto_mapping.token_message(event)
+            # Closed explicitly: Serve cancels by throwing CancelledError in at this generator's `yield`, which a
+            # bare `async for` would leave with the batcher's stream suspended, freed only when garbage collection
+            # got to it.
+            async with contextlib.aclosing(self.batcher.stream(gen_request, span=span)) as events:
+                async for event in events:
+                    if isinstance(event, DoneEvent):
+                        yield proto_mapping.done_message(event)
+                    else:
+                        yield proto_mapping.token_message(event)
         except asyncio.CancelledError:
-            raise  # client cancel or deadline: batcher.stream's finally frees the sequence
+            raise  # client cancel or deadline: closing batcher.stream (above) frees the sequence
         except Exception as exc:
             raise _set_status(grpc_context, _classify(exc), "Generate") from None
         finally:

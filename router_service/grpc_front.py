@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -91,21 +90,30 @@ class _Forwarder:
         except Exception as exc:
             await self.fail(context, exc)
 
-    async def stream(self, method: str, request, context: grpc.aio.ServicerContext) -> AsyncIterator:
+    async def stream(self, method: str, request, context: grpc.aio.ServicerContext) -> None:
+        """Relay a server-streaming call, writing each message itself.
+
+        A coroutine rather than an async generator: grpcio's generator API writes each yielded message outside the
+        generator, so a client cancel that lands during that write (typically right after a token went out) raised
+        there and left the generator suspended at its `yield`; nothing then cancelled the Serve call and the
+        sequence decoded on to max_tokens. Here every way out (cancel, deadline, a failed write, an abort) passes
+        the `finally`, which cancels the Serve call unless it ran to its end."""
         await self.authorize(context)
         # The caller's trace context (W3C `traceparent` metadata) goes on to the router, which makes the request
         # span its child; sent only when present, so the call is unchanged without tracing.
         carrier = carrier_from_metadata(context.invocation_metadata())
         extra = {"trace": carrier} if carrier else {}
         responses = getattr(self.stream_handle, method).remote(request, **extra)
+        finished = False
         try:
             async for message in responses:
-                yield message
-        except asyncio.CancelledError:
-            responses.cancel()  # the client went away or its deadline passed: stop the generation now
-            raise
-        except Exception as exc:
+                await context.write(message)
+            finished = True
+        except Exception as exc:  # (a client cancel or deadline is a CancelledError: straight to the finally)
             await self.fail(context, exc)
+        finally:
+            if not finished:
+                responses.cancel()  # best effort and idempotent; a no-op for a call that already failed
 
 
 def _unary(method: str):
@@ -117,8 +125,7 @@ def _unary(method: str):
 
 def _streaming(method: str):
     async def handler(self, request, context):
-        async for message in self._forward.stream(method, request, context):
-            yield message
+        await self._forward.stream(method, request, context)
 
     return handler
 

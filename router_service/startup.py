@@ -10,7 +10,9 @@ So a checkpoint check, a placement file, elasticity, tracing or a dtype behave t
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import ray
@@ -20,6 +22,7 @@ from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import read_table
 from ..experts.checkpoint import CheckpointReader
+from ..experts.transport_secret import transport_secret
 from ..experts.weights import check_checkpoint
 from .config import MeshConfig, RayConfig
 from .expert_pool import ExpertPool
@@ -33,12 +36,40 @@ def connect_ray(config: RayConfig) -> bool:
     if ray.is_initialized():
         return False
     if config.address == "local":
-        # "local" never joins a cluster that some earlier run left recorded on this machine.
-        ray.init(address="local", namespace=NAMESPACE, num_cpus=config.num_cpus, include_dashboard=False,
-                 logging_level=logging.WARNING)
+        # "local" never joins a cluster that some earlier run left recorded on this machine, and its Ray listens on
+        # loopback only (README: Security).
+        with _loopback_node():
+            ray.init(address="local", namespace=NAMESPACE, num_cpus=config.num_cpus, include_dashboard=False,
+                     logging_level=logging.WARNING)
     else:
         ray.init(address=config.address, namespace=NAMESPACE, logging_level=logging.WARNING)
     return True
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Start a single-machine Ray with 127.0.0.1 as its node IP, so every server Ray binds to the node IP (GCS,
+    raylet, object manager, workers, dashboard agent, runtime-env agent; the metrics export port, which has no
+    authentication, binds to loopback only when the node IP is loopback) is reachable from this machine only.
+
+    Ray 2.60 has no option for it: `ray.init(_node_ip_address="127.0.0.1")` and `ray start --node-ip-address`
+    replace loopback with the routable IP. Only its single-machine mode (the default on macOS and Windows, or
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported) keeps it; that mode is read from
+    `ray_constants.ENABLE_RAY_CLUSTER` when ray.init picks the node IP, so it is switched for this call only. Ray
+    processes get the node IP on their command lines. Should a Ray release drop the constant, Ray starts as before,
+    on the routable IP (a warning says so)."""
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        log.warning("this Ray has no single-machine mode: the local Ray listens on the routable node IP")
+        yield
+        return
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 @dataclass
@@ -80,6 +111,7 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
     owns_ray = connect_ray(config.ray)
     runtime = MeshRuntime(config, reader, owns_ray)
     try:
+        transport_secret()  # the expert transport's cluster secret exists before any actor or router needs it
         elastic = config.controller.elastic
         groups, slots = pool_layout(reader.config, config.experts.replicas_per_expert,
                                     config.experts.num_cpus_per_actor, config.experts.placement, elastic)

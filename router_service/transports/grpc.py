@@ -1,6 +1,7 @@
 """Expert calls over gRPC: one channel per expert actor, one unary Forward per actor per layer step, all in flight.
 
-Each actor serves its shards on a gRPC port it opens when first asked (`ExpertActor.grpc_address`). Handles are
+Each actor serves its shards on a gRPC port it opens when first asked (`ExpertActor.grpc_address`); every call
+carries the cluster secret (experts/transport_secret.py), without which the actor answers UNAUTHENTICATED. Handles are
 looked up in `actors`, the same dict NameReviver swaps restored replicas into; a handle whose actor id changed
 means a new incarnation, so the transport asks it for its new address and dials again.
 
@@ -23,7 +24,8 @@ import torch
 
 from ...experts import wire
 from ...experts.arrays import readonly_tensor
-from ...experts.grpc_server import MESSAGE_OPTIONS
+from ...experts.grpc_server import MESSAGE_OPTIONS, call_metadata
+from ...experts.transport_secret import transport_secret
 from ...protos import expert_transport_pb2_grpc as pb_grpc
 
 LIVENESS_TIMEOUT_S = 5.0  # how long a liveness check through Ray may take before the actor counts as unreachable
@@ -50,9 +52,12 @@ class _Call:
 
 
 class GrpcTransport:
-    def __init__(self, actors: dict[str, ray.actor.ActorHandle], address_timeout_s: float = 60.0):
+    def __init__(self, actors: dict[str, ray.actor.ActorHandle], address_timeout_s: float = 60.0,
+                 secret: str | None = None):
+        """secret: the cluster secret (None: read it from Ray's GCS, where the actors read theirs)."""
         self.actors = actors
         self.address_timeout_s = address_timeout_s
+        self.metadata = call_metadata(secret if secret is not None else transport_secret())
         self.connections: dict[str, _Connection] = {}
         self.reconnects = 0  # channels dialled again for a new incarnation (tests check restores)
 
@@ -90,7 +95,7 @@ class GrpcTransport:
         except Exception as exc:  # a dead incarnation fails here with RayActorError
             return _Call(actor, None, error=exc)
         request = wire.encode_batch(layer, experts, counts, x, trace)
-        return _Call(actor, conn, future=conn.stub.Forward.future(request))
+        return _Call(actor, conn, future=conn.stub.Forward.future(request, metadata=self.metadata))
 
     def gather_settled(self, handles: list[_Call], timeout: float) -> list[torch.Tensor | BaseException]:
         deadline = time.monotonic() + timeout

@@ -4,11 +4,17 @@ is killed under a running compiled graph, a gRPC reconnect after a restore, and 
 
 from __future__ import annotations
 
+import grpc
+import numpy as np
 import pytest
 import ray
 import torch
 
 from expertmesh.cluster.naming import NAMESPACE
+from expertmesh.experts import wire
+from expertmesh.experts.grpc_server import call_metadata
+from expertmesh.experts.transport_secret import transport_secret
+from expertmesh.protos import expert_transport_pb2_grpc as pb_grpc
 from expertmesh.router_service.expert_pool import connect_actors
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.router import Router
@@ -79,6 +85,25 @@ def test_every_transport_gives_the_reference_logits(routers, reference):
     assert compiled.fallback_rounds == 0  # built before the first step: every round went through the graph
     assert isinstance(routers["grpc"].transport, GrpcTransport)
 
+
+
+def test_expert_grpc_servers_listen_on_the_node_ip_and_want_the_cluster_secret(routers):
+    """Issue 18 item 13: each actor's gRPC server listens on its node's cluster IP, not every interface, and a
+    caller without the cluster secret (kept in Ray's GCS) is refused with UNAUTHENTICATED. The router's transport
+    sends it (the logits test above went through it)."""
+    transport: GrpcTransport = routers["grpc"].transport
+    assert transport.metadata == call_metadata(transport_secret())
+    assert transport.connections and set(transport.connections) == set(transport.actors)
+    node_ip = ray.util.get_node_ip_address()
+    for conn in transport.connections.values():
+        assert conn.address.rsplit(":", 1)[0].strip("[]") == node_ip
+        with grpc.insecure_channel(conn.address) as channel:
+            stub = pb_grpc.ExpertTransportStub(channel)
+            for metadata in (None, call_metadata("not-the-secret")):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Forward(wire.encode_batch(0, [0], [1], np.zeros((1, 4), np.float32)), metadata=metadata,
+                                 timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, conn.address
 
 def test_generation_is_identical_on_every_transport(routers, expected):
     for name, router in routers.items():
