@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import grpc
@@ -32,13 +33,14 @@ from .malformed_requests import RefuseMalformedRequests
 from .proto_mapping import ApiError
 
 MAX_DETAILS_CHARS = 1024  # status details travel in a trailer (16 KiB by default); errors already cap echoed input
-# A stream resumes at most this many times (each a router replica lost under it), backing off between attempts so a
-# retry that Serve still routes to the dead replica (before its router marks it) does not spin.
-MAX_RESUMES = 5
-RESUME_BACKOFF_S = (0.1, 0.25, 0.5, 1.0, 2.0)
-# How long a resumed call may wait for its first message: with one router replica, Serve holds the call until it
-# has restarted the replica (8-24 s seen on a 2-core machine). The client's deadline bounds it too.
+# A stream is re-sent at most MAX_RESUMES times, and for at most RESUME_WAIT_S after a failure that no delivered
+# message followed: with one router replica, Serve restarts it in 8-24 s (2-core machine) and until its handle
+# learns the replica died, a re-sent call can land on the dead one again and fail at once; backing off (doubling
+# up to RESUME_BACKOFF_MAX_S) keeps that from spinning. The client's deadline bounds all of it too.
+MAX_RESUMES = 30
 RESUME_WAIT_S = 60.0
+RESUME_BACKOFF_S = 0.1
+RESUME_BACKOFF_MAX_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,9 @@ class _Forwarder:
         carrier = carrier_from_metadata(context.invocation_metadata())
         extra = {"trace": carrier} if carrier else {}
         progress = StreamProgress(with_resumable_seed(request))
+        # The failures in a row with no message delivered between them: when the first came, the tokens delivered
+        # then, and how many; the backoff and the RESUME_WAIT_S window count from it.
+        streak_start, streak_tokens, streak = 0.0, -1, 0
         for attempt in range(MAX_RESUMES + 1):
             responses = getattr(self.stream_handle, method).remote(progress.next_request(), **extra)
             first_wait_s = None if attempt == 0 else _bounded(RESUME_WAIT_S, context.time_remaining())
@@ -155,13 +160,18 @@ class _Forwarder:
                 finished = True
                 return
             except Exception as exc:  # (a client cancel or deadline is a CancelledError: straight to the finally)
-                if attempt == MAX_RESUMES or progress.done or not replica_lost(exc):
+                now = time.monotonic()
+                if streak_tokens != len(progress.delivered):  # the last call made progress: a new streak
+                    streak_start, streak_tokens, streak = now, len(progress.delivered), 0
+                streak += 1
+                out_of_time = now - streak_start > RESUME_WAIT_S
+                if attempt == MAX_RESUMES or out_of_time or progress.done or not replica_lost(exc):
                     await self.fail(context, exc)
                 self._note_resume(exc, len(progress.delivered), attempt)
             finally:
                 if not finished:
                     responses.cancel()  # best effort and idempotent; a no-op for a call that already failed
-            await asyncio.sleep(RESUME_BACKOFF_S[attempt])
+            await asyncio.sleep(min(RESUME_BACKOFF_MAX_S, RESUME_BACKOFF_S * 2 ** (streak - 1)))
 
     def _note_resume(self, exc: BaseException, delivered: int, attempt: int) -> None:
         dropped = self.warnings.admit(f"resume:{type(exc).__name__}")

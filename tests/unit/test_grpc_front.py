@@ -223,7 +223,7 @@ def test_a_replica_lost_after_every_token_resumes_for_the_done_message_alone():
 
 
 def test_resuming_is_bounded_then_the_client_gets_unavailable():
-    handle = DyingReplicas(total=50, dies_after=[1] * (MAX_RESUMES + 1))
+    handle = DyingReplicas(total=50, dies_after=[1] * (MAX_RESUMES + 1))  # progress each time: no time limit
 
     async def client(stub):
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -245,3 +245,18 @@ def test_a_request_error_is_not_retried():
 
     assert run_against_front(handle, client).code() == grpc.StatusCode.UNAVAILABLE
     assert len(handle.calls) == 1  # the deployment's own answer (an ApiError), even UNAVAILABLE, is final
+
+
+def test_failing_in_a_row_without_progress_gives_up_after_the_resume_window(monkeypatch):
+    from expertmesh.router_service import grpc_front
+
+    monkeypatch.setattr(grpc_front, "RESUME_WAIT_S", 0.5)
+    handle = DyingReplicas(total=5, dies_after=[0] * (MAX_RESUMES + 1))  # no replica ever answers
+
+    async def client(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await read_all(stub)
+        return err.value
+
+    assert run_against_front(handle, client).code() == grpc.StatusCode.UNAVAILABLE
+    assert 3 <= len(handle.requests) <= 6  # backoff 0.1, 0.2, 0.4, ... until 0.5 s have passed
