@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..experts.modeling import KVCache, MoEDecoder
-from .sampling import SamplingParams, sample_next
+from .sampling import SamplingParams, sample_next, skip_draws
 
 
 class QueueFullError(RuntimeError):
@@ -46,6 +46,9 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     eos_token_id: int | None = None  # None: do not stop at end-of-sequence
+    # Tokens this request already generated and delivered, when it resumes after its router replica died
+    # (router_service/continuation.py): they count toward max_tokens and usage and are not streamed again.
+    resumed_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -79,6 +82,7 @@ class _Sequence:
     dropped: int = 0
     degraded: int = 0
     cancelled: bool = False
+    replaying: bool = False  # the first step re-derives the last resumed token instead of sampling a new one
     span: Any = None  # the request's OpenTelemetry span (tracing on), parent or link of its steps
 
 
@@ -138,6 +142,8 @@ class ContinuousBatcher:
         seq = _Sequence(request=request, events=asyncio.Queue(), cache=self.model.new_cache(),
                         next_input=torch.tensor(request.prompt_ids, dtype=torch.int64),
                         generator=request.sampling.generator(), span=span)
+        if request.resumed_ids:
+            await asyncio.to_thread(self._resume, seq)
         self._waiting.append(seq)
         self._ensure_loop()
         self._wakeup.set()
@@ -154,6 +160,23 @@ class ContinuousBatcher:
             if seq in self._waiting:
                 self._waiting.remove(seq)
                 seq.cache = None
+
+    def _resume(self, seq: _Sequence) -> None:
+        """Set up a resumed sequence as the uninterrupted one stood just before its last delivered token.
+
+        The prefill is prompt + all resumed tokens but the last, so the first step's logits are those that chose the
+        last one: that step takes it (no draw, nothing streamed) and then runs the same finish checks, which ends a
+        request whose last token was its final one (its done message was what got lost). Routing counts then cover
+        the same tokens the uninterrupted run had routed by then; the text already streamed is replayed so stop
+        strings and held-back text continue exactly where they were.
+        """
+        resumed = list(seq.request.resumed_ids)
+        seq.next_input = torch.tensor(seq.request.prompt_ids + resumed[:-1], dtype=torch.int64)
+        for n in range(1, len(resumed)):
+            seq.generated = resumed[:n]
+            self._new_text(seq)
+        seq.generated = resumed[:-1]
+        seq.replaying = True
 
     async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the forward thread, between steps (for unary scoring that must not overlap a step)."""
@@ -234,7 +257,13 @@ class ContinuousBatcher:
         seq.rerouted += routing.rerouted
         seq.dropped += routing.dropped
         seq.degraded += routing.degraded
-        token = sample_next(logits, req.sampling, seq.generator)
+        replayed = seq.replaying
+        if replayed:
+            seq.replaying = False
+            token = req.resumed_ids[-1]
+            skip_draws(seq.generator, logits.numel(), len(req.resumed_ids))  # the draws the resumed tokens took
+        else:
+            token = sample_next(logits, req.sampling, seq.generator)
         seq.generated.append(token)
         seq.next_input = torch.tensor([token], dtype=torch.int64)
         finish = None
@@ -249,7 +278,8 @@ class ContinuousBatcher:
             finish = "length"
         if finish in ("length", "eos") or (finish == "stop" and not stopped):
             text += self._flush(seq)
-        seq.events.put_nowait(TokenEvent(token_ids=[token], text=text))
+        if not replayed:  # a replayed token (and its text) reached the client before the failover
+            seq.events.put_nowait(TokenEvent(token_ids=[token], text=text))
         if finish is not None:
             seq.events.put_nowait(DoneEvent(
                 finish_reason=finish, prompt_tokens=len(req.prompt_ids), completion_tokens=len(seq.generated),

@@ -5,28 +5,42 @@ Why not only Serve's own gRPC proxy: it listens on every interface and has no TL
 told (127.0.0.1 by default), terminates TLS when given a certificate and key, checks a bearer token, caps message
 size, and maps failures to gRPC codes without leaking tracebacks. Replicas, autoscaling and replacement of failed
 router replicas stay Serve's job. A client cancel or deadline cancels the Serve call, which cancels the sequence.
+A Generate stream whose router replica dies resumes on a live one (router_service/continuation.py): the client sees
+neither an error nor a repeated token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import grpc
+import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
+from ray.serve.exceptions import ReplicaUnavailableError
 
 from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
 from . import health
 from .admin_auth import DESTRUCTIVE_ADMIN_METHODS, admin_denial
 from .config import ConfigError, ServerConfig
+from .continuation import StreamProgress, with_resumable_seed
 from .log_limit import LogRateLimit
 from .malformed_requests import RefuseMalformedRequests
 from .proto_mapping import ApiError
 
 MAX_DETAILS_CHARS = 1024  # status details travel in a trailer (16 KiB by default); errors already cap echoed input
+# A stream is re-sent at most MAX_RESUMES times, and for at most RESUME_WAIT_S after a failure that no delivered
+# message followed: with one router replica, Serve restarts it in 8-24 s (2-core machine) and until its handle
+# learns the replica died, a re-sent call can land on the dead one again and fail at once; backing off (doubling
+# up to RESUME_BACKOFF_MAX_S) keeps that from spinning. The client's deadline bounds all of it too.
+MAX_RESUMES = 30
+RESUME_WAIT_S = 60.0
+RESUME_BACKOFF_S = 0.1
+RESUME_BACKOFF_MAX_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +52,33 @@ def _api_error(exc: BaseException) -> ApiError | None:
             return exc
         exc = getattr(exc, "cause", None) or exc.__cause__
     return None
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """Did the call fail because its router replica died (retry elsewhere), not because of the request itself?
+
+    Ray 2.60 surfaces a replica killed mid-stream as ActorUnavailableError (its by-value gRPC stream broke) or
+    ActorDiedError, both RayActorError, possibly as the cause of a RayTaskError; Serve's ReplicaUnavailableError
+    says the same. An ApiError is the deployment's answer to this request: never retried."""
+    while exc is not None:
+        if isinstance(exc, ApiError):
+            return False
+        if isinstance(exc, ray.exceptions.RayActorError | ReplicaUnavailableError):
+            return True
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return False
+
+
+async def _first_then_rest(responses, first_wait_s: float | None):
+    """The messages of a Serve streaming call, the first awaited for at most `first_wait_s` (None: unbounded)."""
+    iterator = responses.__aiter__()
+    try:
+        first = await asyncio.wait_for(iterator.__anext__(), first_wait_s)
+    except StopAsyncIteration:
+        return
+    yield first
+    async for message in iterator:
+        yield message
 
 
 class _Forwarder:
@@ -91,7 +132,8 @@ class _Forwarder:
             await self.fail(context, exc)
 
     async def stream(self, method: str, request, context: grpc.aio.ServicerContext) -> None:
-        """Relay a server-streaming call, writing each message itself.
+        """Relay a server-streaming call (Generate, the only one), writing each message itself, and resume it on a
+        live router replica when the one serving it dies (up to MAX_RESUMES times, within the client's deadline).
 
         A coroutine rather than an async generator: grpcio's generator API writes each yielded message outside the
         generator, so a client cancel that lands during that write (typically right after a token went out) raised
@@ -103,17 +145,44 @@ class _Forwarder:
         # span its child; sent only when present, so the call is unchanged without tracing.
         carrier = carrier_from_metadata(context.invocation_metadata())
         extra = {"trace": carrier} if carrier else {}
-        responses = getattr(self.stream_handle, method).remote(request, **extra)
-        finished = False
-        try:
-            async for message in responses:
-                await context.write(message)
-            finished = True
-        except Exception as exc:  # (a client cancel or deadline is a CancelledError: straight to the finally)
-            await self.fail(context, exc)
-        finally:
-            if not finished:
-                responses.cancel()  # best effort and idempotent; a no-op for a call that already failed
+        progress = StreamProgress(with_resumable_seed(request))
+        # The failures in a row with no message delivered between them: when the first came, the tokens delivered
+        # then, and how many; the backoff and the RESUME_WAIT_S window count from it.
+        streak_start, streak_tokens, streak = 0.0, -1, 0
+        for attempt in range(MAX_RESUMES + 1):
+            responses = getattr(self.stream_handle, method).remote(progress.next_request(), **extra)
+            first_wait_s = None if attempt == 0 else _bounded(RESUME_WAIT_S, context.time_remaining())
+            finished = False
+            try:
+                async for message in _first_then_rest(responses, first_wait_s):
+                    await context.write(message)
+                    progress.record(message)
+                finished = True
+                return
+            except Exception as exc:  # (a client cancel or deadline is a CancelledError: straight to the finally)
+                now = time.monotonic()
+                if streak_tokens != len(progress.delivered):  # the last call made progress: a new streak
+                    streak_start, streak_tokens, streak = now, len(progress.delivered), 0
+                streak += 1
+                out_of_time = now - streak_start > RESUME_WAIT_S
+                if attempt == MAX_RESUMES or out_of_time or progress.done or not replica_lost(exc):
+                    await self.fail(context, exc)
+                self._note_resume(exc, len(progress.delivered), attempt)
+            finally:
+                if not finished:
+                    responses.cancel()  # best effort and idempotent; a no-op for a call that already failed
+            await asyncio.sleep(min(RESUME_BACKOFF_MAX_S, RESUME_BACKOFF_S * 2 ** (streak - 1)))
+
+    def _note_resume(self, exc: BaseException, delivered: int, attempt: int) -> None:
+        dropped = self.warnings.admit(f"resume:{type(exc).__name__}")
+        if dropped is not None:
+            more = f" ({dropped} more like it dropped)" if dropped else ""
+            log.warning("router replica lost mid-stream (%s); resuming after %d tokens, attempt %d%s",
+                        type(exc).__name__, delivered, attempt + 1, more)
+
+
+def _bounded(limit_s: float, remaining_s: float | None) -> float:
+    return limit_s if remaining_s is None else max(0.0, min(limit_s, remaining_s))
 
 
 def _unary(method: str):

@@ -111,10 +111,17 @@ def generation_request(
         raise invalid("stop_token_ids", f"token id {bad_stop[0]} is outside the vocabulary")
     if any(s == "" for s in req.stop):
         raise invalid("stop", "stop strings must not be empty")
+    resumed = list(req.resume_token_ids)
+    if len(resumed) > req.max_tokens:
+        raise invalid("resume_token_ids", f"{len(resumed)} tokens already streamed exceed max_tokens "
+                                          f"({req.max_tokens})")
+    bad_resumed = [t for t in resumed if not 0 <= t < cfg.vocab_size]
+    if bad_resumed:
+        raise invalid("resume_token_ids", f"token id {bad_resumed[0]} is outside the vocabulary")
     return GenerationRequest(
         prompt_ids=ids, max_tokens=req.max_tokens, sampling=sampling,
         stop_token_ids=frozenset(req.stop_token_ids), stop_strings=tuple(req.stop),
-        eos_token_id=None if req.ignore_eos else cfg.eos_token_id,
+        eos_token_id=None if req.ignore_eos else cfg.eos_token_id, resumed_ids=tuple(resumed),
     )
 
 

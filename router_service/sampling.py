@@ -1,4 +1,10 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a per-request seed. Pure torch."""
+"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a per-request seed. Pure torch.
+
+A sampled step draws exactly one exponential variate per vocabulary entry from the request's generator, whatever
+the distribution, so the generator's state after k steps is known without the logits of those steps: a request
+resumed after k tokens (router failover, router_service/continuation.py) skips k × vocabulary draws and samples the
+same tokens as the uninterrupted run.
+"""
 
 from __future__ import annotations
 
@@ -59,5 +65,17 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         drop[0] = False
         scaled = scaled.clone()
         scaled[order[drop]] = float("-inf")
-    probs = torch.softmax(scaled, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    probs = torch.softmax(scaled, dim=-1)  # [V]
+    # torch.multinomial(probs, 1) spelled out (the exponential race: argmax p / q with q ~ Exp(1)), the same tokens
+    # from the same generator, written here so the number of draws per step is ours to rely on (skip_draws).
+    race = torch.empty_like(probs).exponential_(generator=generator)  # [V]
+    return int(torch.argmax(probs / race))
+
+
+def skip_draws(generator: torch.Generator | None, vocab_size: int, steps: int) -> None:
+    """Advance `generator` past `steps` sampled steps over a vocabulary of `vocab_size`, as sample_next would."""
+    if generator is None or steps <= 0:
+        return
+    scratch = torch.empty(vocab_size, dtype=torch.float64)  # sample_next's probabilities are float64
+    for _ in range(steps):
+        scratch.exponential_(generator=generator)

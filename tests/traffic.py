@@ -130,3 +130,36 @@ def controller_state(mesh) -> dict:
 def control_log(mesh) -> list[dict]:
     """The controller's elastic control steps so far (each with its reason, imbalance and remap)."""
     return controller_state(mesh)["control"]
+
+
+class StreamsInFlight:
+    """Generate streams on threads, one per request, each recording its tokens as they arrive, so a test can fault
+    the server while every one of them is mid-stream. `stub.Generate(request, timeout=...)` is a gRPC
+    InferenceStub's; `tokens[i]` is what stream i received, `errors[i]` what it raised (None when it ended well)."""
+
+    def __init__(self, stub, requests: Sequence[Any], timeout: float = 180):
+        self.tokens: list[list[int]] = [[] for _ in requests]
+        self.errors: list[BaseException | None] = [None] * len(requests)
+        self._threads = [threading.Thread(target=self._run, args=(stub, i, r, timeout), daemon=True)
+                         for i, r in enumerate(requests)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, stub, index: int, request, timeout: float) -> None:
+        try:
+            for message in stub.Generate(request, timeout=timeout):
+                if message.HasField("token"):
+                    self.tokens[index].extend(message.token.token_ids)
+        except BaseException as exc:  # recorded for the test to assert on
+            self.errors[index] = exc
+
+    def all_started(self) -> bool:
+        """Every stream has received a token (and none has failed yet)."""
+        return all(self.tokens) and not any(self.errors)
+
+    def join(self, timeout: float = 180) -> list[list[int]]:
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "a stream is still running"
+        return self.tokens

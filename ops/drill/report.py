@@ -213,11 +213,11 @@ def _targets(record: DrillRecord, policy: str | None, failed: int, mismatches: i
         },
     }
     if record.options["kill"] == "router":
-        # The target for a router kill: Serve replaces it and new requests succeed within 30 s. Streams in flight
-        # on the killed replica fail by nature (with one router replica, so does everything until the
-        # replacement is up); run --router-replicas 2 behind it to avoid that.
-        note = "not a target for router kills: in-flight streams on the killed replica fail"
-        for name in ("zero_failed_requests", "restored_within_15s", "p99_during_faults_le_3x_baseline"):
+        # A router kill: Serve replaces the replica and new requests succeed within 30 s; streams in flight on it
+        # resume on a live replica (the gRPC front, router_service/continuation.py), so none may fail. Latency is
+        # not a target: with one router replica, requests wait for Serve to restart it (8-24 s).
+        note = "not a target for router kills: Serve restarts the replica; requests wait for it"
+        for name in ("restored_within_15s", "p99_during_faults_le_3x_baseline"):
             targets[name]["applicable"] = False
             targets[name]["note"] = note
         worst = max((v for v in restore_values if v is not None), default=None)

@@ -799,3 +799,51 @@ def test_concurrent_streams_with_capacity_equal_their_solo_runs(capped_model):
 
     results = run(main())
     assert [(r[0], (r[2].rerouted, r[2].dropped)) for r in results] == [(s[0][0], s[1][0]) for s in solos]
+
+
+# ---------------------------------------------------------------- resuming after a router failover
+
+
+async def events_of(batcher, request) -> list:
+    return [e async for e in batcher.stream(request)]
+
+
+@pytest.mark.parametrize("sampling,stops", [
+    (SamplingParams(), ()),
+    (SamplingParams(temperature=0.9, top_k=40, seed=5), ()),
+    (SamplingParams(temperature=1.2, top_p=0.9, seed=99), ("zz", "cab")),  # stop strings: held-back text
+])
+def test_resumed_stream_continues_exactly_where_the_uninterrupted_one_was(model, sampling, stops):
+    """For every resume point k (including k = all tokens: only the done message was lost), the resumed stream
+    streams exactly the uninterrupted stream's events after the k-th token (tokens and text, none repeated) and the
+    same done message: finish reason, usage counting the resumed tokens, routing over the whole request."""
+    prompt_ids, max_tokens = prompt(6, seed=4), 7
+    base = req(prompt_ids, max_tokens, sampling=sampling, stop_strings=stops)
+
+    async def main():
+        batcher = ContinuousBatcher(model, fake_decode)
+        whole = await events_of(batcher, base)
+        tokens = [t for e in whole[:-1] for t in e.token_ids]
+        resumed = {k: await events_of(batcher, req(prompt_ids, max_tokens, sampling=sampling, stop_strings=stops,
+                                                   resumed_ids=tuple(tokens[:k])))
+                   for k in range(1, len(tokens) + 1)}
+        return whole, resumed
+
+    whole, resumed = run(main())
+    assert isinstance(whole[-1], DoneEvent) and len(whole) >= 3
+    for k, events in resumed.items():
+        assert events == whole[k:], f"resumed after {k} tokens"
+    assert resumed[len(whole) - 1] == [whole[-1]]  # every token delivered: only the done message comes
+
+
+def test_resumed_stream_counts_resumed_tokens_toward_max_tokens(model):
+    prompt_ids = prompt(5, seed=8)
+    expected, _ = solo_greedy(model, prompt_ids, 6)
+
+    async def main():
+        return await collect(ContinuousBatcher(model, None).stream(
+            req(prompt_ids, 6, resumed_ids=tuple(expected[:4]))))
+
+    tokens, _, done = run(main())
+    assert tokens == expected[4:]
+    assert (done.finish_reason, done.prompt_tokens, done.completion_tokens) == ("length", 5, 6)

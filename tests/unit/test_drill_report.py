@@ -178,6 +178,19 @@ def test_a_failed_request_is_scored_as_a_failure(wait_record):
     assert report["requests"]["by_phase"]["faults"]["failed_by_code"] == {"UNAVAILABLE": 1}
     assert report["targets"]["zero_failed_requests"] == {"value": 1, "met": False, "applicable": True}
     assert not report["all_targets_met"]
+
+
+
+def test_a_failed_request_fails_a_router_drill_too(wait_record):
+    """In-flight streams resume when a router replica dies (issue 18 item 11): a failure is a failure there too."""
+    record = copy.deepcopy(wait_record)
+    record.options["kill"] = "router"
+    assert build_report(record)["targets"]["zero_failed_requests"] == {"value": 0, "met": True, "applicable": True}
+    victim = next(r for r in record.requests if r.start >= record.fault_start and r.end < record.fault_end)
+    victim.code, victim.tokens = "UNAVAILABLE", []
+    report = build_report(record)
+    assert report["targets"]["zero_failed_requests"] == {"value": 1, "met": False, "applicable": True}
+    assert not report["all_targets_met"]
     assert sum(report["timeline"]["failures"]) == 1
     sent = len(record.requests)
     assert f"Sent {sent}, succeeded {sent - 1}, failed 1 {{'UNAVAILABLE': 1}}." in markdown(report)

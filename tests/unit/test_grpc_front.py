@@ -1,6 +1,7 @@
 """The gRPC front's streaming relay in-process, against a fake router handle (no Ray is started): every stream a
 client cancels right after its first token cancels its router call, wherever the cancel lands (issue 18 item 5);
-a stream that ends is not cancelled; a router error reaches the client with its code."""
+a stream that ends is not cancelled; a router error reaches the client with its code. A stream whose router replica
+dies resumes after the tokens it delivered, each token reaching the client once (issue 18 item 11)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import time
 
 import grpc
 import pytest
+from ray.exceptions import ActorUnavailableError
 
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
 from expertmesh.router_service.config import ServerConfig
-from expertmesh.router_service.grpc_front import start_front
+from expertmesh.router_service.grpc_front import MAX_RESUMES, start_front
 from expertmesh.router_service.proto_mapping import ApiError
 
 
@@ -130,3 +132,131 @@ def test_a_router_error_mid_stream_reaches_the_client_with_its_code():
     got, error = run_against_front(handle, client)
     assert got == [1, 2]
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details() == "max_tokens: too many"
+
+
+# ---- a router replica dies under a stream (issue 18 item 11) -------------------------------------------------------
+
+
+class DyingReplicas:
+    """A handle whose n-th Generate call streams tokens 1..total continuing after the request's resume_token_ids,
+    and dies (ActorUnavailableError, what Ray 2.60 raises for a replica killed mid-stream) after `dies_after[n]` of
+    them (None: lives to the end, then sends the done message)."""
+
+    def __init__(self, total: int, dies_after: list[int | None]):
+        self.total = total
+        self.dies_after = dies_after
+        self.requests: list[pb.GenerateRequest] = []
+        self.cancelled: list[bool] = []
+
+    def options(self, **_) -> DyingReplicas:
+        return self
+
+    @property
+    def Generate(self) -> DyingReplicas:  # noqa: N802
+        return self
+
+    def remote(self, request, **_):
+        self.requests.append(request)
+        self.cancelled.append(False)
+        return self._stream(len(self.requests) - 1, request)
+
+    def _stream(self, call: int, request):
+        handle = self
+
+        class Stream:
+            def cancel(self) -> None:
+                handle.cancelled[call] = True
+
+            async def _messages(self):
+                start = len(request.resume_token_ids)
+                dies = handle.dies_after[call] if call < len(handle.dies_after) else None
+                for sent, token in enumerate(range(start + 1, handle.total + 1)):
+                    if dies is not None and sent == dies:
+                        raise ActorUnavailableError("Actor is unavailable.", None)
+                    await asyncio.sleep(0)
+                    yield pb.GenerateResponse(token=pb.TokenChunk(token_ids=[token]))
+                if dies is not None:
+                    raise ActorUnavailableError("Actor is unavailable.", None)
+                yield pb.GenerateResponse(done=pb.GenerationDone(
+                    finish_reason="length", usage=pb.Usage(prompt_tokens=2, completion_tokens=handle.total)))
+
+            def __aiter__(self):
+                return self._messages()
+
+        return Stream()
+
+
+async def read_all(stub) -> tuple[list[int], pb.GenerationDone]:
+    tokens, done = [], None
+    async for message in stub.Generate(REQUEST, timeout=30):
+        if message.HasField("token"):
+            tokens.extend(message.token.token_ids)
+        else:
+            done = message.done
+    return tokens, done
+
+
+def test_a_stream_whose_replica_dies_resumes_after_the_delivered_tokens_each_token_once():
+    handle = DyingReplicas(total=9, dies_after=[3, 2])  # two replicas die under it, the third finishes
+    tokens, done = run_against_front(handle, read_all)
+    assert tokens == list(range(1, 10)) and done.usage.completion_tokens == 9
+    assert [list(r.resume_token_ids) for r in handle.requests] == [[], [1, 2, 3], [1, 2, 3, 4, 5]]
+    for resumed in handle.requests[1:]:  # otherwise the same request
+        again = pb.GenerateRequest()
+        again.CopyFrom(resumed)
+        again.ClearField("resume_token_ids")
+        assert again == REQUEST
+    assert handle.cancelled == [True, True, False]  # the failed calls are let go of
+
+
+def test_a_request_whose_replica_is_dead_before_any_token_is_resent_unchanged():
+    handle = DyingReplicas(total=4, dies_after=[0])
+    tokens, _ = run_against_front(handle, read_all)
+    assert tokens == [1, 2, 3, 4] and handle.requests == [REQUEST, REQUEST]
+
+
+def test_a_replica_lost_after_every_token_resumes_for_the_done_message_alone():
+    handle = DyingReplicas(total=3, dies_after=[3])
+    tokens, done = run_against_front(handle, read_all)
+    assert tokens == [1, 2, 3] and done.finish_reason == "length"
+    assert list(handle.requests[1].resume_token_ids) == [1, 2, 3]
+
+
+def test_resuming_is_bounded_then_the_client_gets_unavailable():
+    handle = DyingReplicas(total=50, dies_after=[1] * (MAX_RESUMES + 1))  # progress each time: no time limit
+
+    async def client(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await read_all(stub)
+        return err.value
+
+    error = run_against_front(handle, client)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and "ActorUnavailableError" in error.details()
+    assert len(handle.requests) == MAX_RESUMES + 1
+
+
+def test_a_request_error_is_not_retried():
+    handle = FakeHandle(tokens=2, fail=ApiError("UNAVAILABLE", "an expert actor is unavailable: ActorDiedError"))
+
+    async def client(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await read_all(stub)
+        return err.value
+
+    assert run_against_front(handle, client).code() == grpc.StatusCode.UNAVAILABLE
+    assert len(handle.calls) == 1  # the deployment's own answer (an ApiError), even UNAVAILABLE, is final
+
+
+def test_failing_in_a_row_without_progress_gives_up_after_the_resume_window(monkeypatch):
+    from expertmesh.router_service import grpc_front
+
+    monkeypatch.setattr(grpc_front, "RESUME_WAIT_S", 0.5)
+    handle = DyingReplicas(total=5, dies_after=[0] * (MAX_RESUMES + 1))  # no replica ever answers
+
+    async def client(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await read_all(stub)
+        return err.value
+
+    assert run_against_front(handle, client).code() == grpc.StatusCode.UNAVAILABLE
+    assert 3 <= len(handle.requests) <= 6  # backoff 0.1, 0.2, 0.4, ... until 0.5 s have passed

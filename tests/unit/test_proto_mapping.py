@@ -110,6 +110,12 @@ def test_generation_request_from_a_prompt_with_every_field():
     assert got.eos_token_id is None and got.max_tokens == 6  # ignore_eos: never stop at EOS
 
 
+def test_generation_request_carries_the_resumed_tokens():
+    got = proto_mapping.generation_request(gen_request(resume_token_ids=[5, 6, 7, 8]), CFG, encode, MODEL)
+    assert got.resumed_ids == (5, 6, 7, 8) and got.prompt_ids == [1, 2, 3] and got.max_tokens == 4
+    assert proto_mapping.generation_request(gen_request(), CFG, encode, MODEL).resumed_ids == ()
+
+
 BAD_GENERATE = [
     (dict(model="other"), "NOT_FOUND", "model"),
     (dict(token_ids=None), "INVALID_ARGUMENT", "prompt"),  # neither prompt nor token_ids
@@ -123,6 +129,8 @@ BAD_GENERATE = [
     (dict(max_tokens=0), "INVALID_ARGUMENT", "max_tokens"),
     (dict(max_tokens=-2), "INVALID_ARGUMENT", "max_tokens"),
     (dict(max_tokens=CONTEXT - 2), "INVALID_ARGUMENT", "max_tokens"),  # 3 prompt tokens + 14 > 16
+    (dict(resume_token_ids=[1] * 5), "INVALID_ARGUMENT", "resume_token_ids"),  # more than max_tokens (4)
+    (dict(resume_token_ids=[2, VOCAB]), "INVALID_ARGUMENT", "resume_token_ids"),
     (dict(temperature=float("nan")), "INVALID_ARGUMENT", "temperature"),
     (dict(temperature=-0.5), "INVALID_ARGUMENT", "temperature"),
     (dict(top_p=0.0), "INVALID_ARGUMENT", "top_p"),

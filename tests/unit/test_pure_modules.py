@@ -37,6 +37,7 @@ PURE_MODULES = (
     "expertmesh.router_service.proto_mapping",
     "expertmesh.router_service.admin_auth",  # who may call the destructive Admin RPCs
     "expertmesh.router_service.batching",
+    "expertmesh.router_service.continuation",  # what the gRPC front re-sends when a router replica dies
     "expertmesh.router_service.config",  # the configuration tree: the CLI checks it before anything starts
     "expertmesh.router_service.config_tree",
     "expertmesh.router_service.dispatch",

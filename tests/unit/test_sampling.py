@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from expertmesh.router_service.router import RequestError
-from expertmesh.router_service.sampling import SamplingParams, sample_next
+from expertmesh.router_service.sampling import SamplingParams, sample_next, skip_draws
 
 
 def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> list[int]:
@@ -236,3 +236,39 @@ def test_tiny_positive_temperature_behaves_like_greedy(temperature):
     # large logits of both signs too
     logits = torch.tensor([-1e30, 3e38, 2.9e38, -3e38, 0.0])
     assert _draws(logits, params, 10) == [1] * 10
+
+
+# ---------------------------------------------------------------- resuming after k steps (router failover)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**40 + 3])
+def test_sampling_draws_what_torch_multinomial_drew_so_seeded_output_is_unchanged(seed):
+    """The explicit exponential race picks what torch.multinomial(probs, 1) picked from the same generator, so a
+    seeded request samples the same tokens as before resuming existed."""
+    params = SamplingParams(temperature=0.8, seed=seed)
+    logits = torch.randn(97, generator=torch.Generator().manual_seed(seed % 1000)) * 2
+    probs = torch.softmax((logits.double() - logits.double().max()) / params.temperature, -1)
+    ours, theirs = params.generator(), params.generator()
+    for _ in range(30):
+        assert sample_next(logits, params, ours) == int(torch.multinomial(probs, 1, generator=theirs))
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 17])
+def test_resume_after_k_steps_samples_what_the_uninterrupted_run_did(k):
+    """Different logits every step (as in decoding): a generator seeded afresh and skipped past k steps samples
+    steps k.. exactly as the generator that drew steps 0..k-1."""
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+    steps = [torch.randn(101, generator=torch.Generator().manual_seed(100 + i)) * 2 for i in range(24)]
+    whole = params.generator()
+    uninterrupted = [sample_next(logits, params, whole) for logits in steps]
+    resumed = params.generator()
+    skip_draws(resumed, 101, k)
+    assert [sample_next(logits, params, resumed) for logits in steps[k:]] == uninterrupted[k:]
+
+
+def test_skip_draws_is_a_no_op_for_greedy_and_zero_steps():
+    skip_draws(None, 10, 5)
+    gen = torch.Generator().manual_seed(3)
+    before = gen.get_state().clone()
+    skip_draws(gen, 10, 0)
+    assert torch.equal(gen.get_state(), before)
