@@ -29,7 +29,8 @@ async def _parse(parse: Callable[[bytes], Any], raw: bytes, context: grpc.aio.Se
 
 
 class RefuseMalformedRequests(grpc.aio.ServerInterceptor):
-    """Wraps every async unary-request handler (all of the front's); others are left as they are."""
+    """Wraps every async unary-request handler (all of the front's: coroutines, and streaming ones that yield or
+    write their messages); others are left as they are."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -38,14 +39,16 @@ class RefuseMalformedRequests(grpc.aio.ServerInterceptor):
         parse = handler.request_deserializer
         if handler.response_streaming:
             behaviour = handler.unary_stream
-            if not inspect.isasyncgenfunction(behaviour):
+            if inspect.isasyncgenfunction(behaviour):  # yields its messages (Health.Watch)
+                async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext):
+                    request = await _parse(parse, raw, context)
+                    async for message in behaviour(request, context):
+                        yield message
+            elif inspect.iscoroutinefunction(behaviour):  # writes its messages itself (the front's Generate)
+                async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext):
+                    await behaviour(await _parse(parse, raw, context), context)
+            else:
                 return handler
-
-            async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext):
-                request = await _parse(parse, raw, context)
-                async for message in behaviour(request, context):
-                    yield message
-
             return handler._replace(request_deserializer=None, unary_stream=unary_stream)
         behaviour = handler.unary_unary
         if not inspect.iscoroutinefunction(behaviour):
