@@ -145,9 +145,10 @@ class RemoteExperts:
     def _apply_staged(self) -> None:
         with self._staged_lock:
             staged, self._staged = self._staged, None
-        if staged is None:
-            return
-        table, new_actors = staged
+        if staged is not None:
+            self._switch_to(*staged)
+
+    def _switch_to(self, table: RoutingTable, new_actors: dict) -> None:
         actors = self.transport.actors  # every transport keeps its name -> handle map here
         actors.update(new_actors)
         for name in [n for n in actors if n not in table.actors]:
@@ -159,6 +160,20 @@ class RemoteExperts:
         self.table = table
         if self.on_table_applied is not None:
             self.on_table_applied(table.epoch)
+
+    def _apply_staged_while_held(self) -> bool:
+        """Inside a step held by the `wait` policy: switch to a staged table now if it retires only actors that are
+        dead to this router. Such a switch cannot strand a call (nothing in flight goes to a dead actor, and every
+        live actor stays), and it is how a step waiting for lost replicas reaches the stand-ins the controller
+        starts under new names when the survivors have no room to restore them as they were."""
+        with self._step_lock:
+            with self._staged_lock:
+                staged = self._staged
+                if staged is None or any(a not in self.dead for a in self.table.actors if a not in staged[0].actors):
+                    return False
+                self._staged = None
+            self._switch_to(*staged)
+        return True
 
     def begin_step(self) -> None:
         """The decoder starts a forward: switch to a staged table now, then no switch until end_step (same
@@ -279,6 +294,8 @@ class RemoteExperts:
             if self.failover.no_replica_policy == "degrade":
                 available = torch.tensor([self.has_live_replica((layer, e)) for e in range(routing.probs.shape[1])])
                 return degrade(routing, available)
+            if self._apply_staged_while_held():
+                continue  # a stand-in for the lost replicas may be in the new table
             if self.clock() >= deadline:
                 raise NoReplicaError(
                     f"no live replica of layer {layer} expert(s) {missing} within {self.failover.wait_timeout_s:.0f}s"

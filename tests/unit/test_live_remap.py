@@ -13,7 +13,7 @@ from expertmesh.cluster.routing_table import RoutingTable
 from expertmesh.cluster.table_store import decode_table, encode_table, table_of
 from expertmesh.experts.gating import route
 from expertmesh.experts.reference import LocalExperts
-from expertmesh.router_service.dispatch import RemoteExperts
+from expertmesh.router_service.dispatch import FailoverConfig, NoReplicaError, RemoteExperts
 from tests.fakes import HIDDEN, NamedFakeTransport, expert_weights
 
 LAYERS, EXPERTS = 3, 4
@@ -157,3 +157,54 @@ def test_steps_from_several_threads_take_turns():
     backend.end_step()
     other.join(5)
     assert not other.is_alive() and transport.submitted
+
+
+def _stand_in_tables(retire_live: bool) -> tuple[RoutingTable, RoutingTable, RoutingTable]:
+    """Old: a0..a3, one replica per expert. New: a1 (lost) replaced by stand-in s0; with retire_live, a live a2 goes
+    too (moved to s1)."""
+    old = {f"a{e}": [(layer, e) for layer in range(LAYERS)] for e in range(EXPERTS)}
+    new = {n: s for n, s in old.items() if n != "a1"} | {"s0": [(layer, 1) for layer in range(LAYERS)]}
+    if retire_live:
+        del new["a2"]
+        new["s1"] = [(layer, 2) for layer in range(LAYERS)]
+    union = RoutingTable.from_actor_shards({**old, **new})
+    return RoutingTable.from_actor_shards(old, epoch=0), RoutingTable.from_actor_shards(new, epoch=3), union
+
+
+def test_a_step_waiting_for_a_lost_replica_switches_to_its_stand_in():
+    old, new, union = _stand_in_tables(retire_live=False)
+    shards = expert_weights(LAYERS, EXPERTS)
+    transport = NamedFakeTransport(union, shards)
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=0.5))
+    backend.dead.add("a1")  # lost: expert 1 has no live replica in the old table
+    local = LocalExperts(shards, "silu")
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.zeros(16, EXPERTS)
+    logits[:, 1] = 10.0  # every token wants expert 1
+    hidden = torch.randn(16, HIDDEN, generator=gen)
+    routing = route(logits, top_k=2, renormalize=True)
+    backend.begin_step()
+    try:
+        backend.stage_table(new, {"s0": object()})  # the controller's stand-in, published mid-step
+        out = backend.run(0, hidden, routing)
+    finally:
+        backend.end_step()
+    torch.testing.assert_close(out, local.run(0, hidden, routing), rtol=0, atol=1e-6)
+    assert backend.table is new and "s0" in {a for a, *_ in transport.submitted}
+
+
+def test_a_held_step_never_switches_to_a_table_that_retires_a_live_actor():
+    old, new, union = _stand_in_tables(retire_live=True)
+    transport = NamedFakeTransport(union, expert_weights(LAYERS, EXPERTS))
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=0.2))
+    backend.dead.add("a1")
+    logits = torch.zeros(4, EXPERTS)
+    logits[:, 1] = 10.0
+    backend.begin_step()
+    try:
+        backend.stage_table(new, {"s0": object(), "s1": object()})
+        with pytest.raises(NoReplicaError):
+            backend.run(0, torch.randn(4, HIDDEN), route(logits, top_k=2, renormalize=True))
+    finally:
+        backend.end_step()
+    assert backend.table is old  # a2 may have calls of this step in flight: the switch waits for the step's end
