@@ -101,8 +101,9 @@ def plan_restore(lost: Sequence[LostActor], rooms: Sequence[NodeRoom], live_node
     stand_ins: dict[str, StandIn] = {}
     if needy and rooms:
         per_node: dict[str, list[LostActor]] = {}
-        for actor in needy:  # spread over the survivors, away from live replicas of the same shards
-            node = min(rooms, key=lambda r: (_overlap(actor.shards, hosted[r.node_id]),
+        for actor in needy:  # spread over the survivors of its kind (GPU or not), away from replicas of its shards
+            kind = [r for r in rooms if r.has_gpus == (actor.slot.num_gpus > 0)] or list(rooms)
+            node = min(kind, key=lambda r: (_overlap(actor.shards, hosted[r.node_id]),
                                              len(per_node.get(r.node_id, [])), -free[r.node_id][0], r.node_id))
             per_node.setdefault(node.node_id, []).append(actor)
             hosted[node.node_id].update(map(tuple, actor.shards))

@@ -80,6 +80,9 @@ class RemoteExperts:
         self.reviver = reviver
         self.clock = clock
         self.dead: set[str] = set()
+        # Actors a call failed on (death, error or timeout) since the current step began: a held step may switch
+        # to a table that retires them (see _apply_staged_while_held).
+        self._failed_in_step: set[str] = set()
         self._last_revive = 0.0
         self.calls_per_layer: dict[int, int] = {}  # of the most recent forward; tests check calls == actors hit
         self.round_seconds = 0.0  # wall time spent in expert rounds since creation (benchmarks read it)
@@ -128,6 +131,7 @@ class RemoteExperts:
 
     def mark_failed(self, actor: str, error: BaseException) -> None:
         self.breakers.record(actor, self.clock(), ok=False)
+        self._failed_in_step.add(actor)
         if _is_actor_death(error):
             self.dead.add(actor)
 
@@ -162,14 +166,17 @@ class RemoteExperts:
             self.on_table_applied(table.epoch)
 
     def _apply_staged_while_held(self) -> bool:
-        """Inside a step held by the `wait` policy: switch to a staged table now if it retires only actors that are
-        dead to this router. Such a switch cannot strand a call (nothing in flight goes to a dead actor, and every
-        live actor stays), and it is how a step waiting for lost replicas reaches the stand-ins the controller
-        starts under new names when the survivors have no room to restore them as they were."""
+        """Inside a step held by the `wait` policy, or retrying a layer whose calls failed: switch to a staged table
+        now if it retires only actors that are dead to this router or failed a call in this step. Such a switch
+        strands no call that could still succeed (every other actor stays in the table), and it is how a step
+        waiting for lost replicas reaches the stand-ins the controller starts under new names when the survivors
+        have no room to restore them as they were. (A call to an actor on a lost node can hang until its timeout
+        instead of failing as a death, so a failed call counts too: the controller retires only actors it lost.)"""
         with self._step_lock:
             with self._staged_lock:
                 staged = self._staged
-                if staged is None or any(a not in self.dead for a in self.table.actors if a not in staged[0].actors):
+                gone = self.dead | self._failed_in_step
+                if staged is None or any(a not in gone for a in self.table.actors if a not in staged[0].actors):
                     return False
                 self._staged = None
             self._switch_to(*staged)
@@ -185,6 +192,7 @@ class RemoteExperts:
                     self._apply_staged()
                 self._steps_running += 1
                 self.calls_per_layer = {}
+                self._failed_in_step = set()
         except BaseException:
             self._step_guard.release()
             raise
@@ -258,7 +266,9 @@ class RemoteExperts:
                     raise NoReplicaError(f"layer {p.layer}: expert calls kept failing over {attempt} attempts")
                 if attempt:
                     # A shard lost its last replica mid-step: route again under the policy (the step is redone,
-                    # so its result is still exactly that of the served routing).
+                    # so its result is still exactly that of the served routing), on a newer table if one retires
+                    # the actors that failed.
+                    self._apply_staged_while_held()
                     served = self._apply_policy(p.layer, p.routing, p.deadline)
                     calls = plan_calls(p.layer, served, self.table, self.live_replicas)
                 outputs = self._execute(p.layer, p.hidden, calls, p.give_up, p.carrier,

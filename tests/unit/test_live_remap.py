@@ -208,3 +208,35 @@ def test_a_held_step_never_switches_to_a_table_that_retires_a_live_actor():
     finally:
         backend.end_step()
     assert backend.table is old  # a2 may have calls of this step in flight: the switch waits for the step's end
+
+
+class _HangingTransport(NamedFakeTransport):
+    """Calls to `hung` time out (not an actor death): an actor on a node that vanished without a word."""
+
+    hung = "a1"
+
+    def submit(self, actor, layer, experts, counts, x):
+        if actor == self.hung:
+            self.submitted.append((actor, layer, list(experts), list(counts), x.shape))
+            return TimeoutError(f"{actor} did not answer")
+        return super().submit(actor, layer, experts, counts, x)
+
+
+def test_a_step_retrying_a_timed_out_replica_switches_to_the_stand_in_that_retires_it():
+    old, new, union = _stand_in_tables(retire_live=False)
+    shards = expert_weights(LAYERS, EXPERTS)
+    transport = _HangingTransport(union, shards)
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=5.0))
+    logits = torch.zeros(8, EXPERTS)
+    logits[:, 1] = 10.0
+    hidden = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(3))
+    routing = route(logits, top_k=2, renormalize=True)
+    backend.begin_step()
+    try:
+        backend.stage_table(new, {"s0": object()})
+        out = backend.run(0, hidden, routing)
+    finally:
+        backend.end_step()
+    torch.testing.assert_close(out, LocalExperts(shards, "silu").run(0, hidden, routing), rtol=0, atol=1e-6)
+    assert "a1" not in backend.dead  # it never looked dead; its call failed, and the controller retired it
+    assert backend.table is new and [a for a, *_ in transport.submitted].count("a1") == 1

@@ -131,3 +131,11 @@ def test_no_live_node_defers_everything():
 def test_stand_in_names_are_expert_actor_names():
     assert stand_in_actor_name(3) == "expert-s3"
     assert is_expert_actor_name("expert-s3") and not is_expert_actor_name("expert-s")
+
+
+def test_stand_in_for_a_gpu_actor_stays_on_gpu_nodes_while_there_are_any():
+    # The CPU-only head has a free CPU, the full GPU survivor has none: the stand-in still goes to the GPU node.
+    rooms = [NodeRoom("head", 1.0), NodeRoom("gpu", 0.0, 0.0, has_gpus=True)]
+    plan = plan_restore([lost(2, gpus=0.5), lost(3, gpus=0.5)], rooms, {}, [], stand_in_name=stand_in_actor_name)
+    (stand_in,) = plan.stand_ins.values()
+    assert stand_in.slot.node_id == "gpu" and stand_in.replaces == ("expert-e2-r0", "expert-e3-r0")
