@@ -83,6 +83,7 @@ class RemoteExperts:
         # Actors a call failed on (death, error or timeout) since the current step began: a held step may switch
         # to a table that retires them (see _apply_staged_while_held).
         self._failed_in_step: set[str] = set()
+        self._in_flight: list[_PendingLayer] = []  # submitted layers not yet waited for (their calls may be out)
         self._last_revive = 0.0
         self.calls_per_layer: dict[int, int] = {}  # of the most recent forward; tests check calls == actors hit
         self.round_seconds = 0.0  # wall time spent in expert rounds since creation (benchmarks read it)
@@ -167,16 +168,20 @@ class RemoteExperts:
 
     def _apply_staged_while_held(self) -> bool:
         """Inside a step held by the `wait` policy, or retrying a layer whose calls failed: switch to a staged table
-        now if it retires only actors that are dead to this router or failed a call in this step. Such a switch
-        strands no call that could still succeed (every other actor stays in the table), and it is how a step
-        waiting for lost replicas reaches the stand-ins the controller starts under new names when the survivors
-        have no room to restore them as they were. (A call to an actor on a lost node can hang until its timeout
-        instead of failing as a death, so a failed call counts too: the controller retires only actors it lost.)"""
+        now unless it retires an actor that may still answer a call of this step (one in flight to it from a layer
+        submitted but not yet waited for, and it is neither dead nor failed). So the switch strands no call that
+        could succeed, and a step waiting for lost replicas reaches the stand-ins the controller starts under new
+        names when the survivors have no room to restore them as they were. (The controller stops a retired
+        actor only after this router acknowledges the table, which the switch does; a call to an actor on a lost
+        node can hang until its timeout instead of failing as a death, hence "failed" counts as gone too.)"""
         with self._step_lock:
             with self._staged_lock:
                 staged = self._staged
+                if staged is None:
+                    return False
                 gone = self.dead | self._failed_in_step
-                if staged is None or any(a not in gone for a in self.table.actors if a not in staged[0].actors):
+                busy = {c.actor for p in self._in_flight for c in p.calls} - gone
+                if any(a in busy for a in self.table.actors if a not in staged[0].actors):
                     return False
                 self._staged = None
             self._switch_to(*staged)
@@ -193,6 +198,7 @@ class RemoteExperts:
                 self._steps_running += 1
                 self.calls_per_layer = {}
                 self._failed_in_step = set()
+                self._in_flight = []  # a step that failed may have left layers it never waited for
         except BaseException:
             self._step_guard.release()
             raise
@@ -252,6 +258,7 @@ class RemoteExperts:
         pending = _PendingLayer(layer, hidden, routing, served, calls, handles, deadline, give_up, carrier, span,
                                 started)
         pending.busy_s = time.perf_counter() - started
+        self._in_flight.append(pending)
         return pending
 
     def wait(self, pending: _PendingLayer) -> torch.Tensor:
@@ -289,6 +296,8 @@ class RemoteExperts:
                 p.span.set_attribute("calls", len(calls))
             return result
         finally:
+            if p in self._in_flight:
+                self._in_flight.remove(p)
             if p.span is not None:
                 p.span.end()
             if not self._steps_running:

@@ -193,21 +193,46 @@ def test_a_step_waiting_for_a_lost_replica_switches_to_its_stand_in():
     assert backend.table is new and "s0" in {a for a, *_ in transport.submitted}
 
 
-def test_a_held_step_never_switches_to_a_table_that_retires_a_live_actor():
+def test_a_held_step_switches_even_when_the_table_retires_a_live_actor_with_nothing_in_flight():
+    # The lost actor's shards are merged with a live actor's (a2 -> s1): a2 has no call of this step out, so the
+    # switch strands nothing (the controller stops a2 only after this router acknowledges the new table).
     old, new, union = _stand_in_tables(retire_live=True)
-    transport = NamedFakeTransport(union, expert_weights(LAYERS, EXPERTS))
-    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=0.2))
+    shards = expert_weights(LAYERS, EXPERTS)
+    transport = NamedFakeTransport(union, shards)
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=5.0))
     backend.dead.add("a1")
     logits = torch.zeros(4, EXPERTS)
     logits[:, 1] = 10.0
     backend.begin_step()
     try:
         backend.stage_table(new, {"s0": object(), "s1": object()})
-        with pytest.raises(NoReplicaError):
-            backend.run(0, torch.randn(4, HIDDEN), route(logits, top_k=2, renormalize=True))
+        backend.run(0, torch.randn(4, HIDDEN), route(logits, top_k=2, renormalize=True))
     finally:
         backend.end_step()
-    assert backend.table is old  # a2 may have calls of this step in flight: the switch waits for the step's end
+    assert backend.table is new
+
+
+def test_a_held_step_never_switches_away_from_a_live_actor_with_a_call_in_flight():
+    old, new, union = _stand_in_tables(retire_live=True)
+    transport = NamedFakeTransport(union, expert_weights(LAYERS, EXPERTS))
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=0.2))
+    backend.dead.add("a1")
+    to_a2 = torch.zeros(4, EXPERTS)
+    to_a2[:, 2] = 10.0
+    to_a1 = torch.zeros(4, EXPERTS)
+    to_a1[:, 1] = 10.0
+    to_a1[:, 0] = 5.0
+    backend.begin_step()
+    try:
+        # Overlap: layer 0's calls (to a2) are out while layer 1 waits for a replica of expert 1.
+        out_first = backend.submit(0, torch.randn(4, HIDDEN), route(to_a2, top_k=1, renormalize=True))
+        backend.stage_table(new, {"s0": object(), "s1": object()})
+        with pytest.raises(NoReplicaError):
+            backend.submit(1, torch.randn(4, HIDDEN), route(to_a1, top_k=2, renormalize=True))
+        assert backend.table is old  # a2 still owes layer 0 an answer
+        backend.wait(out_first)
+    finally:
+        backend.end_step()
 
 
 class _HangingTransport(NamedFakeTransport):
