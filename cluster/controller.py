@@ -232,7 +232,8 @@ class Controller:
                                      "shards": [list(x) for x in self.spec.actor_shards[name]], "by": by}
             self.displaced.update(records)
             self._persist()
-            result = await self.apply_placement(target, {n: asdict(s.slot) for n, s in plan.stand_ins.items()})
+            # Hard affinity: Ray would place a stand-in that reserves nothing on any node, not the one planned.
+            result = await self._remap(target, {n: asdict(s.slot) for n, s in plan.stand_ins.items()}, soft=False)
             if not result.get("ok"):
                 for name in records:
                     self.displaced.pop(name, None)
@@ -320,12 +321,13 @@ class Controller:
         finally:
             self.restoring.discard(name)
 
-    def _spawn(self, slot: ActorSlot, spec: PoolSpec, generation: int) -> ray.actor.ActorHandle:
-        """Start slot.name (hosting spec.actor_shards[slot.name]) on the slot's node, or another if it is gone."""
+    def _spawn(self, slot: ActorSlot, spec: PoolSpec, generation: int, soft: bool = True) -> ray.actor.ActorHandle:
+        """Start slot.name (hosting spec.actor_shards[slot.name]) on the slot's node, or another if it is gone.
+        soft False: only there (a stand-in whose share was cut to what that node has free)."""
         # soft affinity: _node_for can still pick a node that just died (ray.nodes() lags); Ray then places it
         # on any node with room.
         return start_expert_actor(replace(slot, node_id=self._node_for(slot)), spec, detached=True,
-                                  generation=generation, soft_affinity=True)
+                                  generation=generation, soft_affinity=soft)
 
     def _node_for(self, slot: ActorSlot) -> str:
         """The slot's own node while it is alive; otherwise the live node (with GPUs, if the slot wants one)
@@ -349,7 +351,10 @@ class Controller:
     def _publish(self) -> None:
         """Publish the current placement (minus drained replicas) as the routing table at the current epoch."""
         serving = {n: s for n, s in self.spec.actor_shards.items() if n not in self.drained}
-        publish_table(self.epoch, serving, {n: asdict(self.slots[n]) for n in serving if n in self.slots})
+        # Lost actors this table retires: routers count them dead now, so a step waiting on them need not wait for
+        # calls to them to time out before it switches to their stand-ins.
+        gone = sorted(n for n in self.lost if n not in serving)
+        publish_table(self.epoch, serving, {n: asdict(self.slots[n]) for n in serving if n in self.slots}, gone)
 
     # ---- API (admin and routers) ---------------------------------------------------------------------------
 
@@ -401,13 +406,17 @@ class Controller:
 
         actor_shards: the whole new placement, actor name -> [[layer, expert], ...]; an actor that stays must keep
         its shards (actors load their weights once). slots: ActorSlot fields for every actor this adds."""
+        return await self._remap(actor_shards, slots)
+
+    async def _remap(self, actor_shards: dict[str, list], slots: dict[str, dict], soft: bool = True) -> dict:
+        """apply_placement, one at a time; soft False starts the added actors only on their slots' nodes."""
         await asyncio.get_running_loop().run_in_executor(None, self._remap_lock.acquire)
         try:
-            return await self._apply_placement(actor_shards, slots)
+            return await self._apply_placement(actor_shards, slots, soft)
         finally:
             self._remap_lock.release()
 
-    async def _apply_placement(self, actor_shards: dict[str, list], slots: dict[str, dict]) -> dict:
+    async def _apply_placement(self, actor_shards: dict[str, list], slots: dict[str, dict], soft: bool) -> dict:
         target_spec = self.spec.with_actor_shards(actor_shards)
         target = target_spec.actor_shards
         current = {n: s for n, s in self.spec.actor_shards.items() if n not in self.drained}
@@ -424,7 +433,7 @@ class Controller:
         handles = {}
         for name in added:
             self.slots[name] = new_slots[name]
-            handles[name] = self._spawn(new_slots[name], target_spec, 0)
+            handles[name] = self._spawn(new_slots[name], target_spec, 0, soft)
         infos = await asyncio.gather(
             *(asyncio.wait_for(h.info.remote(), self.config.restore_timeout_s) for h in handles.values()),
             return_exceptions=True)

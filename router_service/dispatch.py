@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -141,9 +141,12 @@ class RemoteExperts:
 
     # ---- live remap --------------------------------------------------------------------------------------------
 
-    def stage_table(self, table: RoutingTable, new_actors: dict) -> None:
-        """Switch to `table` when the next step starts (never within a step, so a step uses one placement).
-        new_actors: handles of actors the current table does not name yet (already loaded and warm)."""
+    def stage_table(self, table: RoutingTable, new_actors: dict, gone: Collection[str] = ()) -> None:
+        """Switch to `table` when the next step starts (never within a step, so a step uses one placement, unless
+        the step is held for lack of a replica: _apply_staged_while_held).
+        new_actors: handles of actors the current table does not name yet (already loaded and warm).
+        gone: actors the controller lost, which `table` retires: dead to this router from now on."""
+        self.dead.update(a for a in gone if a in self.table.actors and a not in table.actors)
         with self._staged_lock:
             self._staged = (table, dict(new_actors))
 

@@ -91,7 +91,8 @@ def test_node_lost_without_spare_capacity_is_served_by_a_stand_in_then_moves_bac
             assert "merged" in replanned["reason"]  # nothing free: both lost actors' shards in one stand-in
             (stand_in,) = stand_ins
             info = ray.get(ray.get_actor(stand_in, namespace=NAMESPACE).info.remote(), timeout=30)
-            assert info["node_id"] == survivor.node_id
+            assert replanned["stand_ins"][stand_in]["node_id"] == survivor.node_id
+            assert info["node_id"] == survivor.node_id  # where it was planned (hard affinity)
             assert sorted(map(tuple, info["shards"])) == sorted(
                 tuple(s) for name in lost for s in mesh.runtime.spec.actor_shards[name])
             state = controller_state(mesh)

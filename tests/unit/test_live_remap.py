@@ -265,3 +265,32 @@ def test_a_step_retrying_a_timed_out_replica_switches_to_the_stand_in_that_retir
     torch.testing.assert_close(out, LocalExperts(shards, "silu").run(0, hidden, routing), rtol=0, atol=1e-6)
     assert "a1" not in backend.dead  # it never looked dead; its call failed, and the controller retired it
     assert backend.table is new and [a for a, *_ in transport.submitted].count("a1") == 1
+
+
+def test_a_held_step_switches_when_the_controller_says_the_busy_actor_is_gone():
+    # As above, but the controller lost a2 too (its node went) and says so with the table: a2's call of layer 0
+    # will never answer, so layer 1 need not wait for it to time out before taking the stand-ins.
+    old, new, union = _stand_in_tables(retire_live=True)
+    transport = NamedFakeTransport(union, expert_weights(LAYERS, EXPERTS))
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=5.0))
+    backend.dead.add("a1")
+    to_a2 = torch.zeros(4, EXPERTS)
+    to_a2[:, 2] = 10.0
+    to_a1 = torch.zeros(4, EXPERTS)
+    to_a1[:, 1] = 10.0
+    backend.begin_step()
+    try:
+        first = backend.submit(0, torch.randn(4, HIDDEN), route(to_a2, top_k=1, renormalize=True))
+        backend.stage_table(new, {"s0": object(), "s1": object()}, gone=["a1", "a2"])
+        assert "a2" in backend.dead
+        backend.wait(backend.submit(1, torch.randn(4, HIDDEN), route(to_a1, top_k=1, renormalize=True)))
+        assert backend.table is new
+        backend.wait(first)
+    finally:
+        backend.end_step()
+
+
+def test_table_record_names_the_lost_actors_it_retires():
+    record = decode_table(encode_table(4, {"s0": [(0, 1)]}, gone=["a1"]))
+    assert record["gone"] == ["a1"]
+    assert decode_table(encode_table(4, {"s0": [(0, 1)]}))["gone"] == []
