@@ -290,12 +290,13 @@ class Controller:
         self._event("request_resources", "-", gpus=self.requested_gpus, bundles=len(bundles),
                     reason="lost actors displaced" if bundles else "lost actors back at their normal share")
 
-    def _send_resource_request(self) -> None:
-        """One request for both needs (each call replaces the last): the elastic loop's GPUs and the normal shape
-        of a pool whose lost actors are displaced."""
+    def _send_resource_request(self, gpus: int | None = None) -> None:
+        """One request for both needs (each call replaces the last): the elastic loop's GPUs (`gpus`, default
+        what it asked for last) and the normal shape of a pool whose lost actors are displaced."""
         from ray.autoscaler.sdk import request_resources
 
-        request_resources(bundles=[{"GPU": 1}] * self.requested_gpus + list(self.restore_request))
+        count = self.requested_gpus if gpus is None else gpus
+        request_resources(bundles=[{"GPU": 1}] * count + list(self.restore_request))
 
     async def _restore(self, name: str, slot: ActorSlot | None = None) -> None:
         """slot: where to start it (its normal share on a node with room); None: its own slot."""
@@ -521,9 +522,9 @@ class Controller:
 
     def _request_gpus(self, count: int) -> None:
         """Ask Ray's autoscaler for a cluster that can hold `count` one-GPU bundles (0 releases the request)."""
-        self.requested_gpus = count
-        self._send_resource_request()
+        self._send_resource_request(gpus=count)
         self._event("request_resources", "-", gpus=count)
+        self.requested_gpus = count  # last: a caller that sees the count sees the event too
 
     def _log_control(self, entry: dict) -> dict:
         entry = {"t": time.time(), **entry}
