@@ -179,7 +179,9 @@ class Controller:
 
     def _restore_plan(self, names: list[str]) -> RestorePlan:
         rooms = self._rooms()
-        lost = [LostActor(self.slots[n], tuple(map(tuple, self.spec.actor_shards[n]))) for n in names]
+        # Its slot on the node it last ran on (a restore may have moved it from the slot's first node).
+        lost = [LostActor(replace(self.slots[n], node_id=self.nodes.get(n) or self.slots[n].node_id),
+                          tuple(map(tuple, self.spec.actor_shards[n]))) for n in names]
         serving = [n for n in self._expected() if n not in self.lost and n not in self.restoring]
         live_nodes: dict = {}
         for name in serving:

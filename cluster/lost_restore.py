@@ -4,7 +4,9 @@ The plain restore starts a lost actor again under its own name, with its own CPU
 free. When no live node has it (every share is given out, as after a node loss on a full cluster), `plan_restore`
 re-plans the lost shards onto the survivors instead:
 
-  1. an actor that fits somewhere at its normal share is restored as usual (`full`);
+  1. an actor that fits somewhere at its normal share is restored as usual (`full`): on its own node while that is
+     alive (Ray gives a dead actor's share back to its node, even if the free table does not show it yet), else on a
+     node with that much free;
   2. an actor all of whose shards still have a live replica elsewhere waits for capacity (`deferred`): the shard runs
      with fewer replicas for a while, which costs nothing but headroom;
   3. every other lost actor gets a stand-in on a survivor: a new actor hosting its shards with a smaller share of
@@ -46,7 +48,7 @@ class NodeRoom:
 
 @dataclass(frozen=True)
 class LostActor:
-    slot: ActorSlot  # its normal slot (name, share); its node may be gone
+    slot: ActorSlot  # its normal slot (name, share) on the node it last ran on, which may be gone
     shards: tuple[Shard, ...]
 
 
@@ -94,7 +96,7 @@ def plan_restore(lost: Sequence[LostActor], rooms: Sequence[NodeRoom], live_node
         for node in nodes:
             if node in hosted:
                 hosted[node].add(tuple(shard))
-    full = _place_full(sorted(lost, key=lambda a: a.slot.name), rooms, free, hosted)
+    full = _place_full(sorted(lost, key=lambda a: a.slot.name), rooms, free, hosted, home_fits=True)
     rest = [a for a in sorted(lost, key=lambda a: a.slot.name) if a.slot.name not in full]
     deferred = tuple(a.slot.name for a in rest if all(live_nodes.get(tuple(s)) for s in a.shards))
     needy = [a for a in rest if a.slot.name not in deferred]
@@ -145,7 +147,7 @@ def plan_return(displaced: Mapping[str, Sequence[LostActor]], rooms: Sequence[No
         actors = sorted(displaced[group], key=lambda a: a.slot.name)
         trial_free = {n: list(v) for n, v in free.items()}
         trial_hosted = {n: set(v) for n, v in hosted.items()}
-        placed = _place_full(actors, rooms, trial_free, trial_hosted)
+        placed = _place_full(actors, rooms, trial_free, trial_hosted, home_fits=False)
         if len(placed) == len(actors):
             back[group] = placed
             free, hosted = trial_free, trial_hosted
@@ -153,14 +155,18 @@ def plan_return(displaced: Mapping[str, Sequence[LostActor]], rooms: Sequence[No
 
 
 def _place_full(actors: Sequence[LostActor], rooms: Sequence[NodeRoom], free: dict[str, list[float]],
-                hosted: dict[str, set]) -> dict[str, ActorSlot]:
-    """Each actor that fits somewhere at its normal share, on the fitting node with no replica of its shards if any,
-    then the most free CPU; `free` and `hosted` are updated in place."""
+                hosted: dict[str, set], home_fits: bool) -> dict[str, ActorSlot]:
+    """Each actor that fits somewhere at its normal share: with home_fits, on its own node while that is alive (the
+    share it held comes back there; `free` may go below 0 until Ray's table shows it), else on the fitting node with
+    no replica of its shards if any, then the most free CPU; `free` and `hosted` are updated in place."""
     placed = {}
+    alive = {r.node_id: r for r in rooms}
     for actor in actors:
         slot = actor.slot
-        fits = [r for r in rooms if free[r.node_id][0] + _EPS >= slot.num_cpus
-                and (slot.num_gpus <= 0 or (r.has_gpus and free[r.node_id][1] + _EPS >= slot.num_gpus))]
+        home = alive.get(slot.node_id) if home_fits else None
+        fits = [home] if home is not None and (slot.num_gpus <= 0 or home.has_gpus) else [
+            r for r in rooms if free[r.node_id][0] + _EPS >= slot.num_cpus
+            and (slot.num_gpus <= 0 or (r.has_gpus and free[r.node_id][1] + _EPS >= slot.num_gpus))]
         if not fits:
             continue
         node = min(fits, key=lambda r: (_overlap(actor.shards, hosted[r.node_id]), -free[r.node_id][0],

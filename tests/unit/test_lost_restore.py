@@ -139,3 +139,14 @@ def test_stand_in_for_a_gpu_actor_stays_on_gpu_nodes_while_there_are_any():
     plan = plan_restore([lost(2, gpus=0.5), lost(3, gpus=0.5)], rooms, {}, [], stand_in_name=stand_in_actor_name)
     (stand_in,) = plan.stand_ins.values()
     assert stand_in.slot.node_id == "gpu" and stand_in.replaces == ("expert-e2-r0", "expert-e3-r0")
+
+
+def test_an_actor_killed_on_a_live_node_comes_back_there_even_before_the_free_table_shows_its_share():
+    # Its node is full in Ray's (stale) table, but its own share returns there when it dies: a plain restore.
+    plan = plan_restore([lost(2, node="a")], [NodeRoom("a", 0.0), NodeRoom("b", 0.0)], {}, normal_slots(),
+                        stand_in_name=stand_in_actor_name)
+    assert plan.full == {"expert-e2-r0": slot("expert-e2-r0", "a")} and plan.request == ()
+    # That share is its own: another lost actor cannot use it.
+    plan = plan_restore([lost(2, node="a"), lost(3)], [NodeRoom("a", 0.0)], {}, normal_slots(),
+                        stand_in_name=stand_in_actor_name)
+    assert set(plan.full) == {"expert-e2-r0"} and plan.displaced == ["expert-e3-r0"]
