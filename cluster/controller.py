@@ -5,6 +5,13 @@ restores a lost one: a new actor under the same name, weights reloaded from the 
 inside the actor before it reports ready. Routers find the restored replica by name, so the data plane never
 waits for the controller; while the controller is down or restarting, routers keep serving on what they have.
 
+When the survivors have no room to restore a lost actor at its normal share (a node lost on a full cluster), the
+controller re-plans instead (cluster/lost_restore.py): stand-ins with smaller shares, or the lost shards merged into
+fewer stand-ins, started and published live like any remap (a router step waiting for the lost shards switches to
+them); a shard that still has a live replica waits with fewer replicas. It asks Ray's autoscaler for the normal
+shape, and when a node with room joins, it starts the lost actors again under their own names and retires the
+stand-ins (again live), then releases the request.
+
 A restarted controller rebuilds its state from what is alive (each expert actor knows its generation) and from a
 small record in Ray's GCS key-value store (epoch, drained replicas), not from scratch.
 """
@@ -27,7 +34,8 @@ from .controller_config import ControllerConfig
 from .elastic import ElasticConfig, ElasticState, actor_slots, cluster_devices, control_step, current_placement
 from .expert_actors import start_expert_actor
 from .load_stats import merge_snapshots
-from .naming import CONTROLLER_NAME, NAMESPACE
+from .lost_restore import LostActor, NodeRoom, RestorePlan, plan_restore, plan_return
+from .naming import CONTROLLER_NAME, NAMESPACE, stand_in_actor_name
 from .pool_spec import PoolSpec
 from .shard_liveness import describe_shards, orphaned_by_removal
 from .table_store import clear_table, publish_table, read_table
@@ -77,6 +85,13 @@ class Controller:
         self.loads: dict[str, tuple[float, dict]] = {}  # router id -> (received at, its latest load snapshot)
         self.started_at = time.time()
         self.restarted = bool(saved)  # a previous incarnation left a record
+        # Lost actors not back at their normal share: name -> {"slot", "shards", "by": the stand-in hosting its
+        # shards, or None while its shards run on their other replicas}. Moved back when a node with room joins.
+        self.displaced: dict[str, dict] = dict(saved.get("displaced", {}))
+        self.stand_in_serial = int(saved.get("stand_in_serial", 0))
+        self.restore_request: list[dict] = list(saved.get("restore_request", []))  # bundles asked for
+        self._returning = False
+        self._last_return_check = 0.0
         self._first_pass = threading.Event()
         # The watch starts here, on a thread with its own event loop, so that every incarnation watches, including
         # one Ray restarted after a crash (nobody calls a method on it then).
@@ -103,6 +118,12 @@ class Controller:
             except Exception:  # the watcher must outlive any one bad pass
                 log.exception("controller pass failed")
             self._first_pass.set()
+            # Not while a restore is under way: its remap and the return would each plan from a stale placement.
+            if self.displaced and self.config.restore and not self._returning and not self.restoring \
+                    and time.monotonic() - self._last_return_check >= self.config.return_check_s:
+                self._last_return_check = time.monotonic()
+                self._returning = True
+                asyncio.get_running_loop().create_task(self._return_displaced())
             await asyncio.sleep(self.config.check_interval_s)
 
     def _expected(self) -> list[str]:
@@ -111,6 +132,7 @@ class Controller:
     async def _check_all(self) -> None:
         names = [n for n in self._expected() if n not in self.restoring]
         results = await asyncio.gather(*(self._probe(n) for n in names))
+        newly_lost = []
         for name, info in zip(names, results):
             if info is not None:
                 self.generations[name] = info["generation"]
@@ -121,7 +143,9 @@ class Controller:
             self._event("lost", name)
             if self.config.restore:
                 self.restoring.add(name)
-                asyncio.get_running_loop().create_task(self._restore(name))
+                newly_lost.append(name)
+        if newly_lost:
+            asyncio.get_running_loop().create_task(self._restore_lost(newly_lost))
 
     async def _probe(self, name: str) -> dict | None:
         try:
@@ -138,11 +162,150 @@ class Controller:
                 pass
             return None
 
-    async def _restore(self, name: str) -> None:
+    async def _restore_lost(self, names: list[str]) -> None:
+        """Bring back the actors one pass found lost: each at its normal share where a live node has room for it,
+        the others through a re-plan onto the survivors (stand-ins, fewer replicas) while Ray's autoscaler is asked
+        for the room."""
+        try:
+            plan = self._restore_plan(names)
+        except Exception:  # resource tables unreadable: restore as before, Ray places them where it can
+            log.exception("restore re-plan failed")
+            plan = RestorePlan(full={n: self.slots[n] for n in names})
+        restores = [self._restore(n, plan.full[n]) for n in names if n in plan.full]
+        displaced = plan.displaced
+        if displaced:
+            restores.append(self._stand_in(plan))
+        await asyncio.gather(*restores)
+
+    def _restore_plan(self, names: list[str]) -> RestorePlan:
+        rooms = self._rooms()
+        # Its slot on the node it last ran on (a restore may have moved it from the slot's first node).
+        lost = [LostActor(replace(self.slots[n], node_id=self.nodes.get(n) or self.slots[n].node_id),
+                          tuple(map(tuple, self.spec.actor_shards[n]))) for n in names]
+        serving = [n for n in self._expected() if n not in self.lost and n not in self.restoring]
+        live_nodes: dict = {}
+        for name in serving:
+            for shard in self.spec.actor_shards[name]:
+                live_nodes.setdefault(tuple(shard), set()).add(self.nodes.get(name) or self.slots[name].node_id)
+        normal = [self.slots[n] for n in self._expected() if n not in names and not self._is_stand_in(n)]
+        normal += [ActorSlot(**d["slot"]) for d in self.displaced.values()]
+        return plan_restore(lost, rooms, live_nodes, normal, lambda i: stand_in_actor_name(self.stand_in_serial + i),
+                            min_cpus=self.config.stand_in_min_cpus)
+
+    def _is_stand_in(self, name: str) -> bool:
+        return any(d["by"] == name for d in self.displaced.values())
+
+    def _rooms(self) -> list[NodeRoom]:
+        """Live nodes and what Ray has not given out on each (may lag a moment behind starts and deaths). A node
+        where every actor of ours is lost is left out: Ray can call a node alive for seconds after it died."""
+        from ray._private.state import available_resources_per_node
+
+        available = available_resources_per_node()
+        on_node: dict[str, list[str]] = {}
+        for name in self._expected():
+            if self.nodes.get(name):
+                on_node.setdefault(self.nodes[name], []).append(name)
+        suspect = {node for node, names in on_node.items() if all(n in self.lost for n in names)}
+        return [NodeRoom(n["NodeID"], available.get(n["NodeID"], {}).get("CPU", 0.0),
+                         available.get(n["NodeID"], {}).get("GPU", 0.0), n["Resources"].get("GPU", 0) > 0)
+                for n in ray.nodes() if n["Alive"] and n["NodeID"] not in suspect]
+
+    async def _stand_in(self, plan: RestorePlan) -> None:
+        """Serve the lost shards the survivors have no room for as `plan` says: start its stand-ins, publish the
+        placement without the displaced actors (live, like any remap), and ask for the normal shape."""
+        displaced = plan.displaced
+        self._event("restore_replanned", ",".join(displaced), reason=plan.reason, deferred=list(plan.deferred),
+                    stand_ins={n: {"replaces": list(s.replaces), "node_id": s.slot.node_id, "num_cpus": s.slot.num_cpus,
+                                   "num_gpus": s.slot.num_gpus} for n, s in plan.stand_ins.items()})
+        self.stand_in_serial += len(plan.stand_ins)
+        try:
+            target = {n: s for n, s in self.spec.actor_shards.items() if n not in self.drained and n not in displaced}
+            target.update({n: [list(x) for x in s.shards] for n, s in plan.stand_ins.items()})
+            # Record the displaced before the remap retires them (it forgets their slots). A displaced stand-in hands
+            # its own displaced actors on to whatever replaces it now.
+            records = {}
+            for name in displaced:
+                by = next((n for n, s in plan.stand_ins.items() if name in s.replaces), None)
+                hosted = [orig for orig, d in self.displaced.items() if d["by"] == name]
+                for orig in hosted:
+                    self.displaced[orig]["by"] = by
+                if not hosted:
+                    records[name] = {"slot": asdict(self.slots[name]),
+                                     "shards": [list(x) for x in self.spec.actor_shards[name]], "by": by}
+            self.displaced.update(records)
+            self._persist()
+            # Hard affinity: Ray would place a stand-in that reserves nothing on any node, not the one planned.
+            result = await self._remap(target, {n: asdict(s.slot) for n, s in plan.stand_ins.items()}, soft=False)
+            if not result.get("ok"):
+                for name in records:
+                    self.displaced.pop(name, None)
+                self._persist()
+                return  # the next pass finds them lost again and re-plans
+            for name in displaced:
+                self.lost.discard(name)
+                self.nodes.pop(name, None)  # gone: it no longer counts towards its node's load (_node_for)
+            self._set_restore_request(list(plan.request))
+        except Exception as exc:
+            self._event("restore_failed", ",".join(displaced), error=f"{type(exc).__name__}: {exc}"[:500])
+        finally:
+            self.restoring.difference_update(displaced)
+
+    async def _return_displaced(self) -> None:
+        """Displaced actors that fit at their normal share now (a node joined) start again under their own names;
+        the stand-ins they had go (one live remap). With none displaced any more, the resource request goes."""
+        try:
+            groups: dict[str, list[LostActor]] = {}
+            for name, d in sorted(self.displaced.items()):
+                groups.setdefault(d["by"] or name, []).append(
+                    LostActor(ActorSlot(**d["slot"]), tuple(map(tuple, d["shards"]))))
+            serving = [n for n in self._expected() if n not in self.lost and n not in self.restoring]
+            live_nodes: dict = {}
+            for name in serving:
+                for shard in self.spec.actor_shards[name]:
+                    live_nodes.setdefault(tuple(shard), set()).add(self.nodes.get(name) or self.slots[name].node_id)
+            back = plan_return(groups, self._rooms(), live_nodes)
+            if not back:
+                return
+            returning = {name: slot for slots in back.values() for name, slot in slots.items()}
+            retiring = [g for g in back if g in self.spec.actor_shards and g not in returning]
+            target = {n: s for n, s in self.spec.actor_shards.items() if n not in self.drained and n not in retiring}
+            target.update({n: self.displaced[n]["shards"] for n in returning})
+            result = await self.apply_placement(target, {n: asdict(s) for n, s in returning.items()})
+            if not result.get("ok"):
+                return
+            for name in returning:
+                self.displaced.pop(name, None)
+            self._event("moved_back", ",".join(sorted(returning)), retired=retiring, epoch=result["epoch"])
+            if not self.displaced:
+                self._set_restore_request([])
+            self._persist()
+        except Exception:
+            log.exception("moving displaced actors back failed")
+        finally:
+            self._returning = False
+
+    def _set_restore_request(self, bundles: list[dict]) -> None:
+        if bundles == self.restore_request:
+            return
+        self.restore_request = bundles
+        self._send_resource_request()
+        self._event("request_resources", "-", gpus=self.requested_gpus, bundles=len(bundles),
+                    reason="lost actors displaced" if bundles else "lost actors back at their normal share")
+
+    def _send_resource_request(self, gpus: int | None = None) -> None:
+        """One request for both needs (each call replaces the last): the elastic loop's GPUs (`gpus`, default
+        what it asked for last) and the normal shape of a pool whose lost actors are displaced."""
+        from ray.autoscaler.sdk import request_resources
+
+        count = self.requested_gpus if gpus is None else gpus
+        request_resources(bundles=[{"GPU": 1}] * count + list(self.restore_request))
+
+    async def _restore(self, name: str, slot: ActorSlot | None = None) -> None:
+        """slot: where to start it (its normal share on a node with room); None: its own slot."""
         started = time.time()
         try:
             generation = self.generations.get(name, 0) + 1
-            handle = self._spawn(self.slots[name], self.spec, generation)
+            handle = self._spawn(slot or self.slots[name], self.spec, generation)
             info = await asyncio.wait_for(handle.info.remote(), self.config.restore_timeout_s)  # after warm-up
             if name not in self.spec.actor_shards or name in self.drained:
                 # A remap retired (or an operator drained) it while it was coming back: nobody routes to it.
@@ -161,12 +324,13 @@ class Controller:
         finally:
             self.restoring.discard(name)
 
-    def _spawn(self, slot: ActorSlot, spec: PoolSpec, generation: int) -> ray.actor.ActorHandle:
-        """Start slot.name (hosting spec.actor_shards[slot.name]) on the slot's node, or another if it is gone."""
+    def _spawn(self, slot: ActorSlot, spec: PoolSpec, generation: int, soft: bool = True) -> ray.actor.ActorHandle:
+        """Start slot.name (hosting spec.actor_shards[slot.name]) on the slot's node, or another if it is gone.
+        soft False: only there (a stand-in whose share was cut to what that node has free)."""
         # soft affinity: _node_for can still pick a node that just died (ray.nodes() lags); Ray then places it
         # on any node with room.
         return start_expert_actor(replace(slot, node_id=self._node_for(slot)), spec, detached=True,
-                                  generation=generation, soft_affinity=True)
+                                  generation=generation, soft_affinity=soft)
 
     def _node_for(self, slot: ActorSlot) -> str:
         """The slot's own node while it is alive; otherwise the live node (with GPUs, if the slot wants one)
@@ -184,12 +348,16 @@ class Controller:
         del self.events[:-1000]
 
     def _persist(self) -> None:
-        _kv_put({"epoch": self.epoch, "drained": sorted(self.drained)})
+        _kv_put({"epoch": self.epoch, "drained": sorted(self.drained), "displaced": self.displaced,
+                 "stand_in_serial": self.stand_in_serial, "restore_request": self.restore_request})
 
     def _publish(self) -> None:
         """Publish the current placement (minus drained replicas) as the routing table at the current epoch."""
         serving = {n: s for n, s in self.spec.actor_shards.items() if n not in self.drained}
-        publish_table(self.epoch, serving, {n: asdict(self.slots[n]) for n in serving if n in self.slots})
+        # Lost actors this table retires: routers count them dead now, so a step waiting on them need not wait for
+        # calls to them to time out before it switches to their stand-ins.
+        gone = sorted(n for n in self.lost if n not in serving)
+        publish_table(self.epoch, serving, {n: asdict(self.slots[n]) for n in serving if n in self.slots}, gone)
 
     # ---- API (admin and routers) ---------------------------------------------------------------------------
 
@@ -205,6 +373,8 @@ class Controller:
             "started_at": self.started_at,
             "control": list(self.control_log),
             "requested_gpus": self.requested_gpus,
+            "displaced": {n: {"by": d["by"], "slot": d["slot"]} for n, d in self.displaced.items()},
+            "restore_request": list(self.restore_request),
         }
 
     async def report_load(self, router_id: str, snapshot: dict) -> None:
@@ -239,13 +409,17 @@ class Controller:
 
         actor_shards: the whole new placement, actor name -> [[layer, expert], ...]; an actor that stays must keep
         its shards (actors load their weights once). slots: ActorSlot fields for every actor this adds."""
+        return await self._remap(actor_shards, slots)
+
+    async def _remap(self, actor_shards: dict[str, list], slots: dict[str, dict], soft: bool = True) -> dict:
+        """apply_placement, one at a time; soft False starts the added actors only on their slots' nodes."""
         await asyncio.get_running_loop().run_in_executor(None, self._remap_lock.acquire)
         try:
-            return await self._apply_placement(actor_shards, slots)
+            return await self._apply_placement(actor_shards, slots, soft)
         finally:
             self._remap_lock.release()
 
-    async def _apply_placement(self, actor_shards: dict[str, list], slots: dict[str, dict]) -> dict:
+    async def _apply_placement(self, actor_shards: dict[str, list], slots: dict[str, dict], soft: bool) -> dict:
         target_spec = self.spec.with_actor_shards(actor_shards)
         target = target_spec.actor_shards
         current = {n: s for n, s in self.spec.actor_shards.items() if n not in self.drained}
@@ -262,7 +436,7 @@ class Controller:
         handles = {}
         for name in added:
             self.slots[name] = new_slots[name]
-            handles[name] = self._spawn(new_slots[name], target_spec, 0)
+            handles[name] = self._spawn(new_slots[name], target_spec, 0, soft)
         infos = await asyncio.gather(
             *(asyncio.wait_for(h.info.remote(), self.config.restore_timeout_s) for h in handles.values()),
             return_exceptions=True)
@@ -350,11 +524,9 @@ class Controller:
 
     def _request_gpus(self, count: int) -> None:
         """Ask Ray's autoscaler for a cluster that can hold `count` one-GPU bundles (0 releases the request)."""
-        from ray.autoscaler.sdk import request_resources
-
-        request_resources(bundles=[{"GPU": 1}] * count)
-        self.requested_gpus = count
+        self._send_resource_request(gpus=count)
         self._event("request_resources", "-", gpus=count)
+        self.requested_gpus = count  # last: a caller that sees the count sees the event too
 
     def _log_control(self, entry: dict) -> dict:
         entry = {"t": time.time(), **entry}

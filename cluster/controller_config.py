@@ -16,10 +16,15 @@ class ControllerConfig:
     restore_timeout_s: float = 300.0
     drain_timeout_s: float = 60.0  # a remap stops replaced replicas when every router switched, or after this
     router_ttl_s: float = 10.0  # a router silent this long (scaled in, died) is not waited for
+    # A lost actor the survivors have no room for at its normal share gets a stand-in with a smaller share; under
+    # this many CPUs each, the lost actors merge into fewer stand-ins (cluster/lost_restore.py).
+    stand_in_min_cpus: float = 0.1
+    return_check_s: float = 2.0  # how often to look for room to move displaced actors back (a node joined)
     elastic: ElasticConfig | None = None  # rebalancing / autoscaling from load (README: Elasticity); None: off
 
     def validate(self) -> ControllerConfig:
-        for name in ("check_interval_s", "ping_timeout_s", "restore_timeout_s", "drain_timeout_s", "router_ttl_s"):
+        for name in ("check_interval_s", "ping_timeout_s", "restore_timeout_s", "drain_timeout_s", "router_ttl_s",
+                     "stand_in_min_cpus", "return_check_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.elastic is not None and not self.enabled:

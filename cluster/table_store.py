@@ -5,7 +5,9 @@ switch between steps. The record lives in GCS rather than in the controller's me
 while the controller is down or restarting, and a restarted controller starts from the last published placement.
 
 Record format (JSON): {"epoch": int, "actor_shards": {actor name: [[layer, expert], ...]},
-                       "slots": {actor name: ActorSlot fields}}  (slots: where each actor was placed; for restores)
+                       "slots": {actor name: ActorSlot fields},  (where each actor was placed; for restores)
+                       "gone": [actor name, ...]}  (actors this table retires because the controller lost them:
+                                                    routers count them dead at once; absent in older records)
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from .routing_table import RoutingTable, Shard
 _KV_KEY = b"expertmesh/routing-table"
 
 
-def encode_table(epoch: int, actor_shards: dict[str, list[Shard]], slots: dict[str, dict] | None = None) -> bytes:
+def encode_table(epoch: int, actor_shards: dict[str, list[Shard]], slots: dict[str, dict] | None = None,
+                 gone: list[str] | None = None) -> bytes:
     assert epoch >= 0, "epoch must be ≥ 0"
     record = {
         "epoch": int(epoch),
         "actor_shards": {name: [[int(layer), int(expert)] for layer, expert in shards]
                          for name, shards in sorted(actor_shards.items())},
         "slots": slots or {},
+        "gone": sorted(gone or []),
     }
     return json.dumps(record).encode()
 
@@ -36,6 +40,7 @@ def decode_table(raw: bytes) -> dict:
     record["actor_shards"] = {name: [(int(s[0]), int(s[1])) for s in shards]
                               for name, shards in record["actor_shards"].items()}
     record.setdefault("slots", {})
+    record.setdefault("gone", [])
     return record
 
 
@@ -43,10 +48,11 @@ def table_of(record: dict) -> RoutingTable:
     return RoutingTable.from_actor_shards(record["actor_shards"], epoch=int(record["epoch"]))
 
 
-def publish_table(epoch: int, actor_shards: dict[str, list[Shard]], slots: dict[str, dict] | None = None) -> None:
+def publish_table(epoch: int, actor_shards: dict[str, list[Shard]], slots: dict[str, dict] | None = None,
+                  gone: list[str] | None = None) -> None:
     from ray.experimental import internal_kv
 
-    internal_kv._internal_kv_put(_KV_KEY, encode_table(epoch, actor_shards, slots), overwrite=True)
+    internal_kv._internal_kv_put(_KV_KEY, encode_table(epoch, actor_shards, slots, gone), overwrite=True)
 
 
 def read_table() -> dict | None:

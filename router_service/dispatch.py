@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +80,10 @@ class RemoteExperts:
         self.reviver = reviver
         self.clock = clock
         self.dead: set[str] = set()
+        # Actors a call failed on (death, error or timeout) since the current step began: a held step may switch
+        # to a table that retires them (see _apply_staged_while_held).
+        self._failed_in_step: set[str] = set()
+        self._in_flight: list[_PendingLayer] = []  # submitted layers not yet waited for (their calls may be out)
         self._last_revive = 0.0
         self.calls_per_layer: dict[int, int] = {}  # of the most recent forward; tests check calls == actors hit
         self.round_seconds = 0.0  # wall time spent in expert rounds since creation (benchmarks read it)
@@ -128,6 +132,7 @@ class RemoteExperts:
 
     def mark_failed(self, actor: str, error: BaseException) -> None:
         self.breakers.record(actor, self.clock(), ok=False)
+        self._failed_in_step.add(actor)
         if _is_actor_death(error):
             self.dead.add(actor)
 
@@ -136,18 +141,22 @@ class RemoteExperts:
 
     # ---- live remap --------------------------------------------------------------------------------------------
 
-    def stage_table(self, table: RoutingTable, new_actors: dict) -> None:
-        """Switch to `table` when the next step starts (never within a step, so a step uses one placement).
-        new_actors: handles of actors the current table does not name yet (already loaded and warm)."""
+    def stage_table(self, table: RoutingTable, new_actors: dict, gone: Collection[str] = ()) -> None:
+        """Switch to `table` when the next step starts (never within a step, so a step uses one placement, unless
+        the step is held for lack of a replica: _apply_staged_while_held).
+        new_actors: handles of actors the current table does not name yet (already loaded and warm).
+        gone: actors the controller lost, which `table` retires: dead to this router from now on."""
+        self.dead.update(a for a in gone if a in self.table.actors and a not in table.actors)
         with self._staged_lock:
             self._staged = (table, dict(new_actors))
 
     def _apply_staged(self) -> None:
         with self._staged_lock:
             staged, self._staged = self._staged, None
-        if staged is None:
-            return
-        table, new_actors = staged
+        if staged is not None:
+            self._switch_to(*staged)
+
+    def _switch_to(self, table: RoutingTable, new_actors: dict) -> None:
         actors = self.transport.actors  # every transport keeps its name -> handle map here
         actors.update(new_actors)
         for name in [n for n in actors if n not in table.actors]:
@@ -160,6 +169,27 @@ class RemoteExperts:
         if self.on_table_applied is not None:
             self.on_table_applied(table.epoch)
 
+    def _apply_staged_while_held(self) -> bool:
+        """Inside a step held by the `wait` policy, or retrying a layer whose calls failed: switch to a staged table
+        now unless it retires an actor that may still answer a call of this step (one in flight to it from a layer
+        submitted but not yet waited for, and it is neither dead nor failed). So the switch strands no call that
+        could succeed, and a step waiting for lost replicas reaches the stand-ins the controller starts under new
+        names when the survivors have no room to restore them as they were. (The controller stops a retired
+        actor only after this router acknowledges the table, which the switch does; a call to an actor on a lost
+        node can hang until its timeout instead of failing as a death, hence "failed" counts as gone too.)"""
+        with self._step_lock:
+            with self._staged_lock:
+                staged = self._staged
+                if staged is None:
+                    return False
+                gone = self.dead | self._failed_in_step
+                busy = {c.actor for p in self._in_flight for c in p.calls} - gone
+                if any(a in busy for a in self.table.actors if a not in staged[0].actors):
+                    return False
+                self._staged = None
+            self._switch_to(*staged)
+        return True
+
     def begin_step(self) -> None:
         """The decoder starts a forward: switch to a staged table now, then no switch until end_step (same
         thread)."""
@@ -170,6 +200,8 @@ class RemoteExperts:
                     self._apply_staged()
                 self._steps_running += 1
                 self.calls_per_layer = {}
+                self._failed_in_step = set()
+                self._in_flight = []  # a step that failed may have left layers it never waited for
         except BaseException:
             self._step_guard.release()
             raise
@@ -229,6 +261,7 @@ class RemoteExperts:
         pending = _PendingLayer(layer, hidden, routing, served, calls, handles, deadline, give_up, carrier, span,
                                 started)
         pending.busy_s = time.perf_counter() - started
+        self._in_flight.append(pending)
         return pending
 
     def wait(self, pending: _PendingLayer) -> torch.Tensor:
@@ -243,7 +276,9 @@ class RemoteExperts:
                     raise NoReplicaError(f"layer {p.layer}: expert calls kept failing over {attempt} attempts")
                 if attempt:
                     # A shard lost its last replica mid-step: route again under the policy (the step is redone,
-                    # so its result is still exactly that of the served routing).
+                    # so its result is still exactly that of the served routing), on a newer table if one retires
+                    # the actors that failed.
+                    self._apply_staged_while_held()
                     served = self._apply_policy(p.layer, p.routing, p.deadline)
                     calls = plan_calls(p.layer, served, self.table, self.live_replicas)
                 outputs = self._execute(p.layer, p.hidden, calls, p.give_up, p.carrier,
@@ -264,6 +299,8 @@ class RemoteExperts:
                 p.span.set_attribute("calls", len(calls))
             return result
         finally:
+            if p in self._in_flight:
+                self._in_flight.remove(p)
             if p.span is not None:
                 p.span.end()
             if not self._steps_running:
@@ -279,6 +316,8 @@ class RemoteExperts:
             if self.failover.no_replica_policy == "degrade":
                 available = torch.tensor([self.has_live_replica((layer, e)) for e in range(routing.probs.shape[1])])
                 return degrade(routing, available)
+            if self._apply_staged_while_held():
+                continue  # a stand-in for the lost replicas may be in the new table
             if self.clock() >= deadline:
                 raise NoReplicaError(
                     f"no live replica of layer {layer} expert(s) {missing} within {self.failover.wait_timeout_s:.0f}s"

@@ -70,7 +70,7 @@ class TableFollower:
         handles = {name: ray.get_actor(name, namespace=NAMESPACE) for name in new_names}
         if handles:
             ray.get([h.ready.remote() for h in handles.values()], timeout=self.ready_timeout_s)
-        self.backend.stage_table(table, handles)
+        self.backend.stage_table(table, handles, gone=record.get("gone", []))
         self.staged_epoch = table.epoch
         return True
 

@@ -22,6 +22,10 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="concurrent greedy Generate streams")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--nodes", type=int, default=2, help="worker nodes of the self-started cluster (--kill node)")
+    p.add_argument("--node-cpus", type=int, default=2, help="CPUs of each worker node (--kill node)")
+    p.add_argument("--node-gpus", type=int, default=0,
+                   help="GPUs each worker node declares (--kill node; none needed: expert actors then go only to the "
+                        "workers, and with --cpus-per-actor taking every CPU the cluster has no spare capacity)")
     p.add_argument("--fraction", type=float, default=0.25, help="share of expert actors per tick (fraction)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", metavar="HOST:PORT", help="attach to a running server instead of starting one")
@@ -41,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     config = DrillConfig(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
                          concurrency=args.concurrency, max_tokens=args.max_tokens, seed=args.seed,
-                         fraction=args.fraction, nodes=args.nodes, target=args.target, address=args.address,
+                         fraction=args.fraction, nodes=args.nodes, node_cpus=args.node_cpus,
+                         node_gpus=args.node_gpus, target=args.target, address=args.address,
                          out=args.out, admin_token=args.admin_token,
                          mesh=mesh_config_from_args(args, default_drill_mesh()))
     result = run_drill(config, verbose=not args.json)

@@ -77,6 +77,9 @@ FLAGS: tuple[Flag, ...] = (
          "kill/drain, no elasticity)", {"action": "store_const", "const": False}),
     Flag("--no-restore", "controller.restore", "controller", "do not restore lost expert actors",
          {"action": "store_const", "const": False}),
+    Flag("--stand-in-min-cpus", "controller.stand_in_min_cpus", "controller", "a lost expert actor the survivors "
+         "have no room for gets a stand-in with a smaller CPU share, at least this much; below it lost actors merge "
+         "into fewer stand-ins", {"type": float}),
     Flag("--elastic", "controller.elastic", "controller", "rebalance replicas live from observed load "
          "(README: Elasticity)", {"action": "store_const", "const": {}}),
     Flag("--slots-per-gpu", "controller.elastic.slots_per_gpu", "controller", "with --elastic: shards per GPU "

@@ -36,6 +36,10 @@ class DrillConfig:
     seed: int = 0  # choice of kill targets
     fraction: float = 0.25  # kill=fraction: share of the live expert actors per tick
     nodes: int = 2  # kill=node: worker nodes of the self-started cluster
+    node_cpus: int = 2  # kill=node: CPUs of each worker node
+    # kill=node: GPUs each worker declares (no real GPU needed). With any, expert actors go only to the workers, so
+    # experts.num_cpus_per_actor = node_cpus / actors per worker leaves the cluster no spare capacity.
+    node_gpus: int = 0
     target: str | None = None  # host:port of a running server to attach to; None: start one
     address: str | None = None  # with target: its Ray cluster (needed to kill the router or the controller)
     out: str = "drill_out"  # report folder
@@ -70,7 +74,9 @@ class DrillConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
-        for name in ("concurrency", "max_tokens", "nodes"):
+        if self.node_gpus < 0:
+            raise ValueError(f"node_gpus: must be >= 0, got {self.node_gpus}")
+        for name in ("concurrency", "max_tokens", "nodes", "node_cpus"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.num_cpus is not None and self.num_cpus < 1:

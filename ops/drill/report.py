@@ -2,7 +2,9 @@
 
 Per kill of expert actors (actor / fraction / node) the time to detection is the controller's first `lost` event
 for each killed actor after the kill, and the time to restore its `restored` event after that (both before the
-same actor's next kill); the kill has recovered when every target has been restored. A router kill has recovered
+same actor's next kill) or, when the survivors had no room for it, the remap that retired it after a
+`restore_replanned` naming it (its shards served by a stand-in from then); the kill has recovered when every target
+has been restored. A router kill has recovered
 at the end of the first request started after it that succeeds; a controller kill at the first poll, sent after a
 new controller actor was registered, that reports the controller alive.
 
@@ -50,6 +52,18 @@ def _event_after(events: list[dict], kind: str, actor: str, after: float, before
     return hits[0] if hits else None
 
 
+def _stood_in(events: list[dict], actor: str, after: float, before: float | None) -> dict | None:
+    """The remap that retired `actor` after a `restore_replanned` naming it (the survivors had no room for it: its
+    shards went to a stand-in or stayed with their other replicas). The lost shards are served again from then."""
+    plans = sorted((e for e in events if e["kind"] == "restore_replanned" and actor in e["actor"].split(",")
+                    and e["t"] >= after - 0.05 and (before is None or e["t"] < before)), key=lambda e: e["t"])
+    if not plans:
+        return None
+    remaps = sorted((e for e in events if e["kind"] == "remap" and actor in e["detail"].get("retired", [])
+                     and e["t"] >= plans[0]["t"] and (before is None or e["t"] < before)), key=lambda e: e["t"])
+    return remaps[0] if remaps else None
+
+
 def _next_kill_of(kills: list[KillRecord], kill: KillRecord, actor: str) -> float | None:
     later = [k.t for k in kills if k.t > kill.t and actor in k.targets]
     return min(later) if later else None
@@ -80,8 +94,18 @@ def kill_recovery(record: DrillRecord, kill: KillRecord) -> dict:
             nxt = _next_kill_of(record.kills, kill, actor)
             lost = _event_after(record.events, "lost", actor, kill.t, nxt)
             restored = _event_after(record.events, "restored", actor, lost["t"] if lost else kill.t, nxt)
+            stand_in = None if restored else _stood_in(record.events, actor, lost["t"] if lost else kill.t, nxt)
             failed = _event_after(record.events, "restore_failed", actor, kill.t, nxt)
             polled = _restore_seen_by_poll(record.polls, kill, actor)
+            if stand_in is not None:  # a stand-in (or the shards' other replicas) took over: recovered then
+                per_actor[actor] = {"detect_s": _r(lost["t"] - kill.t) if lost else None,
+                                    "restore_s": _r(stand_in["t"] - kill.t),
+                                    "controller_restore_work_s": stand_in["detail"].get("ready_s"),
+                                    "stood_in_by": stand_in["detail"].get("added", []),
+                                    "restored_on_node": None, "same_node": None, "restore_failed": None,
+                                    "alive_again_in_poll_s": None}
+                done_at.append(stand_in["t"])
+                continue
             per_actor[actor] = {
                 "detect_s": _r(lost["t"] - kill.t) if lost else None,
                 "restore_s": _r(restored["t"] - kill.t) if restored else None,

@@ -430,10 +430,12 @@ def _start_ray(config: DrillConfig, verbose: bool):
     if config.kill == "node":
         from ray.cluster_utils import Cluster
 
-        say(verbose, f"starting a Ray cluster: head (1 CPU) + {config.nodes} workers (2 CPUs each) ...")
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        gpus = f", {config.node_gpus} GPUs" if config.node_gpus else ""
+        say(verbose, f"starting a Ray cluster: head (1 CPU) + {config.nodes} workers ({config.node_cpus} CPUs{gpus} "
+                     "each) ...")
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
         for _ in range(config.nodes):
-            cluster.add_node(num_cpus=2)
+            cluster.add_node(num_cpus=config.node_cpus, num_gpus=config.node_gpus)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
         return cluster, cluster.address

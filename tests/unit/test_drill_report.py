@@ -354,3 +354,22 @@ def test_the_drills_held_out_text_is_the_training_scripts():
     train, held, root = load_corpus()
     assert load_held_out() == (held, root)
     assert held and len(train) > 10 * len(held)  # about one file in 20 is held out
+
+
+def test_a_stand_in_taking_over_the_lost_shards_counts_as_the_restore(wait_record):
+    # A node lost with no spare capacity: no `restored` event, but a re-plan and the remap onto a stand-in.
+    record = copy.deepcopy(wait_record)
+    kill = record.kills[1]
+    (actor,) = kill.targets
+    lost = first_event(record, "lost", actor, kill.t)
+    record.events = [e for e in record.events if not (e["kind"] == "restored" and e["actor"] == actor)]
+    record.events += [
+        {"t": lost["t"] + 0.01, "kind": "restore_replanned", "actor": actor,
+         "detail": {"reason": "1 merged into 1", "deferred": [], "stand_ins": {"expert-s0": {"replaces": [actor]}}}},
+        {"t": lost["t"] + 2.5, "kind": "remap", "actor": "expert-s0",
+         "detail": {"epoch": 3, "added": ["expert-s0"], "retired": [actor], "ready_s": 2.4}}]
+    second = build_report(record)["kills"][1]
+    assert second["restore_s"] == round(lost["t"] + 2.5 - kill.t, 3)
+    assert second["actors"][actor]["stood_in_by"] == ["expert-s0"]
+    assert second["actors"][actor]["controller_restore_work_s"] == 2.4
+    assert all_recovered(record)[0]

@@ -13,7 +13,7 @@ from expertmesh.cluster.routing_table import RoutingTable
 from expertmesh.cluster.table_store import decode_table, encode_table, table_of
 from expertmesh.experts.gating import route
 from expertmesh.experts.reference import LocalExperts
-from expertmesh.router_service.dispatch import RemoteExperts
+from expertmesh.router_service.dispatch import FailoverConfig, NoReplicaError, RemoteExperts
 from tests.fakes import HIDDEN, NamedFakeTransport, expert_weights
 
 LAYERS, EXPERTS = 3, 4
@@ -157,3 +157,140 @@ def test_steps_from_several_threads_take_turns():
     backend.end_step()
     other.join(5)
     assert not other.is_alive() and transport.submitted
+
+
+def _stand_in_tables(retire_live: bool) -> tuple[RoutingTable, RoutingTable, RoutingTable]:
+    """Old: a0..a3, one replica per expert. New: a1 (lost) replaced by stand-in s0; with retire_live, a live a2 goes
+    too (moved to s1)."""
+    old = {f"a{e}": [(layer, e) for layer in range(LAYERS)] for e in range(EXPERTS)}
+    new = {n: s for n, s in old.items() if n != "a1"} | {"s0": [(layer, 1) for layer in range(LAYERS)]}
+    if retire_live:
+        del new["a2"]
+        new["s1"] = [(layer, 2) for layer in range(LAYERS)]
+    union = RoutingTable.from_actor_shards({**old, **new})
+    return RoutingTable.from_actor_shards(old, epoch=0), RoutingTable.from_actor_shards(new, epoch=3), union
+
+
+def test_a_step_waiting_for_a_lost_replica_switches_to_its_stand_in():
+    old, new, union = _stand_in_tables(retire_live=False)
+    shards = expert_weights(LAYERS, EXPERTS)
+    transport = NamedFakeTransport(union, shards)
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=0.5))
+    backend.dead.add("a1")  # lost: expert 1 has no live replica in the old table
+    local = LocalExperts(shards, "silu")
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.zeros(16, EXPERTS)
+    logits[:, 1] = 10.0  # every token wants expert 1
+    hidden = torch.randn(16, HIDDEN, generator=gen)
+    routing = route(logits, top_k=2, renormalize=True)
+    backend.begin_step()
+    try:
+        backend.stage_table(new, {"s0": object()})  # the controller's stand-in, published mid-step
+        out = backend.run(0, hidden, routing)
+    finally:
+        backend.end_step()
+    torch.testing.assert_close(out, local.run(0, hidden, routing), rtol=0, atol=1e-6)
+    assert backend.table is new and "s0" in {a for a, *_ in transport.submitted}
+
+
+def test_a_held_step_switches_even_when_the_table_retires_a_live_actor_with_nothing_in_flight():
+    # The lost actor's shards are merged with a live actor's (a2 -> s1): a2 has no call of this step out, so the
+    # switch strands nothing (the controller stops a2 only after this router acknowledges the new table).
+    old, new, union = _stand_in_tables(retire_live=True)
+    shards = expert_weights(LAYERS, EXPERTS)
+    transport = NamedFakeTransport(union, shards)
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=5.0))
+    backend.dead.add("a1")
+    logits = torch.zeros(4, EXPERTS)
+    logits[:, 1] = 10.0
+    backend.begin_step()
+    try:
+        backend.stage_table(new, {"s0": object(), "s1": object()})
+        backend.run(0, torch.randn(4, HIDDEN), route(logits, top_k=2, renormalize=True))
+    finally:
+        backend.end_step()
+    assert backend.table is new
+
+
+def test_a_held_step_never_switches_away_from_a_live_actor_with_a_call_in_flight():
+    old, new, union = _stand_in_tables(retire_live=True)
+    transport = NamedFakeTransport(union, expert_weights(LAYERS, EXPERTS))
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=0.2))
+    backend.dead.add("a1")
+    to_a2 = torch.zeros(4, EXPERTS)
+    to_a2[:, 2] = 10.0
+    to_a1 = torch.zeros(4, EXPERTS)
+    to_a1[:, 1] = 10.0
+    to_a1[:, 0] = 5.0
+    backend.begin_step()
+    try:
+        # Overlap: layer 0's calls (to a2) are out while layer 1 waits for a replica of expert 1.
+        out_first = backend.submit(0, torch.randn(4, HIDDEN), route(to_a2, top_k=1, renormalize=True))
+        backend.stage_table(new, {"s0": object(), "s1": object()})
+        with pytest.raises(NoReplicaError):
+            backend.submit(1, torch.randn(4, HIDDEN), route(to_a1, top_k=2, renormalize=True))
+        assert backend.table is old  # a2 still owes layer 0 an answer
+        backend.wait(out_first)
+    finally:
+        backend.end_step()
+
+
+class _HangingTransport(NamedFakeTransport):
+    """Calls to `hung` time out (not an actor death): an actor on a node that vanished without a word."""
+
+    hung = "a1"
+
+    def submit(self, actor, layer, experts, counts, x):
+        if actor == self.hung:
+            self.submitted.append((actor, layer, list(experts), list(counts), x.shape))
+            return TimeoutError(f"{actor} did not answer")
+        return super().submit(actor, layer, experts, counts, x)
+
+
+def test_a_step_retrying_a_timed_out_replica_switches_to_the_stand_in_that_retires_it():
+    old, new, union = _stand_in_tables(retire_live=False)
+    shards = expert_weights(LAYERS, EXPERTS)
+    transport = _HangingTransport(union, shards)
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=5.0))
+    logits = torch.zeros(8, EXPERTS)
+    logits[:, 1] = 10.0
+    hidden = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(3))
+    routing = route(logits, top_k=2, renormalize=True)
+    backend.begin_step()
+    try:
+        backend.stage_table(new, {"s0": object()})
+        out = backend.run(0, hidden, routing)
+    finally:
+        backend.end_step()
+    torch.testing.assert_close(out, LocalExperts(shards, "silu").run(0, hidden, routing), rtol=0, atol=1e-6)
+    assert "a1" not in backend.dead  # it never looked dead; its call failed, and the controller retired it
+    assert backend.table is new and [a for a, *_ in transport.submitted].count("a1") == 1
+
+
+def test_a_held_step_switches_when_the_controller_says_the_busy_actor_is_gone():
+    # As above, but the controller lost a2 too (its node went) and says so with the table: a2's call of layer 0
+    # will never answer, so layer 1 need not wait for it to time out before taking the stand-ins.
+    old, new, union = _stand_in_tables(retire_live=True)
+    transport = NamedFakeTransport(union, expert_weights(LAYERS, EXPERTS))
+    backend = RemoteExperts(old, transport, FailoverConfig(no_replica_policy="wait", wait_timeout_s=5.0))
+    backend.dead.add("a1")
+    to_a2 = torch.zeros(4, EXPERTS)
+    to_a2[:, 2] = 10.0
+    to_a1 = torch.zeros(4, EXPERTS)
+    to_a1[:, 1] = 10.0
+    backend.begin_step()
+    try:
+        first = backend.submit(0, torch.randn(4, HIDDEN), route(to_a2, top_k=1, renormalize=True))
+        backend.stage_table(new, {"s0": object(), "s1": object()}, gone=["a1", "a2"])
+        assert "a2" in backend.dead
+        backend.wait(backend.submit(1, torch.randn(4, HIDDEN), route(to_a1, top_k=1, renormalize=True)))
+        assert backend.table is new
+        backend.wait(first)
+    finally:
+        backend.end_step()
+
+
+def test_table_record_names_the_lost_actors_it_retires():
+    record = decode_table(encode_table(4, {"s0": [(0, 1)]}, gone=["a1"]))
+    assert record["gone"] == ["a1"]
+    assert decode_table(encode_table(4, {"s0": [(0, 1)]}))["gone"] == []

@@ -56,6 +56,7 @@ PURE_MODULES = (
     "expertmesh.cluster.breaker",
     "expertmesh.cluster.controller_config",
     "expertmesh.cluster.elastic",
+    "expertmesh.cluster.lost_restore",  # re-planning lost actors onto survivors without spare capacity
     "expertmesh.cluster.eplb_greedy",
     "expertmesh.cluster.load_stats",
     "expertmesh.cluster.naming",
