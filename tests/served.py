@@ -8,10 +8,22 @@ from pathlib import Path
 
 from expertmesh.ops.server_process import ServerProcess
 from expertmesh.ops.server_process import start_server as _start
+from expertmesh.protos import inference_pb2 as pb
+from expertmesh.protos import inference_pb2_grpc
 
 
 def start_server(*args: str, timeout: float = 300) -> ServerProcess:
     return _start(list(args), timeout=timeout)
+
+
+def generate_ids(channel, prompt: list[int], max_tokens: int, timeout: float = 60) -> list[int]:
+    """Greedy Generate over `channel`: the token ids it streamed."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens)
+    ids: list[int] = []
+    for message in inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=timeout):
+        if message.HasField("token"):
+            ids.extend(message.token.token_ids)
+    return ids
 
 
 def self_signed_cert(folder: Path) -> tuple[Path, Path]:

@@ -20,10 +20,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
-from expertmesh.protos import inference_pb2 as pb
+from expertmesh.protos import admin_pb2, admin_pb2_grpc
 from expertmesh.router_service.admin_auth import ADMIN_TOKEN_KEY
-from tests.served import start_server
+from tests.served import generate_ids, start_server
 from tests.traffic import wait_for
 
 ADMIN_TOKEN = "adm1n-s3cret"
@@ -53,12 +52,7 @@ def channel(served):
 
 
 def generate(chan, timeout: float = 60) -> list[int]:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_tokens=MAX_TOKENS)
-    ids = []
-    for message in inference_pb2_grpc.InferenceStub(chan).Generate(request, timeout=timeout):
-        if message.HasField("token"):
-            ids.extend(message.token.token_ids)
-    return ids
+    return generate_ids(chan, PROMPT, MAX_TOKENS, timeout)
 
 
 def health(chan) -> int:

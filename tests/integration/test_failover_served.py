@@ -22,7 +22,7 @@ from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.router_service.admin_auth import admin_metadata
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
-from tests.served import start_server
+from tests.served import generate_ids, start_server
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import NonStopClient, StreamsInFlight, wait_for
 
@@ -149,12 +149,7 @@ def channel(served):
 
 
 def generate(chan, timeout: float = 60) -> list[int]:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_tokens=MAX_TOKENS)
-    ids = []
-    for message in inference_pb2_grpc.InferenceStub(chan).Generate(request, timeout=timeout):
-        if message.HasField("token"):
-            ids.extend(message.token.token_ids)
-    return ids
+    return generate_ids(chan, PROMPT, MAX_TOKENS, timeout)
 
 
 def cluster_state(chan) -> admin_pb2.ClusterState:
