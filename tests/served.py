@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.ops.server_process import ServerProcess
 from expertmesh.ops.server_process import start_server as _start
 from expertmesh.protos import inference_pb2 as pb
@@ -14,6 +17,31 @@ from expertmesh.protos import inference_pb2_grpc
 
 def start_server(*args: str, timeout: float = 300) -> ServerProcess:
     return _start(list(args), timeout=timeout)
+
+
+@contextmanager
+def server_on_own_ray(*args: str, num_cpus: int = 4) -> Iterator[ServerProcess]:
+    """`expertmesh serve --address <a local Ray this process started>`: this driver is on the same cluster, so a
+    test can kill the server's actors (experts, controller, router replicas) directly. Stops both on exit."""
+    import ray
+
+    ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False)
+    try:
+        server = start_server("--address", ray.get_runtime_context().gcs_address, *args)
+        try:
+            yield server
+        finally:
+            assert server.stop() == 0, server.log()
+    finally:
+        ray.shutdown()
+
+
+def router_replicas() -> list[tuple[str, str]]:
+    """(name, namespace) of the router deployment's Serve replicas on the connected cluster."""
+    import ray
+
+    return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+            if "SERVE_REPLICA" in a["name"] and "router" in a["name"]]
 
 
 def generate_ids(channel, prompt: list[int], max_tokens: int, timeout: float = 60) -> list[int]:

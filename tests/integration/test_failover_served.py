@@ -22,7 +22,7 @@ from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.router_service.admin_auth import admin_metadata
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
-from tests.served import generate_ids, start_server
+from tests.served import generate_ids, router_replicas, server_on_own_ray
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import NonStopClient, StreamsInFlight, wait_for
 
@@ -129,17 +129,9 @@ def test_node_lost_output_unchanged_and_replicas_restored_elsewhere(gpu_cluster,
 
 @pytest.fixture(scope="module")
 def served(checkpoints):
-    ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
-    try:
-        server = start_server("--address", ray.get_runtime_context().gcs_address,
-                              "--model", str(checkpoints["mixtral"]), "--replicas-per-expert", "2",
-                              "--admin-token", ADMIN_TOKEN)
-        try:
-            yield server
-        finally:
-            assert server.stop() == 0, server.log()
-    finally:
-        ray.shutdown()
+    with server_on_own_ray("--model", str(checkpoints["mixtral"]), "--replicas-per-expert", "2",
+                           "--admin-token", ADMIN_TOKEN) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -215,11 +207,6 @@ def test_controller_killed_mid_traffic_comes_back_with_the_same_state(channel, e
     kinds = [(e.kind, e.actor) for e in state.events]
     assert ("killed", "expert-e0-r0") in kinds and ("restored", "expert-e0-r0") in kinds
     assert state.router.retried_calls > 0  # the router re-sent the killed replica's tokens to its peer
-
-
-def router_replicas() -> list[tuple[str, str]]:
-    return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-            if "SERVE_REPLICA" in a["name"] and "router" in a["name"]]
 
 
 LONG_TOKENS = 60  # streams long enough to be mid-way when the replica dies

@@ -13,10 +13,9 @@ import grpc
 import pytest
 import ray
 
-from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
-from tests.served import start_server
+from tests.served import router_replicas, server_on_own_ray
 from tests.traffic import StreamsInFlight, wait_for
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4], [1, 41, 42, 13, 56, 23]]
@@ -30,23 +29,10 @@ def requests() -> list[pb.GenerateRequest]:
             for p in PROMPTS for s in SAMPLING]
 
 
-def router_replicas() -> list[tuple[str, str]]:
-    return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-            if "SERVE_REPLICA" in a["name"] and "router" in a["name"]]
-
-
 @pytest.fixture(scope="module")
 def served(checkpoints):
-    ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
-    try:
-        server = start_server("--address", ray.get_runtime_context().gcs_address,
-                              "--model", str(checkpoints["mixtral"]), "--router-replicas", "2")
-        try:
-            yield server
-        finally:
-            assert server.stop() == 0, server.log()
-    finally:
-        ray.shutdown()
+    with server_on_own_ray("--model", str(checkpoints["mixtral"]), "--router-replicas", "2") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
