@@ -1,8 +1,9 @@
-"""Fixtures shared by integration modules: one local Ray per module, and the in-process reference of the tiny
-Mixtral checkpoint."""
+"""Fixtures shared by integration modules: one local Ray per module, the in-process reference of the tiny Mixtral
+checkpoint, and a gRPC channel to the module's own `served` server (modules that start one define `served`)."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import ray
 
@@ -21,3 +22,10 @@ def local_ray():
 @pytest.fixture(scope="module")
 def reference(checkpoints):
     return load_reference_model(checkpoints["mixtral"])
+
+
+@pytest.fixture(scope="module")
+def channel(served):
+    """A plaintext channel to the module's `served` server (an `expertmesh serve` subprocess)."""
+    with grpc.insecure_channel(served.target) as chan:
+        yield chan

@@ -45,12 +45,6 @@ def served(checkpoints):
     assert server.stop() == 0, server.log()
 
 
-@pytest.fixture(scope="module")
-def channel(served):
-    with grpc.insecure_channel(served.target) as chan:
-        yield chan
-
-
 def generate(chan, timeout: float = 60) -> list[int]:
     return generate_ids(chan, PROMPT, MAX_TOKENS, timeout)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 import ray
 from ray._private import state as ray_state
@@ -132,12 +131,6 @@ def served(checkpoints):
     with server_on_own_ray("--model", str(checkpoints["mixtral"]), "--replicas-per-expert", "2",
                            "--admin-token", ADMIN_TOKEN) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def channel(served):
-    with grpc.insecure_channel(served.target) as chan:
-        yield chan
 
 
 def generate(chan, timeout: float = 60) -> list[int]:

@@ -33,12 +33,6 @@ def served(checkpoints):
     assert server.stop() == 0, server.log()
 
 
-@pytest.fixture(scope="module")
-def channel(served):
-    with grpc.insecure_channel(served.target) as chan:
-        yield chan
-
-
 def generate(chan, prompt: list[int], max_tokens: int, **fields) -> tuple[list[int], pb.GenerationDone]:
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens, **fields)
     ids, done = [], None
