@@ -27,6 +27,7 @@ from ..experts.weights import check_checkpoint
 from .config import MeshConfig, RayConfig
 from .expert_pool import ExpertPool
 from .pool_layout import pool_layout
+from .ray_join import prepare_join
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def connect_ray(config: RayConfig) -> bool:
             ray.init(address="local", namespace=NAMESPACE, num_cpus=config.num_cpus, include_dashboard=False,
                      logging_level=logging.WARNING)
     else:
+        prepare_join(config.address)  # token authentication, or one line saying why the cluster cannot be joined
         ray.init(address=config.address, namespace=NAMESPACE, logging_level=logging.WARNING)
     return True
 
