@@ -121,6 +121,20 @@ def test_greedy_decode_equals_transformers_generate(models, kind, layout):
     assert _greedy(model, ids, 10) == expected
 
 
+@pytest.mark.parametrize("kind,overrides", [
+    ("glm4_moe", dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0)),
+    ("deepseek_v3", dict(rope_interleave=False, norm_topk_prob=False, rope_parameters=None, q_lora_rank=None)),
+    ("deepseek_v2_lora", dict(attention_bias=True, first_k_dense_replace=0)),
+])
+def test_switch_variants_match_transformers(tmp_path, kind, overrides):
+    folder = write_deepseek_checkpoint(kind, tmp_path / kind, seed=21, **overrides)
+    model, hf = load_reference_model(folder), _hf(folder)
+    ids = _ids(14, 22)
+    theirs = _hf_logits(hf, ids)
+    assert _max_diff(model.forward([ids])[0], theirs) <= TOL and theirs.std().item() > 0.05
+    assert _max_diff(_incremental(model, ids, [5, 6, 9]), theirs) <= TOL
+
+
 def test_fixture_configs_and_what_they_exercise(models):
     v2, v2_lora, v2_grouped, v3, glm = (models[(k, "per_expert")][0] for k in KINDS)
     for m in (v2, v2_lora, v2_grouped, v3, glm):
