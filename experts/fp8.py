@@ -50,17 +50,24 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     return q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous(), scale_inv
 
 
+def scale_names(reader, wanted: dict[str, tuple[int, ...] | None], block: tuple[int, int]
+                ) -> dict[str, tuple[int, ...] | None]:
+    """The `X.weight_scale_inv` tensors the checkpoint has for the `X.weight`s in `wanted` -> their expected grid."""
+    scales: dict[str, tuple[int, ...] | None] = {}
+    for name, shape in wanted.items():
+        scale_name = name + SCALE_SUFFIX
+        if name.endswith(".weight") and reader.has(scale_name):
+            scales[scale_name] = None if shape is None else scale_shape(tuple(shape), block)
+    return scales
+
+
 def read_weights(reader, wanted: dict[str, tuple[int, ...] | None], block: tuple[int, int] | None,
                  progress: str | None = None) -> dict[str, torch.Tensor]:
     """reader.read_many(wanted), with every `X.weight` that has an `X.weight_scale_inv` in the checkpoint
     dequantised (float32). block None (not an FP8 checkpoint) reads the tensors as they are."""
     if block is None:
         return reader.read_many(wanted, progress=progress)
-    scales: dict[str, tuple[int, ...] | None] = {}
-    for name, shape in wanted.items():
-        scale_name = name + SCALE_SUFFIX
-        if name.endswith(".weight") and reader.has(scale_name):
-            scales[scale_name] = None if shape is None else scale_shape(tuple(shape), block)
+    scales = scale_names(reader, wanted, block)
     tensors = reader.read_many(wanted | scales, progress=progress)
     for scale_name in scales:
         name = scale_name[: -len(SCALE_SUFFIX)]

@@ -15,7 +15,7 @@ from .checkpoint import CheckpointReader
 from .config import MoEModelConfig
 from .config_deepseek import FAMILIES as DEEPSEEK_FAMILIES
 from .ffn import GatedMLPWeights
-from .fp8 import read_weights
+from .fp8 import read_weights, scale_names
 
 Shard = tuple[int, int]  # (layer, expert)
 
@@ -48,7 +48,10 @@ def check_checkpoint(reader: CheckpointReader) -> None:
     """Every tensor the model needs exists with the right shape (headers only; no data is read)."""
     cfg = reader.config
     shards = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
-    reader.check_shapes(dense_tensor_names(cfg) | expert_shard_names(cfg, shards))
+    wanted = dense_tensor_names(cfg) | expert_shard_names(cfg, shards)
+    if cfg.fp8_block is not None:  # an FP8 checkpoint's block scales must fit their weights too
+        wanted |= scale_names(reader, wanted, cfg.fp8_block)
+    reader.check_shapes(wanted)
 
 
 def load_expert_shards(

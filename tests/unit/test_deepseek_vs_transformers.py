@@ -281,6 +281,19 @@ def test_fp8_checkpoint_equals_transformers_dequantised_model(tmp_path, kind, bl
     assert _greedy(model, ids[:5], 6) == expected
 
 
+def test_fp8_scale_of_the_wrong_grid_fails_the_header_check(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    fp8 = write_deepseek_checkpoint("deepseek_v3", tmp_path / "fp8", seed=4, fp8_block=(8, 8))
+    check_checkpoint(CheckpointReader(fp8))
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    name = "model.layers.2.mlp.experts.3.down_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:, :1].contiguous()
+    save_file(tensors, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="experts.3.down_proj.weight_scale_inv"):
+        check_checkpoint(CheckpointReader(fp8))
+
+
 def test_fp8_bf16_serving_dtype(tmp_path):
     fp8 = write_deepseek_checkpoint("deepseek_v3", tmp_path / "fp8", seed=3, fp8_block=(8, 8))
     model = load_reference_model(fp8, dtype=torch.bfloat16)
