@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from expertmesh.experts.attention_core import attend_decode, attend_prefill
 from expertmesh.experts.config import config_from_dict
 from expertmesh.experts.fp8 import dequantize, quantize, scale_shape
-from expertmesh.experts.mla_attention import MLAAttention
+from expertmesh.experts.mla_attention import AbsorbedMLAAttention, MLAAttention
 from expertmesh.experts.rope_yarn import yarn_inv_freq
 from expertmesh.experts.weights_deepseek import MLAWeights
 
@@ -118,6 +119,36 @@ def test_mla_layer_matches_transformers_and_caches_the_latent(name):
         latents = torch.cat([first["latent"], second["latent"]])
         assert (torch.cat([_attend(layer, q_a, first["latent"], 0), _attend(layer, q_b, latents, 6)])
                 - theirs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_absorbed_mla_equals_the_expanded_form_through_the_attention_core(name):
+    """Same cache entries; prefill and padded decode through attention_core, against transformers' layer."""
+    attn, rotary, cfg = _modules(name)
+    expanded, absorbed = MLAAttention(cfg, _mla_weights(attn)), AbsorbedMLAAttention(cfg, _mla_weights(attn))
+    assert absorbed.cache_spec == expanded.cache_spec and absorbed.num_kv_heads == 1
+    assert absorbed.scale == expanded.scale
+    seq = 9
+    h = torch.randn(seq, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    cos, sin = _tables(rotary, torch.arange(seq))
+    mask = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        theirs = attn(h[None], position_embeddings=rotary(h[None], torch.arange(seq)[None])
+                      if cfg.family == "deepseek_v2" else (cos[None], sin[None]), attention_mask=mask)[0][0]
+        outs = {}
+        for label, layer in (("expanded", expanded), ("absorbed", absorbed)):
+            q, entries = layer.project(h, cos, sin)
+            assert torch.equal(entries["latent"], expanded.project(h, cos, sin)[1]["latent"])
+            k, v = layer.keys_values(entries)
+            prefill = layer.output(attend_prefill(q[:6], k[:6], v[:6], 0, layer.scale))  # [6, H]
+            # then tokens 6, 7, 8 decode one by one as a padded batch of three histories of lengths 7, 8, 9
+            lengths = torch.tensor([7, 8, 9])
+            k_b = torch.stack([k] * 3)  # [B, L, kvh, Dqk]: padding beyond each length is masked
+            v_b = torch.stack([v] * 3)
+            decode = layer.output(attend_decode(q[6:], k_b, v_b, lengths, layer.scale))  # [3, H]
+            outs[label] = torch.cat([prefill, decode])
+            assert (outs[label] - theirs).abs().max().item() <= 1e-5
+        assert (outs["absorbed"] - outs["expanded"]).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
