@@ -10,6 +10,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config_deepseek import ARCHITECTURES as _DEEPSEEK_ARCHITECTURES
+from .config_deepseek import FAMILIES as _DEEPSEEK_FAMILIES
+from .config_deepseek import MODEL_TYPES as _DEEPSEEK_MODEL_TYPES
+from .config_deepseek import YarnScaling, deepseek_family_fields
 from .errors import CheckpointError
 
 # HF architecture name -> our family name.
@@ -17,8 +21,8 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "OlmoeForCausalLM": "olmoe",
-}
-MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe"}
+} | _DEEPSEEK_ARCHITECTURES
+MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe"} | _DEEPSEEK_MODEL_TYPES
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 
 
@@ -51,13 +55,33 @@ class MoEModelConfig:
     moe_layers: tuple[int, ...] = field(default=())  # layers with a sparse MoE block; others are dense MLP
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # ---- DeepSeek-V2/V3 and GLM-4.5 (parsed in experts/config_deepseek.py) -------------------------------------
+    attention_kind: str = "gqa"  # "gqa" | "mla" (DeepSeek Multi-head Latent Attention)
+    q_lora_rank: int | None = None  # MLA: None = one q_proj; else q_a_proj -> RMSNorm -> q_b_proj
+    kv_lora_rank: int = 0  # MLA: width of the compressed key/value latent
+    qk_nope_head_dim: int = 0  # MLA: per-head query/key dims without RoPE
+    qk_rope_head_dim: int = 0  # MLA: per-head query/key dims with RoPE (the key part is shared by all heads)
+    v_head_dim: int = 0  # MLA
+    rotary_dim: int = 0  # dims of a head that RoPE rotates; 0 = head_dim (GLM: head_dim * partial_rotary_factor)
+    rope_pairs_interleaved: bool = False  # DeepSeek: RoPE rotates (x0,x1),(x2,x3),.. pairs, not the two halves
+    yarn: YarnScaling | None = None  # rope_type "yarn" (cos/sin scaled; MLA's softmax scale takes mscale too)
+    router_kind: str = "softmax"  # "softmax" (route) | "deepseek_v2" | "sigmoid_grouped" (DeepSeek-V3, GLM-4.5)
+    topk_method: str = "greedy"  # deepseek_v2: "greedy" | "group_limited_greedy"
+    n_group: int = 1  # group-limited routing: experts split into n_group equal groups ...
+    topk_group: int = 1  # ... and each token picks its experts from its best topk_group groups
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' combine weights
+    router_correction_bias: bool = False  # sigmoid_grouped: mlp.gate.e_score_correction_bias (selection only)
+    shared_expert_gated: bool = True  # Qwen2-MoE's shared expert has a sigmoid gate; DeepSeek/GLM's have none
+    qk_norm_per_head: bool = False  # GLM-4.5 use_qk_norm: RMSNorm over each head's q and k (head_dim weights)
+    fp8_block: tuple[int, int] | None = None  # quant_method "fp8": weights stored e4m3 with per-block scale_inv
+    # ---- end DeepSeek-V2/V3 and GLM-4.5 ------------------------------------------------------------------------
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
     @property
     def has_shared_expert(self) -> bool:
-        return self.family == "qwen2_moe" and self.shared_expert_intermediate_size > 0
+        return self.family in ("qwen2_moe", *_DEEPSEEK_FAMILIES) and self.shared_expert_intermediate_size > 0
 
     def expert_param_count(self) -> int:
         """Parameters of one expert FFN (gate, up, down)."""
@@ -90,7 +114,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
     hidden = need("hidden_size")
     heads = need("num_attention_heads")
     layers = need("num_hidden_layers")
-    kv_heads = raw.get("num_key_value_heads") or heads
+    mla = family in ("deepseek_v2", "deepseek_v3")  # MLA: num_key_value_heads and head_dim do not apply
+    kv_heads = heads if mla else raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // heads
     if heads % kv_heads:
         raise CheckpointError(
@@ -112,7 +137,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
         head_dim=head_dim,
         top_k=need("num_experts_per_tok"),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw, source),
+        rope_theta=0.0 if family in _DEEPSEEK_FAMILIES else _rope_theta(raw, source),  # theirs: config_deepseek
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         hidden_act=act,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -149,6 +174,9 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
             moe_layers=moe_layers,
         )
+    elif family in _DEEPSEEK_FAMILIES:
+        cfg = MoEModelConfig(**(common | deepseek_family_fields(family, raw, common, need, source)),
+                             fp8_block=_fp8_block(raw, source))
     else:  # olmoe
         cfg = MoEModelConfig(
             **common,
@@ -167,6 +195,21 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
     if cfg.family == "qwen2_moe" and len(cfg.moe_layers) < cfg.num_layers and cfg.dense_intermediate_size <= 0:
         raise CheckpointError(f"{source}: key 'intermediate_size' is needed for the dense (mlp_only) layers")
     return cfg
+
+
+def _fp8_block(raw: dict, source: str) -> tuple[int, int] | None:
+    """quantization_config of a block-scaled FP8 checkpoint (DeepSeek-V3's published format) -> its block."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8":
+        raise CheckpointError(f"{source}: key 'quantization_config.quant_method'={quant.get('quant_method')!r} "
+                              "is not supported (supported: 'fp8' with weight_block_size)")
+    block = quant.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise CheckpointError(f"{source}: key 'quantization_config.weight_block_size'={block!r} must be two "
+                              "positive integers")
+    return (block[0], block[1])
 
 
 def _family(raw: dict, source: str) -> str:

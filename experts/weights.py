@@ -13,7 +13,9 @@ import torch
 
 from .checkpoint import CheckpointReader
 from .config import MoEModelConfig
+from .config_deepseek import FAMILIES as DEEPSEEK_FAMILIES
 from .ffn import GatedMLPWeights
+from .fp8 import read_weights, scale_names
 
 Shard = tuple[int, int]  # (layer, expert)
 
@@ -46,7 +48,10 @@ def check_checkpoint(reader: CheckpointReader) -> None:
     """Every tensor the model needs exists with the right shape (headers only; no data is read)."""
     cfg = reader.config
     shards = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
-    reader.check_shapes(dense_tensor_names(cfg) | expert_shard_names(cfg, shards))
+    wanted = dense_tensor_names(cfg) | expert_shard_names(cfg, shards)
+    if cfg.fp8_block is not None:  # an FP8 checkpoint's block scales must fit their weights too
+        wanted |= scale_names(reader, wanted, cfg.fp8_block)
+    reader.check_shapes(wanted)
 
 
 def load_expert_shards(
@@ -58,7 +63,7 @@ def load_expert_shards(
 ) -> dict[Shard, GatedMLPWeights]:
     """Read exactly the tensors of `shards` (nothing else is touched) and fuse each into GatedMLPWeights."""
     cfg = reader.config
-    tensors = reader.read_many(expert_shard_names(cfg, shards), progress=progress)
+    tensors = read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress)
     out: dict[Shard, GatedMLPWeights] = {}
     for layer, expert in shards:
         names = expert_tensor_names(cfg, layer, expert)
@@ -89,6 +94,7 @@ class LayerWeights:
     dense_mlp: GatedMLPWeights | None = None  # Qwen2-MoE mlp_only layers
     shared_expert: GatedMLPWeights | None = None  # Qwen2-MoE
     shared_expert_gate: torch.Tensor | None = None  # [1, H]
+    router_correction_bias: torch.Tensor | None = None  # [E] DeepSeek-V3 / GLM-4.5 e_score_correction_bias
 
 
 @dataclass
@@ -103,6 +109,10 @@ class DenseWeights:
 
 def dense_tensor_names(cfg: MoEModelConfig) -> dict[str, tuple[int, ...]]:
     """Every non-expert tensor the model needs: name -> expected shape."""
+    if cfg.family in DEEPSEEK_FAMILIES:
+        from .weights_deepseek import deepseek_dense_tensor_names  # imports this module's dataclasses
+
+        return deepseek_dense_tensor_names(cfg)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -149,6 +159,10 @@ def load_dense_weights(
     reader: CheckpointReader, dtype: torch.dtype = torch.float32, progress: str | None = None
 ) -> DenseWeights:
     cfg = reader.config
+    if cfg.family in DEEPSEEK_FAMILIES:
+        from .weights_deepseek import load_deepseek_dense_weights  # imports this module's dataclasses
+
+        return load_deepseek_dense_weights(reader, dtype, progress)
     t = {k: v.to(dtype) for k, v in reader.read_many(dense_tensor_names(cfg), progress=progress).items()}
     layers = []
     for i in range(cfg.num_layers):
