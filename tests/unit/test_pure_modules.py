@@ -33,6 +33,7 @@ PURE_MODULES = (
     "expertmesh.experts.gating",
     "expertmesh.experts.kv_cache",
     "expertmesh.experts.mla_attention",
+    "expertmesh.experts.model_source",  # folders and Hub repo ids (huggingface_hub imported on use)
     "expertmesh.experts.modeling",
     "expertmesh.experts.norms",
     "expertmesh.experts.reference",
@@ -61,6 +62,7 @@ PURE_MODULES = (
     "expertmesh.router_service.transports",
     "expertmesh.router_service.transports.base",
     # cluster policies and plans
+    "expertmesh.cluster.memory_plan",  # GPU memory accounting for placement and plan-cluster
     "expertmesh.cluster.actor_slots",
     "expertmesh.cluster.autoscale",
     "expertmesh.cluster.breaker",
