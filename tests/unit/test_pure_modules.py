@@ -23,6 +23,7 @@ PURE_MODULES = (
     "expertmesh.experts.arrays",
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
+    "expertmesh.experts.dtypes",  # model.dtype resolution ("auto" against the checkpoint and the device)
     "expertmesh.experts.embedded_model",
     "expertmesh.experts.errors",
     "expertmesh.experts.ffn",
