@@ -76,7 +76,7 @@ class HostStager:
     tensors too (tests count the copies and waits of the code path on a CPU-only machine)."""
 
     def __init__(self, synchronize: Callable[[torch.device], None] | None = None, always_stage: bool = False):
-        self.synchronize = synchronize or torch.cuda.synchronize
+        self.synchronize = synchronize  # None: torch.cuda.synchronize, looked up at each wait
         self.always_stage = always_stage
         self.copies = 0  # tensors copied into a staging buffer since creation
         self.syncs = 0  # waits since creation
@@ -98,5 +98,5 @@ class HostStager:
         if self._waiting_on is None:
             return
         device, self._waiting_on = self._waiting_on, None
-        self.synchronize(device)
+        (self.synchronize or torch.cuda.synchronize)(device)
         self.syncs += 1
