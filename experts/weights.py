@@ -61,15 +61,27 @@ def load_expert_shards(
     device: str | torch.device = "cpu",
     progress: str | None = None,
 ) -> dict[Shard, GatedMLPWeights]:
-    """Read exactly the tensors of `shards` (nothing else is touched) and fuse each into GatedMLPWeights."""
+    """Read exactly the tensors of `shards` (nothing else is touched) in their stored dtype, move and cast each once
+    to (device, dtype), and fuse each shard's into GatedMLPWeights there."""
     cfg = reader.config
-    tensors = read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress)
+    tensors = _cast_each(read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress),
+                         dtype, device)
     out: dict[Shard, GatedMLPWeights] = {}
     for layer, expert in shards:
         names = expert_tensor_names(cfg, layer, expert)
-        parts = {role: tensors[name] for role, (name, _) in names.items()}
-        out[(layer, expert)] = GatedMLPWeights.from_parts(**parts).to(device, dtype)
+        # pop: a shard's parts are dropped as soon as they are fused, so the device holds each weight once (+ a shard)
+        parts = {role: tensors.pop(name) for role, (name, _) in names.items()}
+        out[(layer, expert)] = GatedMLPWeights.from_parts(**parts)
     return out
+
+
+def _cast_each(tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+               device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor (as read, in its stored dtype) moved and cast once, replacing it in the dict as it goes, so no
+    second full copy of the weights exists at any point (a bf16 checkpoint read as bf16 is never widened)."""
+    for name in list(tensors):
+        tensors[name] = tensors[name].to(device=device, dtype=dtype)
+    return tensors
 
 
 @dataclass
@@ -156,14 +168,16 @@ def _mlp_names(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int
 
 
 def load_dense_weights(
-    reader: CheckpointReader, dtype: torch.dtype = torch.float32, progress: str | None = None
+    reader: CheckpointReader, dtype: torch.dtype = torch.float32, progress: str | None = None,
+    device: str | torch.device = "cpu",
 ) -> DenseWeights:
+    """Everything but the routed experts, read in the stored dtype and moved/cast once per tensor to (device, dtype)."""
     cfg = reader.config
     if cfg.family in DEEPSEEK_FAMILIES:
         from .weights_deepseek import load_deepseek_dense_weights  # imports this module's dataclasses
 
-        return load_deepseek_dense_weights(reader, dtype, progress)
-    t = {k: v.to(dtype) for k, v in reader.read_many(dense_tensor_names(cfg), progress=progress).items()}
+        return load_deepseek_dense_weights(reader, dtype, progress, device)
+    t = _cast_each(reader.read_many(dense_tensor_names(cfg), progress=progress), dtype, device)
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."

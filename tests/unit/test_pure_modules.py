@@ -26,6 +26,7 @@ PURE_MODULES = (
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
     "expertmesh.experts.config_deepseek",
+    "expertmesh.experts.dtypes",  # model.dtype resolution ("auto" against the checkpoint and the device)
     "expertmesh.experts.embedded_model",
     "expertmesh.experts.errors",
     "expertmesh.experts.ffn",
