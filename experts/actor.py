@@ -18,10 +18,17 @@ import torch
 from .arrays import HostStager, HostTensor, pack, to_tensor
 from .dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
 from .ffn import activation, gated_mlp
+from .load_progress import ProgressReporter
 from .model_source import open_checkpoint, shard_tensors
 from .telemetry import ExpertMetrics, build_tracer, context_of
 from .tracing_config import TracingConfig
-from .weights import Shard, load_expert_shards
+from .weights import Shard, expert_shard_bytes, load_expert_shards
+
+
+def _kv_put(key: bytes, value: bytes) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, value, overwrite=True)
 
 
 class ExpertActor:
@@ -44,7 +51,14 @@ class ExpertActor:
         self.act = activation(reader.config.hidden_act)
         self.dtype_name = resolve_dtype(dtype, read_checkpoint_dtype(reader.model_dir), self.device.type == "cuda")
         self.dtype = torch_dtype(self.dtype_name)
-        self.shards = load_expert_shards(reader, shards, self.dtype, self.device)
+        # Progress (bytes read of bytes to read) goes to Ray's KV store while __init__ runs, for `expertmesh status`.
+        reporter = ProgressReporter(name, expert_shard_bytes(reader, shards), _kv_put)
+        try:
+            self.shards = load_expert_shards(reader, shards, self.dtype, self.device, on_bytes=reporter.add)
+        except BaseException as exc:
+            reporter.finish(error=f"{type(exc).__name__}: {exc}")
+            raise
+        reporter.finish()
         self.calls = 0
         self.tokens = 0
         self.tracer = build_tracer(TracingConfig(**tracing), f"expert:{name}") if tracing else None

@@ -62,13 +62,14 @@ def scale_names(reader, wanted: dict[str, tuple[int, ...] | None], block: tuple[
 
 
 def read_weights(reader, wanted: dict[str, tuple[int, ...] | None], block: tuple[int, int] | None,
-                 progress: str | None = None) -> dict[str, torch.Tensor]:
+                 progress: str | None = None, **read_options) -> dict[str, torch.Tensor]:
     """reader.read_many(wanted), with every `X.weight` that has an `X.weight_scale_inv` in the checkpoint
-    dequantised (float32). block None (not an FP8 checkpoint) reads the tensors as they are."""
+    dequantised (float32). block None (not an FP8 checkpoint) reads the tensors as they are. read_options:
+    read_many's on_bytes / device."""
     if block is None:
-        return reader.read_many(wanted, progress=progress)
+        return reader.read_many(wanted, progress=progress, **read_options)
     scales = scale_names(reader, wanted, block)
-    tensors = reader.read_many(wanted | scales, progress=progress)
+    tensors = reader.read_many(wanted | scales, progress=progress, **read_options)
     for scale_name in scales:
         name = scale_name[: -len(SCALE_SUFFIX)]
         tensors[name] = dequantize(tensors[name], tensors.pop(scale_name), block)

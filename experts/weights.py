@@ -7,6 +7,7 @@ use (`block_sparse_moe.experts.E.w1` for Mixtral, `mlp.experts.E.gate_proj` for 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,15 @@ def expert_tensor_names(cfg: MoEModelConfig, layer: int, expert: int) -> dict[st
         names = {"gate": "gate_proj.weight", "up": "up_proj.weight", "down": "down_proj.weight"}
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     return {role: (prefix + name, shapes[role]) for role, name in names.items()}
+
+
+def expert_shard_bytes(reader: CheckpointReader, shards: list[Shard]) -> int:
+    """Bytes an actor hosting `shards` reads (as stored, FP8 scales included; headers only)."""
+    cfg = reader.config
+    names = dict(expert_shard_names(cfg, shards))
+    if cfg.fp8_block is not None:
+        names |= scale_names(reader, names, cfg.fp8_block)
+    return reader.nbytes(names)
 
 
 def expert_shard_names(cfg: MoEModelConfig, shards: list[Shard]) -> dict[str, tuple[int, ...]]:
@@ -60,12 +70,13 @@ def load_expert_shards(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: str | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> dict[Shard, GatedMLPWeights]:
-    """Read exactly the tensors of `shards` (nothing else is touched) in their stored dtype, move and cast each once
-    to (device, dtype), and fuse each shard's into GatedMLPWeights there."""
+    """Read exactly the tensors of `shards` (nothing else is touched) in their stored dtype, straight onto `device`,
+    cast each once to `dtype`, and fuse each shard's into GatedMLPWeights there. on_bytes: load progress."""
     cfg = reader.config
-    tensors = _cast_each(read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress),
-                         dtype, device)
+    tensors = _cast_each(read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress,
+                                      on_bytes=on_bytes, device=device), dtype, device)
     out: dict[Shard, GatedMLPWeights] = {}
     for layer, expert in shards:
         names = expert_tensor_names(cfg, layer, expert)

@@ -43,7 +43,7 @@ class ClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("actor", "expert", "replica", "node_id", "gpu_ids", "device", "alive", "restoring", "generation", "breaker", "calls", "tokens", "drained", "dtype")
+    __slots__ = ("actor", "expert", "replica", "node_id", "gpu_ids", "device", "alive", "restoring", "generation", "breaker", "calls", "tokens", "drained", "dtype", "load_bytes", "load_total_bytes", "load_error")
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,9 @@ class ReplicaState(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ERROR_FIELD_NUMBER: _ClassVar[int]
     actor: str
     expert: int
     replica: int
@@ -72,7 +75,10 @@ class ReplicaState(_message.Message):
     tokens: int
     drained: bool
     dtype: str
-    def __init__(self, actor: _Optional[str] = ..., expert: _Optional[int] = ..., replica: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., restoring: _Optional[bool] = ..., generation: _Optional[int] = ..., breaker: _Optional[str] = ..., calls: _Optional[int] = ..., tokens: _Optional[int] = ..., drained: _Optional[bool] = ..., dtype: _Optional[str] = ...) -> None: ...
+    load_bytes: int
+    load_total_bytes: int
+    load_error: str
+    def __init__(self, actor: _Optional[str] = ..., expert: _Optional[int] = ..., replica: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., restoring: _Optional[bool] = ..., generation: _Optional[int] = ..., breaker: _Optional[str] = ..., calls: _Optional[int] = ..., tokens: _Optional[int] = ..., drained: _Optional[bool] = ..., dtype: _Optional[str] = ..., load_bytes: _Optional[int] = ..., load_total_bytes: _Optional[int] = ..., load_error: _Optional[str] = ...) -> None: ...
 
 class ShardReplicas(_message.Message):
     __slots__ = ("layer", "expert", "replicas")

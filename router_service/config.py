@@ -122,7 +122,9 @@ class RayConfig:
 class ExpertsConfig:
     replicas_per_expert: int = 1  # the default layout: actor expert-e{E}-r{R} hosts expert E of every MoE layer
     num_cpus_per_actor: float | None = None  # None: share each node's CPUs among its actors (≤ 1 each)
-    start_timeout_s: float = 180.0  # every actor loaded its weights and answered, or start-up fails
+    # Every actor loaded its weights and answered, or start-up fails. The default lets an actor fetch and read a
+    # large shard set (e.g. 1/8 of a 100 GB checkpoint from the Hub, or all of it from a ~100 MB/s cloud disk).
+    start_timeout_s: float = 1800.0
     placement: str | None = None  # a PLACEMENT.json (`expertmesh plan`): one actor per GPU hosting its shards
 
     def validate(self) -> ExpertsConfig:

@@ -24,6 +24,7 @@ from ..cluster.naming import CONTROLLER_NAME, NAMESPACE, parse_expert_actor_name
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.shard_liveness import HealthVerdict, health_verdict
 from ..cluster.table_store import read_table
+from ..experts.load_progress import read_progress
 from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
@@ -330,6 +331,12 @@ class RouterDeployment:
         return admin_pb2.ReplicaReply(ok=True, message=outcome["message"])
 
 
+def _kv_get(key: bytes) -> bytes | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key)
+
+
 async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name: str) -> admin_pb2.ClusterState:
     """Controller view (epoch, events, restores) + each actor's own report + this router's breakers."""
     state = admin_pb2.ClusterState(model=model_name, router=stats,
@@ -375,6 +382,11 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
             restoring=name in restoring,
             breaker=router.backend.breakers.get(name).state, drained=name in drained,
         )
+        progress = read_progress(name, _kv_get)
+        if progress is not None:
+            replica_state.load_bytes = progress.loaded_bytes
+            replica_state.load_total_bytes = progress.total_bytes
+            replica_state.load_error = progress.error or ""
         if got is not None:
             replica_state.node_id = got["node_id"]
             replica_state.gpu_ids.extend(got["gpu_ids"])

@@ -49,8 +49,10 @@ FLAGS: tuple[Flag, ...] = (
          {"type": int}),
     Flag("--cpus-per-actor", "experts.num_cpus_per_actor", "experts", "CPUs per expert actor (default: a share "
          "of each node's)", {"type": float}),
-    Flag("--actor-start-timeout", "experts.start_timeout_s", "experts", "seconds for every expert actor to load",
-         {"type": float}),
+    Flag("--actor-start-timeout", "experts.start_timeout_s", "experts", "seconds for every expert actor to load "
+         "(default 1800)", {"type": float}),
+    Flag("--restore-timeout", "controller.restore_timeout_s", "controller", "seconds a restored actor may take to "
+         "load (default 1800)", {"type": float}),
     Flag("--placement", "experts.placement", "experts", "start from a PLACEMENT.json (`expertmesh plan`): one "
          "expert actor per GPU hosting that GPU's shards", {"metavar": "FILE"}),
     Flag("--transport", "router.transport", "router", "how routers reach expert actors (README: Transports)",

@@ -56,7 +56,16 @@ def status_lines(state) -> list[str]:
         alive = "drained" if rep.drained else "restoring" if rep.restoring else "up" if rep.alive else "DOWN"
         lines.append(f"{rep.actor:<16}{rep.node_id[:12]:<14}{','.join(rep.gpu_ids) or '-':<6}{rep.device or '-':<8}"
                      f"{rep.dtype or '-':<10}{alive:<10}{rep.generation:>4}  {rep.breaker:<10}{rep.calls:>8}"
-                     f"{rep.tokens:>10}")
+                     f"{rep.tokens:>10}{load_note(rep)}")
     for event in state.events[-10:]:
         lines.append(f"event {event.time:.1f} {event.kind:<15} {event.actor} {event.detail_json}")
     return lines
+
+
+def load_note(rep) -> str:
+    """'  loading 3.2/10.5 GiB' while an actor reads its weights, its load error if the last load failed."""
+    if rep.load_error:
+        return f"  load failed: {rep.load_error}"
+    if rep.load_total_bytes and rep.load_bytes < rep.load_total_bytes:
+        return f"  loading {rep.load_bytes / 2**30:.1f}/{rep.load_total_bytes / 2**30:.1f} GiB"
+    return ""

@@ -143,8 +143,8 @@ def test_weights_are_read_in_their_stored_dtype_and_never_widened(checkpoints, t
     read: list[torch.Tensor] = []
     original = CheckpointReader.read_many
 
-    def recording(self, wanted, progress=None):
-        out = original(self, wanted, progress)
+    def recording(self, wanted, progress=None, **options):
+        out = original(self, wanted, progress, **options)
         read.extend(out.values())
         return out
 

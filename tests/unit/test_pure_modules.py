@@ -33,6 +33,7 @@ PURE_MODULES = (
     "expertmesh.experts.fp8",
     "expertmesh.experts.gating",
     "expertmesh.experts.kv_cache",
+    "expertmesh.experts.load_progress",  # actors' load progress records (the KV store passed in)
     "expertmesh.experts.mla_attention",
     "expertmesh.experts.model_source",  # folders and Hub repo ids (huggingface_hub imported on use)
     "expertmesh.experts.modeling",
