@@ -1,7 +1,7 @@
 """One validated description of an MoE checkpoint, read from its Hugging Face `config.json`.
 
-Three families share one decoder shape (RMSNorm, RoPE attention with GQA, SwiGLU experts) and differ in a
-handful of switches, so one dataclass with those switches is clearer than three model classes.
+The families share one decoder shape (RMSNorm, RoPE attention with GQA, gated experts) and differ in a handful of
+switches, so one dataclass with those switches is clearer than one model class per family.
 """
 
 from __future__ import annotations
@@ -17,14 +17,32 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "OlmoeForCausalLM": "olmoe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
-MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe"}
+MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "qwen3_moe": "qwen3_moe",
+               "gpt_oss": "gpt_oss"}
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
+SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)}  # family -> quant_method values we dequantise on load
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (`rope_parameters` with rope_type "yarn"), as transformers' `_compute_yarn_parameters`."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: derived from factor (and mscale / mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True)
 class MoEModelConfig:
-    family: str  # "mixtral" | "qwen2_moe" | "olmoe"
+    family: str  # "mixtral" | "qwen2_moe" | "olmoe" | "qwen3_moe" | "gpt_oss"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -51,6 +69,18 @@ class MoEModelConfig:
     moe_layers: tuple[int, ...] = field(default=())  # layers with a sparse MoE block; others are dense MLP
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # ---- Qwen3-MoE and gpt-oss (issue 13 items 2-3); other families' fields go in their own block ----
+    head_qk_norm: bool = False  # Qwen3-MoE: RMSNorm over head_dim of each q and k head (not OLMoE's full width)
+    attention_sinks: bool = False  # gpt-oss: a learned per-head extra logit in the attention softmax
+    attention_out_bias: bool = False  # gpt-oss: o_proj carries a bias
+    router_bias: bool = False  # gpt-oss: the router linear carries a bias
+    router_topk_softmax: bool = False  # gpt-oss: top-k on the router logits, then softmax over those k
+    expert_activation: str = "gated"  # "gated" (act(gate)·up) | "clamped_swiglu" (gpt-oss)
+    swiglu_alpha: float = 1.702  # gpt-oss clamped SwiGLU: gate·σ(alpha·gate)·(up+1)
+    swiglu_limit: float = 7.0  # gpt-oss: gate clamped to ≤ limit, up to ±limit
+    rope_yarn: YarnScaling | None = None  # YaRN RoPE scaling (gpt-oss ships it; any family may)
+    quantization: str | None = None  # quantization_config.quant_method of the expert tensors ("mxfp4")
+    # ---- end of the Qwen3-MoE / gpt-oss block ----
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -60,8 +90,9 @@ class MoEModelConfig:
         return self.family == "qwen2_moe" and self.shared_expert_intermediate_size > 0
 
     def expert_param_count(self) -> int:
-        """Parameters of one expert FFN (gate, up, down)."""
-        return 3 * self.hidden_size * self.expert_intermediate_size
+        """Parameters of one expert FFN (gate, up, down, and gpt-oss's biases)."""
+        biases = 2 * self.expert_intermediate_size + self.hidden_size if self.family == "gpt_oss" else 0
+        return 3 * self.hidden_size * self.expert_intermediate_size + biases
 
 
 def load_model_config(model_dir: str | Path) -> MoEModelConfig:
@@ -113,6 +144,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
         top_k=need("num_experts_per_tok"),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(raw, source),
+        rope_yarn=_rope_yarn(raw, source),
+        quantization=_quantization(raw, family, source),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         hidden_act=act,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -131,10 +164,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
             moe_layers=all_layers,
         )
     elif family == "qwen2_moe":
-        step = raw.get("decoder_sparse_step", 1) or 1
-        mlp_only = set(raw.get("mlp_only_layers") or [])
         experts = need("num_experts")
-        moe_layers = tuple(i for i in all_layers if i not in mlp_only and experts > 0 and (i + 1) % step == 0)
+        moe_layers = _sparse_layers(raw, layers, experts)
         layer_types = raw.get("layer_types") or []
         sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
         cfg = MoEModelConfig(
@@ -148,6 +179,43 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
             dense_intermediate_size=int(raw.get("intermediate_size") or 0),
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
             moe_layers=moe_layers,
+        )
+    elif family == "qwen3_moe":
+        experts = raw.get("num_experts") or raw.get("num_local_experts") or need("num_experts")
+        cfg = MoEModelConfig(
+            **common,
+            num_experts=experts,
+            expert_intermediate_size=need("moe_intermediate_size"),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            head_qk_norm=True,
+            dense_intermediate_size=int(raw.get("intermediate_size") or 0),
+            moe_layers=_sparse_layers(raw, layers, experts),
+            # transformers applies the window to every layer when use_sliding_window is on
+            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
+            sliding_layers=all_layers if raw.get("use_sliding_window") and raw.get("sliding_window") else (),
+        )
+    elif family == "gpt_oss":
+        layer_types = raw.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+        ]  # transformers' default: alternate, starting with a sliding layer
+        sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        cfg = MoEModelConfig(
+            **common,
+            num_experts=raw.get("num_local_experts") or need("num_experts"),
+            expert_intermediate_size=need("intermediate_size"),
+            norm_topk_prob=True,  # the softmax runs over the k selected logits: the weights sum to 1
+            attention_bias=bool(raw.get("attention_bias", True)),
+            attention_out_bias=bool(raw.get("attention_bias", True)),
+            attention_sinks=True,
+            router_bias=True,
+            router_topk_softmax=True,
+            expert_activation="clamped_swiglu",
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+            sliding_window=raw.get("sliding_window", 128) if sliding else None,
+            sliding_layers=sliding,
+            moe_layers=all_layers,
         )
     else:  # olmoe
         cfg = MoEModelConfig(
@@ -164,7 +232,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
         raise CheckpointError(
             f"{source}: num_experts_per_tok={cfg.top_k} exceeds the number of experts ({cfg.num_experts})"
         )
-    if cfg.family == "qwen2_moe" and len(cfg.moe_layers) < cfg.num_layers and cfg.dense_intermediate_size <= 0:
+    dense_layers = len(cfg.moe_layers) < cfg.num_layers
+    if cfg.family in ("qwen2_moe", "qwen3_moe") and dense_layers and cfg.dense_intermediate_size <= 0:
         raise CheckpointError(f"{source}: key 'intermediate_size' is needed for the dense (mlp_only) layers")
     return cfg
 
@@ -183,14 +252,60 @@ def _family(raw: dict, source: str) -> str:
     )
 
 
-def _rope_theta(raw: dict, source: str) -> float:
+def _sparse_layers(raw: dict, layers: int, experts: int) -> tuple[int, ...]:
+    """Qwen2/3-MoE: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid."""
+    step = raw.get("decoder_sparse_step", 1) or 1
+    mlp_only = set(raw.get("mlp_only_layers") or [])
+    return tuple(i for i in range(layers) if i not in mlp_only and experts > 0 and (i + 1) % step == 0)
+
+
+def _rope_settings(raw: dict) -> tuple[dict, str]:
     # transformers >= 5 nests RoPE settings under `rope_parameters`; older checkpoints use `rope_theta`/`rope_scaling`.
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
+    params = dict(raw.get("rope_scaling") or {}) | dict(raw.get("rope_parameters") or {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    return params, rope_type
+
+
+def _rope_theta(raw: dict, source: str) -> float:
+    params, rope_type = _rope_settings(raw)
+    if rope_type not in ("default", "yarn"):
         raise CheckpointError(f"{source}: key 'rope_parameters.rope_type'={rope_type!r} is not supported yet")
     return float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+
+
+def _rope_yarn(raw: dict, source: str) -> YarnScaling | None:
+    params, rope_type = _rope_settings(raw)
+    if rope_type != "yarn":
+        return None
+    original = params.get("original_max_position_embeddings")
+    factor = params.get("factor")
+    if not original:
+        raise CheckpointError(f"{source}: key 'rope_parameters.original_max_position_embeddings' is needed for YaRN")
+    if factor is None:  # transformers: the ratio of the extended to the pretrained context
+        factor = raw.get("max_position_embeddings", 4096) / original
+
+    def opt(key: str) -> float | None:
+        return None if params.get(key) is None else float(params[key])
+
+    return YarnScaling(
+        factor=float(factor), original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)), attention_factor=opt("attention_factor"),
+        mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+    )
+
+
+def _quantization(raw: dict, family: str, source: str) -> str | None:
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method not in SUPPORTED_QUANTIZATION.get(family, ()):
+        raise CheckpointError(
+            f"{source}: key 'quantization_config.quant_method'={method!r} is not supported for {family} "
+            f"(supported: {SUPPORTED_QUANTIZATION.get(family, ())})"
+        )
+    return method
 
 
 def _single_id(value) -> int | None:

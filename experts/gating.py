@@ -80,6 +80,40 @@ def route(
                    rerouted_per_token=None if capacity_factor is None else rerouted_per_token, probs=probs)
 
 
+def route_topk_softmax(
+    router_logits: torch.Tensor, top_k: int, capacity_factor: float | None = None
+) -> Routing:
+    """gpt-oss: top-k on the router logits (bias already added), then softmax over the k chosen logits.
+
+    router_logits: [T, E] -> Routing over k slots. Ties keep the lower expert id first, as in `route`. The weights
+    equal softmax-then-renormalise mathematically; they are computed as transformers does (a softmax over the k
+    logits). `probs` is the softmax over all E logits: degraded re-routing and load statistics rank by it, and
+    renormalising its entries over any k experts gives that k's weights. With a capacity cap the softmax runs over
+    the slots that found room (a dropped slot weighs 0).
+    """
+    assert router_logits.dim() == 2, "router_logits must be [T, E]"
+    num_tokens, num_experts = router_logits.shape
+    assert 0 < top_k <= num_experts, f"top_k={top_k} must be in 1..{num_experts}"
+    logits = router_logits.float()  # [T, E]
+    order = preference_order(logits)  # [T, E]
+    if capacity_factor is None:
+        experts = order[:, :top_k].contiguous()  # [T, k]
+        rerouted = dropped = 0
+        rerouted_per_token = None
+    else:
+        if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+            raise ValueError(f"capacity_factor must be a positive finite number, got {capacity_factor}")
+        capacity = max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+        experts, rerouted_per_token = _fill_with_capacity(order, top_k, capacity)
+        rerouted, dropped = int(rerouted_per_token.sum()), int((experts == DROPPED).sum())
+    chosen = torch.gather(logits, 1, experts.clamp(min=0))  # [T, k]
+    chosen = chosen.masked_fill(experts == DROPPED, float("-inf"))
+    weights = torch.softmax(chosen, dim=-1)  # [T, k]
+    weights = torch.nan_to_num(weights, nan=0.0)  # a token with every slot dropped: all weights 0
+    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped,
+                   rerouted_per_token=rerouted_per_token, probs=torch.softmax(logits, dim=-1))
+
+
 def degrade(routing: Routing, available: torch.Tensor) -> Routing:
     """Move every slot whose expert is unavailable to the token's next-best available expert it does not already
     use; the token's weights are then rescaled to their original total. available: [E] bool.
