@@ -1,4 +1,4 @@
-"""Tiny MoE checkpoints for tests, in the three supported families, written the way users get them.
+"""Tiny MoE checkpoints for tests, in every supported family, written the way users get them.
 
 `transformers` writes them with `save_pretrained` (one file or sharded); `write_direct_mixtral` writes one with
 `safetensors` alone, so the format test does not depend on a `transformers` version. Weights are drawn with a larger

@@ -28,6 +28,7 @@ PURE_MODULES = (
     "expertmesh.experts.ffn",
     "expertmesh.experts.gating",
     "expertmesh.experts.modeling",
+    "expertmesh.experts.mxfp4",
     "expertmesh.experts.reference",
     "expertmesh.experts.tokenizer",
     "expertmesh.experts.tracing_config",
