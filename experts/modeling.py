@@ -21,10 +21,17 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from .attention import AttentionLayer, build_attention
+from .attention_core import attend_decode, attend_prefill
 from .config import MoEModelConfig
 from .ffn import activation, gated_mlp
 from .gating import Routing, concat_routings, route
-from .weights import AttentionWeights, DenseWeights
+from .kv_cache import KVCache
+from .norms import rms_norm
+from .rope import build_rope
+from .weights import DenseWeights
+
+__all__ = ["ExpertBackend", "KVCache", "MoEDecoder", "StepTrace", "rms_norm"]
 
 
 class ExpertBackend(Protocol):
@@ -43,22 +50,6 @@ class ExpertBackend(Protocol):
 
 
 @dataclass
-class KVCache:
-    """Keys and values of one sequence, per layer: [S, kvh, D] (sequence-major, so a batch pads along S)."""
-
-    keys: list[torch.Tensor | None]
-    values: list[torch.Tensor | None]
-    length: int = 0
-
-    @classmethod
-    def empty(cls, num_layers: int) -> KVCache:
-        return cls(keys=[None] * num_layers, values=[None] * num_layers)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
-
-
-@dataclass
 class StepTrace:
     """What one forward routed, per MoE layer: kept for stats and tests (e.g. 'calls == experts hit')."""
 
@@ -70,8 +61,8 @@ class _Group:
     """A micro-batch of a step: some consecutive sequences, their hidden states and rotary tables."""
 
     x: torch.Tensor  # [T_g, H] residual stream
-    cos: torch.Tensor  # [T_g, 1, D]
-    sin: torch.Tensor  # [T_g, 1, D]
+    cos: torch.Tensor  # [T_g, R] rotary tables of the group's positions
+    sin: torch.Tensor  # [T_g, R]
     lengths: list[int]
     starts: list[int]
     caches: list[KVCache]
@@ -82,18 +73,6 @@ class _Group:
         lo, hi = sum(self.lengths[:first]), sum(self.lengths[:last])
         return _Group(self.x[lo:hi], self.cos[lo:hi], self.sin[lo:hi], self.lengths[first:last],
                       self.starts[first:last], self.caches[first:last])
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class MoEDecoder:
@@ -114,8 +93,11 @@ class MoEDecoder:
         self.capacity_factor = capacity_factor
         self.overlap = overlap  # ping-pong two micro-batches when the step and the backend allow it
         self.act = activation(cfg.hidden_act)
-        dim = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [D/2]
+        # Everything the decoder makes per step (positions, RoPE tables, masks) lives where its weights do.
+        self.rope = build_rope(cfg, device=self.device)
+        self.attention: list[AttentionLayer] = [
+            build_attention(cfg, i, layer.attention) for i, layer in enumerate(weights.layers)
+        ]
         self.last_trace = StepTrace()
         # Called as step_observer(trace, lengths, caches) after every forward (load statistics); None = off.
         self.step_observer = None
@@ -123,6 +105,10 @@ class MoEDecoder:
     @property
     def dtype(self) -> torch.dtype:
         return self.w.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.w.embed.device
 
     def new_cache(self) -> KVCache:
         return KVCache.empty(self.cfg.num_layers)
@@ -136,11 +122,10 @@ class MoEDecoder:
             caches = [self.new_cache() for _ in tokens]
         lengths = [int(t.numel()) for t in tokens]
         starts = [c.length for c in caches]
-        ids = torch.cat([t.reshape(-1) for t in tokens])  # [T]
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])  # [T]
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos, sin = emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]  # [T, 1, D]
+        device = self.device
+        ids = torch.cat([t.reshape(-1) for t in tokens]).to(device)  # [T]
+        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)])  # [T]
+        cos, sin = self.rope.tables(positions, self.dtype)  # [T, R] each
 
         x = F.embedding(ids, self.w.embed)  # [T, H]
         step = _Group(x, cos, sin, lengths, starts, caches)
@@ -233,7 +218,7 @@ class MoEDecoder:
         returns None) or the gate -> (h [T_g, H], routing) for the expert round."""
         cfg = self.cfg
         h = rms_norm(g.x, layer.input_norm, cfg.rms_norm_eps)  # [T_g, H]
-        g.x = g.x + self._attention(i, layer.attention, h, g.cos, g.sin, g.lengths, g.starts, g.caches)
+        g.x = g.x + self._attention(i, h, g)
         h = rms_norm(g.x, layer.post_attention_norm, cfg.rms_norm_eps)
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
@@ -247,90 +232,37 @@ class MoEDecoder:
         gate = torch.sigmoid(F.linear(h, layer.shared_expert_gate))  # [T, 1]
         return mlp + gate * gated_mlp(h, layer.shared_expert, self.act)
 
-    def _attention(
-        self,
-        layer: int,
-        w: AttentionWeights,
-        h: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        lengths: list[int],
-        starts: list[int],
-        caches: list[KVCache],
-    ) -> torch.Tensor:
-        cfg = self.cfg
-        q = F.linear(h, w.q, w.q_bias)  # [T, nh*D]
-        k = F.linear(h, w.k, w.k_bias)  # [T, kvh*D]
-        v = F.linear(h, w.v, w.v_bias)  # [T, kvh*D]
-        if w.q_norm is not None:
-            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        if cfg.clip_qkv is not None:
-            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, nh, D]
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, kvh, D]
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        window = cfg.sliding_window if layer in cfg.sliding_layers else None
-        gqa = cfg.num_heads != cfg.num_kv_heads
-
-        outs: list[torch.Tensor | None] = [None] * len(lengths)
-        decode_rows: list[int] = []  # sequences adding exactly one token: attended together in one call
-        for i, (q_s, k_s, v_s, start, cache) in enumerate(zip(
-            q.split(lengths), k.split(lengths), v.split(lengths), starts, caches
-        )):
-            keys, values = _append(cache, layer, k_s, v_s)  # [S+start, kvh, D]
-            if q_s.shape[0] == 1 and window is None:
+    def _attention(self, layer: int, h: torch.Tensor, g: _Group) -> torch.Tensor:
+        """Layer `layer`'s attention for group g: project, append to each sequence's cache, attend. h: [T_g, H].
+        Sequences adding one token (decode) attend together in one call; a prefilling one attends on its own."""
+        attn = self.attention[layer]
+        q, new = attn.project(h, g.cos, g.sin)  # [T_g, nh, Dqk], {name: [T_g, *shape]}
+        outs: list[torch.Tensor | None] = [None] * len(g.lengths)
+        decode_rows: list[int] = []
+        offset = 0
+        for i, (n, start, cache) in enumerate(zip(g.lengths, g.starts, g.caches)):
+            history = cache.append(layer, {name: t[offset:offset + n] for name, t in new.items()})
+            if n == 1:
                 decode_rows.append(i)
-                continue
-            mask = _attention_mask(q_s.shape[0], start, window)
-            out = F.scaled_dot_product_attention(
-                q_s.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # [nh, S, D], [kvh, L, D]
-                attn_mask=mask, is_causal=mask is None and start == 0 and q_s.shape[0] > 1, enable_gqa=gqa,
-            )  # [nh, S, D]
-            outs[i] = out.transpose(0, 1).reshape(q_s.shape[0], -1)
+            else:
+                k, v = attn.keys_values(history)  # [L, kvh, Dqk], [L, kvh, Dv]
+                outs[i] = attend_prefill(q[offset:offset + n], k, v, start, attn.scale, attn.window, attn.sinks)
+            offset += n
         if decode_rows:
-            for i, out in zip(decode_rows, self._batched_decode_attention(q, lengths, caches, layer, decode_rows)):
-                outs[i] = out
-        return F.linear(torch.cat(outs), w.o)  # [T, H]
+            for i, out in zip(decode_rows, self._decode_attention(layer, attn, q, g, decode_rows).unbind(0)):
+                outs[i] = out[None, :]
+        return attn.output(torch.cat(outs))  # [T_g, H]
 
-    def _batched_decode_attention(
-        self, q: torch.Tensor, lengths: list[int], caches: list[KVCache], layer: int, rows: list[int]
-    ) -> list[torch.Tensor]:
-        """One attention call for every sequence that adds a single token: pad their histories to the longest and
-        mask the padding. Per-sequence calls cost ~0.2 ms each in Python and dominate decode steps at batch 32."""
-        cfg = self.cfg
-        offsets = torch.tensor([0, *lengths]).cumsum(0)
-        q_rows = q[offsets[rows]]  # [B, nh, D]: each row's only query
-        keys = torch.nn.utils.rnn.pad_sequence([caches[i].keys[layer] for i in rows], batch_first=True)
-        values = torch.nn.utils.rnn.pad_sequence([caches[i].values[layer] for i in rows], batch_first=True)
-        history = torch.tensor([caches[i].keys[layer].shape[0] for i in rows])  # [B]
-        mask = torch.arange(keys.shape[1])[None, :] < history[:, None]  # [B, L]: True = a real position
-        out = F.scaled_dot_product_attention(
-            q_rows[:, :, None, :],  # [B, nh, 1, D]
-            keys.transpose(1, 2), values.transpose(1, 2),  # [B, kvh, L, D]
-            attn_mask=mask[:, None, None, :], enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )  # [B, nh, 1, D]
-        return list(out.reshape(len(rows), 1, -1).unbind(0))  # B x [1, nh*D]
-
-
-def _append(cache: KVCache, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add this step's keys/values ([S, kvh, D]) to the cache; returns the whole history."""
-    if cache.keys[layer] is not None:
-        k_new = torch.cat([cache.keys[layer], k_new])
-        v_new = torch.cat([cache.values[layer], v_new])
-    cache.keys[layer], cache.values[layer] = k_new, v_new
-    return k_new, v_new
-
-
-def _attention_mask(num_new: int, start: int, window: int | None) -> torch.Tensor | None:
-    """Boolean [S, start+S] mask (True = attend), or None when plain causal (or no) masking is exact."""
-    if window is None and (start == 0 or num_new == 1):
-        return None  # is_causal covers a fresh prefill; a single new token attends to everything before it
-    q_pos = torch.arange(start, start + num_new)[:, None]
-    k_pos = torch.arange(start + num_new)[None, :]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= (q_pos - k_pos) < window
-    return mask
+    def _decode_attention(self, layer: int, attn: AttentionLayer, q: torch.Tensor, g: _Group, rows: list[int]
+                          ) -> torch.Tensor:
+        """One attention call for every sequence of the group that adds a single token: pad their histories to the
+        longest and mask the padding. Per-sequence calls cost ~0.2 ms each in Python and dominate decode steps at
+        batch 32. -> [B, nh*Dv]."""
+        offsets = torch.tensor([0, *g.lengths]).cumsum(0)
+        q_rows = q[offsets[rows].to(q.device)]  # [B, nh, Dqk]: each row's only query
+        histories = [g.caches[i].history(layer) for i in rows]
+        padded = {name: torch.nn.utils.rnn.pad_sequence([h[name] for h in histories], batch_first=True)
+                  for name in attn.cache_spec}  # {name: [B, L, *shape]}
+        k, v = attn.keys_values(padded)  # [B, L, kvh, Dqk], [B, L, kvh, Dv]
+        lengths = torch.tensor([g.caches[i].history_length(layer) for i in rows], device=q.device)  # [B]
+        return attend_decode(q_rows, k, v, lengths, attn.scale, attn.window, attn.sinks)
