@@ -43,17 +43,19 @@ class AttentionLayer(Protocol):
 
 
 class GQAAttention:
-    """Grouped-query attention with RoPE (Mixtral, Qwen2-MoE, OLMoE): optional q/k/v bias, OLMoE's RMSNorm over
-    the projected q and k, OLMoE's clip_qkv. Caches rotated keys and values."""
+    """Grouped-query attention with RoPE (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, gpt-oss): optional q/k/v bias,
+    OLMoE's RMSNorm over the projected q and k (full width), Qwen3-MoE's RMSNorm over each q and k head (head_dim,
+    before RoPE), OLMoE's clip_qkv, gpt-oss's attention sinks and o_proj bias. Caches rotated keys and values."""
 
     def __init__(self, cfg: MoEModelConfig, w: AttentionWeights, window: int | None):
         self.w = w
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.clip = cfg.clip_qkv
+        self.per_head_norm = cfg.head_qk_norm
         self.scale = default_scale(cfg.head_dim)
         self.window = window
-        self.sinks = None
+        self.sinks = w.sinks  # [nh] or None
         self.cache_spec = {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -62,20 +64,24 @@ class GQAAttention:
         q = F.linear(h, w.q, w.q_bias)  # [T, nh*D]
         k = F.linear(h, w.k, w.k_bias)  # [T, kvh*D]
         v = F.linear(h, w.v, w.v_bias)  # [T, kvh*D]
-        if w.q_norm is not None:
+        if w.q_norm is not None and not self.per_head_norm:
             q = rms_norm(q, w.q_norm, self.eps)
             k = rms_norm(k, w.k_norm, self.eps)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, nh, D]
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, kvh, D]
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, nh, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kvh, D]
+        if self.per_head_norm:
+            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)  # over D, weights [D]
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         return q, {"k": k, "v": v.view(-1, self.num_kv_heads, self.head_dim)}
 
     def keys_values(self, entries: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return entries["k"], entries["v"]
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
-        return F.linear(o, self.w.o)  # [T, H]
+        return F.linear(o, self.w.o, self.w.o_bias)  # [T, H]
 
 
 def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> AttentionLayer:

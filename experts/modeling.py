@@ -25,7 +25,7 @@ from .attention import AttentionLayer, build_attention
 from .attention_core import attend_decode, attend_prefill
 from .config import MoEModelConfig
 from .ffn import activation, gated_mlp
-from .gating import Routing, concat_routings, route
+from .gating import Routing, concat_routings, route, route_topk_softmax
 from .kv_cache import KVCache
 from .norms import rms_norm
 from .rope import build_rope
@@ -223,7 +223,10 @@ class MoEDecoder:
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
             return None
-        return h, route(F.linear(h, layer.router), cfg.top_k, cfg.norm_topk_prob, self.capacity_factor)
+        logits = F.linear(h, layer.router, layer.router_bias)  # [T_g, E]
+        if cfg.router_topk_softmax:  # gpt-oss
+            return h, route_topk_softmax(logits, cfg.top_k, self.capacity_factor)
+        return h, route(logits, cfg.top_k, cfg.norm_topk_prob, self.capacity_factor)
 
     def _with_shared(self, layer, h: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus the (gated) shared expert where the layer has one. h, mlp: [T, H]."""
