@@ -27,6 +27,7 @@ import torch
 
 from .checkpoint import CheckpointReader
 from .config import MoEModelConfig
+from .errors import CheckpointError
 from .ffn import GatedMLPWeights
 from .mxfp4 import dequantize
 
@@ -70,7 +71,7 @@ def fused_tensor_names(cfg: MoEModelConfig, layer: int, layout: str) -> dict[str
     if layout == MXFP4:
         for what, cols in (("hidden_size", hidden), ("intermediate_size", inter)):
             if cols % 32:
-                raise ValueError(f"{what}={cols}: MXFP4 needs a multiple of 32")
+                raise CheckpointError(f"config.json: key '{what}'={cols} must be a multiple of 32 for MXFP4 blocks")
         return {"gate_up_blocks": (base + "gate_up_proj_blocks", (e, 2 * inter, hidden // 32, 16)),
                 "gate_up_scales": (base + "gate_up_proj_scales", (e, 2 * inter, hidden // 32)),
                 "down_blocks": (base + "down_proj_blocks", (e, hidden, inter // 32, 16)),

@@ -73,3 +73,15 @@ def test_bf16_serving_dtype(tmp_path):
     w16 = load_expert_shards(CheckpointReader(folder), [(1, 2)], dtype=torch.bfloat16)[(1, 2)]
     assert w16.gate_up.dtype == torch.bfloat16 and w16.gate_up_bias.dtype == torch.bfloat16
     assert torch.equal(w16.gate_up.float(), w32.gate_up)  # FP4 times a power of two is exact in bf16
+
+
+def test_mxfp4_sizes_must_be_whole_blocks():
+    from expertmesh.experts.config import config_from_dict
+    from expertmesh.experts.errors import CheckpointError
+    from expertmesh.experts.weights import fused_tensor_names
+
+    raw = {"architectures": ["GptOssForCausalLM"], "vocab_size": 96, "hidden_size": 48, "intermediate_size": 32,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(CheckpointError, match="'hidden_size'=48 must be a multiple of 32"):
+        fused_tensor_names(config_from_dict(raw), 0, MXFP4)

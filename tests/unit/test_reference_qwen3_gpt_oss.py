@@ -188,6 +188,26 @@ def test_qwen3_moe_per_head_qk_norm_and_dense_layer(models):
     assert _changes(model, _ids(9, 7), edit, undo) > 1e-3
 
 
+@pytest.mark.parametrize("overrides", [
+    {"use_sliding_window": True, "sliding_window": 4},  # every layer windowed
+    {"decoder_sparse_step": 2, "mlp_only_layers": [], "num_hidden_layers": 4, "norm_topk_prob": False},
+])
+def test_qwen3_moe_variants_match_transformers(tmp_path, overrides):
+    from transformers import AutoModelForCausalLM
+
+    folder = write_hf_checkpoint("qwen3_moe", tmp_path / "variant", seed=30, fused=True, **overrides)
+    model = load_reference_model(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if "sliding_window" in overrides:
+        assert model.cfg.sliding_layers == (0, 1, 2) and all(a.window == 4 for a in model.attention)
+    else:
+        assert model.cfg.moe_layers == (1, 3) and not model.cfg.norm_topk_prob
+    ids = _ids(11, 8)
+    theirs = _hf_logits(hf, ids)
+    assert _diff(model.forward([ids])[0], theirs) <= TOL
+    assert _diff(_incremental(model, ids, list(range(1, 11))), theirs) <= TOL
+
+
 # ---------------------------------------------------------------- config parsing
 
 
