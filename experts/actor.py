@@ -14,8 +14,8 @@ import ray
 import torch
 
 from .arrays import readonly_tensor
-from .checkpoint import CheckpointReader
 from .ffn import activation, gated_mlp
+from .model_source import open_checkpoint, shard_tensors
 from .telemetry import ExpertMetrics, build_tracer, context_of
 from .tracing_config import TracingConfig
 from .weights import Shard, load_expert_shards
@@ -23,7 +23,7 @@ from .weights import Shard, load_expert_shards
 
 class ExpertActor:
     def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "float32", generation: int = 0,
-                 tracing: dict | None = None, metrics: bool = True):
+                 tracing: dict | None = None, metrics: bool = True, revision: str | None = None):
         """tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
         expertmesh_expert_seconds through Ray's metrics API."""
         self.name = name
@@ -35,7 +35,8 @@ class ExpertActor:
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         # Ray sets CUDA_VISIBLE_DEVICES to the GPU it assigned, so cuda:0 is that GPU.
         self.device = torch.device("cuda:0" if self.gpu_ids and torch.cuda.is_available() else "cpu")
-        reader = CheckpointReader(model_dir)
+        # A folder, or a Hub repo id of which this node fetches only the files holding these shards.
+        reader = open_checkpoint(model_dir, revision, shard_tensors(shards))
         self.act = activation(reader.config.hidden_act)
         self.dtype = getattr(torch, dtype)
         self.shards = load_expert_shards(reader, shards, self.dtype, self.device)

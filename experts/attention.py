@@ -52,7 +52,7 @@ class GQAAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.clip = cfg.clip_qkv
-        self.per_head_norm = cfg.head_qk_norm
+        self.qk_norm_per_head = cfg.qk_norm_per_head  # Qwen3-MoE, GLM-4.5: q_norm/k_norm weights are [D], per head
         self.scale = default_scale(cfg.head_dim)
         self.window = window
         self.sinks = w.sinks  # [nh] or None
@@ -64,17 +64,17 @@ class GQAAttention:
         q = F.linear(h, w.q, w.q_bias)  # [T, nh*D]
         k = F.linear(h, w.k, w.k_bias)  # [T, kvh*D]
         v = F.linear(h, w.v, w.v_bias)  # [T, kvh*D]
-        if w.q_norm is not None and not self.per_head_norm:
+        if w.q_norm is not None and not self.qk_norm_per_head:
             q = rms_norm(q, w.q_norm, self.eps)
             k = rms_norm(k, w.k_norm, self.eps)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, nh, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kvh, D]
-        if self.per_head_norm:
-            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)  # over D, weights [D]
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.qk_norm_per_head:
+            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+        q = apply_rotary(q, cos, sin)  # [T, nh, D]
+        k = apply_rotary(k, cos, sin)  # [T, kvh, D]
         return q, {"k": k, "v": v.view(-1, self.num_kv_heads, self.head_dim)}
 
     def keys_values(self, entries: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,5 +86,9 @@ class GQAAttention:
 
 def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> AttentionLayer:
     """The attention layer of model layer `layer`."""
+    if cfg.attention_kind == "mla":  # DeepSeek-V2/V3
+        from .mla_attention import MLAAttention
+
+        return MLAAttention(cfg, w)
     window = cfg.sliding_window if layer in cfg.sliding_layers else None
     return GQAAttention(cfg, w, window)

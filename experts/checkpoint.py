@@ -42,8 +42,12 @@ def _tensor(handle, path: Path, key: str, header_only: bool = False):
 class CheckpointReader:
     """Maps tensor names to the `.safetensors` file that holds them, and reads them one by one."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, partial: bool = False):
+        """partial: the folder holds only some of the files its index lists (a Hub snapshot fetched for one
+        process's tensors, experts/model_source.py); a missing file is an error only when one of its tensors is read.
+        """
         self.model_dir = Path(model_dir)
+        self.partial = partial
         if not self.model_dir.is_dir():
             raise CheckpointError(f"{self.model_dir}: model folder does not exist")
         self.config: MoEModelConfig = load_model_config(self.model_dir)
@@ -58,7 +62,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{index}: not a valid safetensors index (key 'weight_map')") from exc
             where = {key: self.model_dir / name for key, name in weight_map.items()}
             for path in set(where.values()):
-                if not path.is_file():
+                if not path.is_file() and not self.partial:
                     raise CheckpointError(f"{index}: shard file {path.name} listed in 'weight_map' is missing")
             return where
         files = sorted(self.model_dir.glob("*.safetensors"))
@@ -91,6 +95,9 @@ class CheckpointReader:
         by_file: dict[Path, list[str]] = {}
         for key in wanted:
             by_file.setdefault(self.file_of(key), []).append(key)
+        for path, keys in by_file.items():
+            if not path.is_file():
+                raise CheckpointError(f"{path}: file holding tensor '{keys[0]}' is missing (not fetched here)")
         out: dict[str, torch.Tensor] = {}
         bar = tqdm(
             total=len(wanted), desc=progress or "loading weights", unit="tensor",
@@ -154,6 +161,8 @@ class CheckpointReader:
         for key in wanted:
             by_file.setdefault(self.file_of(key), []).append(key)
         for path, keys in by_file.items():
+            if self.partial and not path.is_file():
+                continue  # not fetched by this process: the name is in the index; its reader checks the shape
             with _opened(path) as handle:
                 for key in keys:
                     shape = tuple(_tensor(handle, path, key, header_only=True).get_shape())

@@ -10,6 +10,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config_deepseek import ARCHITECTURES as _DEEPSEEK_ARCHITECTURES
+from .config_deepseek import FAMILIES as _DEEPSEEK_FAMILIES
+from .config_deepseek import MODEL_TYPES as _DEEPSEEK_MODEL_TYPES
+from .config_deepseek import YarnScaling, deepseek_family_fields, rope_settings
 from .errors import CheckpointError
 
 # HF architecture name -> our family name.
@@ -19,25 +23,12 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
-}
+} | _DEEPSEEK_ARCHITECTURES
 MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "qwen3_moe": "qwen3_moe",
-               "gpt_oss": "gpt_oss"}
+               "gpt_oss": "gpt_oss"} | _DEEPSEEK_MODEL_TYPES
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
-SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)}  # family -> quant_method values we dequantise on load
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    """YaRN RoPE scaling (`rope_parameters` with rope_type "yarn"), as transformers' `_compute_yarn_parameters`."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float | None = None  # None: derived from factor (and mscale / mscale_all_dim)
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
+# family -> quant_method values we dequantise on load
+SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)} | {family: ("fp8",) for family in _DEEPSEEK_FAMILIES}
 
 
 @dataclass(frozen=True)
@@ -69,16 +60,34 @@ class MoEModelConfig:
     moe_layers: tuple[int, ...] = field(default=())  # layers with a sparse MoE block; others are dense MLP
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    # ---- Qwen3-MoE and gpt-oss (issue 13 items 2-3); other families' fields go in their own block ----
-    head_qk_norm: bool = False  # Qwen3-MoE: RMSNorm over head_dim of each q and k head (not OLMoE's full width)
+    # ---- DeepSeek-V2/V3 and GLM-4.5 (parsed in experts/config_deepseek.py) -------------------------------------
+    attention_kind: str = "gqa"  # "gqa" | "mla" (DeepSeek Multi-head Latent Attention)
+    q_lora_rank: int | None = None  # MLA: None = one q_proj; else q_a_proj -> RMSNorm -> q_b_proj
+    kv_lora_rank: int = 0  # MLA: width of the compressed key/value latent
+    qk_nope_head_dim: int = 0  # MLA: per-head query/key dims without RoPE
+    qk_rope_head_dim: int = 0  # MLA: per-head query/key dims with RoPE (the key part is shared by all heads)
+    v_head_dim: int = 0  # MLA
+    rotary_dim: int = 0  # dims of a head that RoPE rotates; 0 = head_dim (GLM: head_dim * partial_rotary_factor)
+    rope_pairs_interleaved: bool = False  # DeepSeek: RoPE rotates (x0,x1),(x2,x3),.. pairs, not the two halves
+    yarn: YarnScaling | None = None  # rope_type "yarn" (cos/sin scaled; MLA's softmax scale takes mscale too)
+    # "softmax" (route) | "deepseek_v2" | "sigmoid_grouped" (DeepSeek-V3, GLM-4.5) | "topk_softmax" (gpt-oss)
+    router_kind: str = "softmax"
+    topk_method: str = "greedy"  # deepseek_v2: "greedy" | "group_limited_greedy"
+    n_group: int = 1  # group-limited routing: experts split into n_group equal groups ...
+    topk_group: int = 1  # ... and each token picks its experts from its best topk_group groups
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' combine weights
+    router_correction_bias: bool = False  # sigmoid_grouped: mlp.gate.e_score_correction_bias (selection only)
+    shared_expert_gated: bool = True  # Qwen2-MoE's shared expert has a sigmoid gate; DeepSeek/GLM's have none
+    qk_norm_per_head: bool = False  # GLM-4.5 use_qk_norm: RMSNorm over each head's q and k (head_dim weights)
+    fp8_block: tuple[int, int] | None = None  # quant_method "fp8": weights stored e4m3 with per-block scale_inv
+    # ---- end DeepSeek-V2/V3 and GLM-4.5 ------------------------------------------------------------------------
+    # ---- Qwen3-MoE and gpt-oss (issue 13 items 2-3; they also use qk_norm_per_head, yarn, router_kind) ----
     attention_sinks: bool = False  # gpt-oss: a learned per-head extra logit in the attention softmax
     attention_out_bias: bool = False  # gpt-oss: o_proj carries a bias
     router_bias: bool = False  # gpt-oss: the router linear carries a bias
-    router_topk_softmax: bool = False  # gpt-oss: top-k on the router logits, then softmax over those k
     expert_activation: str = "gated"  # "gated" (act(gate)·up) | "clamped_swiglu" (gpt-oss)
     swiglu_alpha: float = 1.702  # gpt-oss clamped SwiGLU: gate·σ(alpha·gate)·(up+1)
     swiglu_limit: float = 7.0  # gpt-oss: gate clamped to ≤ limit, up to ±limit
-    rope_yarn: YarnScaling | None = None  # YaRN RoPE scaling (gpt-oss ships it; any family may)
     quantization: str | None = None  # quantization_config.quant_method of the expert tensors ("mxfp4")
     # ---- end of the Qwen3-MoE / gpt-oss block ----
 
@@ -87,7 +96,7 @@ class MoEModelConfig:
 
     @property
     def has_shared_expert(self) -> bool:
-        return self.family == "qwen2_moe" and self.shared_expert_intermediate_size > 0
+        return self.family in ("qwen2_moe", *_DEEPSEEK_FAMILIES) and self.shared_expert_intermediate_size > 0
 
     def expert_param_count(self) -> int:
         """Parameters of one expert FFN (gate, up, down, and gpt-oss's biases)."""
@@ -121,7 +130,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
     hidden = need("hidden_size")
     heads = need("num_attention_heads")
     layers = need("num_hidden_layers")
-    kv_heads = raw.get("num_key_value_heads") or heads
+    mla = family in ("deepseek_v2", "deepseek_v3")  # MLA: num_key_value_heads and head_dim do not apply
+    kv_heads = heads if mla else raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // heads
     if heads % kv_heads:
         raise CheckpointError(
@@ -143,8 +153,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
         head_dim=head_dim,
         top_k=need("num_experts_per_tok"),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw, source),
-        rope_yarn=_rope_yarn(raw, source),
+        rope_theta=0.0 if family in _DEEPSEEK_FAMILIES else _rope_theta(raw, source),  # theirs: config_deepseek
+        yarn=None if family in _DEEPSEEK_FAMILIES else rope_settings(raw, source)[2],
         quantization=_quantization(raw, family, source),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         hidden_act=act,
@@ -188,7 +198,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
             expert_intermediate_size=need("moe_intermediate_size"),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
-            head_qk_norm=True,
+            qk_norm_per_head=True,
             dense_intermediate_size=int(raw.get("intermediate_size") or 0),
             moe_layers=_sparse_layers(raw, layers, experts),
             # transformers applies the window to every layer when use_sliding_window is on
@@ -209,7 +219,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
             attention_out_bias=bool(raw.get("attention_bias", True)),
             attention_sinks=True,
             router_bias=True,
-            router_topk_softmax=True,
+            router_kind="topk_softmax",
             expert_activation="clamped_swiglu",
             swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
@@ -217,6 +227,9 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
             sliding_layers=sliding,
             moe_layers=all_layers,
         )
+    elif family in _DEEPSEEK_FAMILIES:
+        cfg = MoEModelConfig(**(common | deepseek_family_fields(family, raw, common, need, source)),
+                             fp8_block=_fp8_block(raw, source))
     else:  # olmoe
         cfg = MoEModelConfig(
             **common,
@@ -236,6 +249,21 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
     if cfg.family in ("qwen2_moe", "qwen3_moe") and dense_layers and cfg.dense_intermediate_size <= 0:
         raise CheckpointError(f"{source}: key 'intermediate_size' is needed for the dense (mlp_only) layers")
     return cfg
+
+
+def _fp8_block(raw: dict, source: str) -> tuple[int, int] | None:
+    """quantization_config of a block-scaled FP8 checkpoint (DeepSeek-V3's published format) -> its block."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8":
+        raise CheckpointError(f"{source}: key 'quantization_config.quant_method'={quant.get('quant_method')!r} "
+                              "is not supported (supported: 'fp8' with weight_block_size)")
+    block = quant.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise CheckpointError(f"{source}: key 'quantization_config.weight_block_size'={block!r} must be two "
+                              "positive integers")
+    return (block[0], block[1])
 
 
 def _family(raw: dict, source: str) -> str:
@@ -259,40 +287,9 @@ def _sparse_layers(raw: dict, layers: int, experts: int) -> tuple[int, ...]:
     return tuple(i for i in range(layers) if i not in mlp_only and experts > 0 and (i + 1) % step == 0)
 
 
-def _rope_settings(raw: dict) -> tuple[dict, str]:
-    # transformers >= 5 nests RoPE settings under `rope_parameters`; older checkpoints use `rope_theta`/`rope_scaling`.
-    params = dict(raw.get("rope_scaling") or {}) | dict(raw.get("rope_parameters") or {})
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    return params, rope_type
-
-
 def _rope_theta(raw: dict, source: str) -> float:
-    params, rope_type = _rope_settings(raw)
-    if rope_type not in ("default", "yarn"):
-        raise CheckpointError(f"{source}: key 'rope_parameters.rope_type'={rope_type!r} is not supported yet")
-    return float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
-
-
-def _rope_yarn(raw: dict, source: str) -> YarnScaling | None:
-    params, rope_type = _rope_settings(raw)
-    if rope_type != "yarn":
-        return None
-    original = params.get("original_max_position_embeddings")
-    factor = params.get("factor")
-    if not original:
-        raise CheckpointError(f"{source}: key 'rope_parameters.original_max_position_embeddings' is needed for YaRN")
-    if factor is None:  # transformers: the ratio of the extended to the pretrained context
-        factor = raw.get("max_position_embeddings", 4096) / original
-
-    def opt(key: str) -> float | None:
-        return None if params.get(key) is None else float(params[key])
-
-    return YarnScaling(
-        factor=float(factor), original_max_position_embeddings=int(original),
-        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
-        truncate=bool(params.get("truncate", True)), attention_factor=opt("attention_factor"),
-        mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
-    )
+    """rope_theta; a RoPE type other than default and yarn is refused (rope_settings names the key)."""
+    return rope_settings(raw, source)[0]
 
 
 def _quantization(raw: dict, family: str, source: str) -> str | None:

@@ -27,9 +27,11 @@ import torch
 
 from .checkpoint import CheckpointReader
 from .config import MoEModelConfig
+from .config_deepseek import FAMILIES as DEEPSEEK_FAMILIES
 from .errors import CheckpointError
 from .ffn import GatedMLPWeights
-from .mxfp4 import dequantize
+from .fp8 import read_weights, scale_names
+from .mxfp4 import dequantize as dequantize_mxfp4
 
 Shard = tuple[int, int]  # (layer, expert)
 
@@ -88,7 +90,12 @@ def expert_layout(cfg: MoEModelConfig, has) -> str:
         return MXFP4
     if cfg.family in INTERLEAVED_FAMILIES:
         return FUSED_INTERLEAVED  # its only unquantised layout (a missing tensor is then reported by name)
-    return FUSED if has(base + "gate_up_proj") else PER_EXPERT
+    if not has(base + "gate_up_proj"):
+        return PER_EXPERT
+    if cfg.fp8_block is not None:  # FP8 block scales are per-expert tensors (`X.weight_scale_inv`) only
+        raise CheckpointError(f"tensor '{base}gate_up_proj': stacked experts in an FP8 checkpoint are not supported "
+                              "(per-expert FP8 tensors are)")
+    return FUSED
 
 
 def _layout_of(reader: CheckpointReader) -> str:
@@ -130,7 +137,10 @@ def check_checkpoint(reader: CheckpointReader) -> None:
     cfg = reader.config
     layout = _layout_of(reader)
     shards = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
-    reader.check_shapes(dense_tensor_names(cfg, layout) | expert_shard_names(cfg, shards, layout))
+    wanted = dense_tensor_names(cfg, layout) | expert_shard_names(cfg, shards, layout)
+    if cfg.fp8_block is not None:  # an FP8 checkpoint's block scales must fit their weights too
+        wanted |= scale_names(reader, wanted, cfg.fp8_block)
+    reader.check_shapes(wanted)
 
 
 def load_expert_shards(
@@ -144,7 +154,7 @@ def load_expert_shards(
     cfg = reader.config
     layout = _layout_of(reader)
     if layout == PER_EXPERT:
-        tensors = reader.read_many(expert_shard_names(cfg, shards), progress=progress)
+        tensors = read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress)
         out: dict[Shard, GatedMLPWeights] = {}
         for layer, expert in shards:
             names = expert_tensor_names(cfg, layer, expert)
@@ -171,8 +181,8 @@ def _expert_from_rows(
     if layout == FUSED:
         return GatedMLPWeights(gate_up=t["gate_up"].contiguous(), down=t["down"].contiguous())
     if layout == MXFP4:
-        gate_up = dequantize(t["gate_up_blocks"], t["gate_up_scales"], dtype)  # [2I, H], rows alternate gate, up
-        down = dequantize(t["down_blocks"], t["down_scales"], dtype)  # [H, I]
+        gate_up = dequantize_mxfp4(t["gate_up_blocks"], t["gate_up_scales"], dtype)  # [2I, H], rows alternate gate, up
+        down = dequantize_mxfp4(t["down_blocks"], t["down_scales"], dtype)  # [H, I]
     else:  # FUSED_INTERLEAVED: x @ W form, transpose to F.linear's [out, in]
         gate_up = t["gate_up"].t()  # [2I, H], rows alternate gate, up
         down = t["down"].t()  # [H, I]
@@ -209,6 +219,7 @@ class LayerWeights:
     dense_mlp: GatedMLPWeights | None = None  # Qwen2-MoE mlp_only layers
     shared_expert: GatedMLPWeights | None = None  # Qwen2-MoE
     shared_expert_gate: torch.Tensor | None = None  # [1, H]
+    router_correction_bias: torch.Tensor | None = None  # [E] DeepSeek-V3 / GLM-4.5 e_score_correction_bias
 
 
 @dataclass
@@ -223,6 +234,10 @@ class DenseWeights:
 
 def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
     """Every non-expert tensor the model needs: name -> expected shape (`layout` names Mixtral's router)."""
+    if cfg.family in DEEPSEEK_FAMILIES:
+        from .weights_deepseek import deepseek_dense_tensor_names  # imports this module's dataclasses
+
+        return deepseek_dense_tensor_names(cfg)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -246,7 +261,7 @@ def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT) -> dict[st
             }
         if cfg.qk_norm:
             names |= {p + "self_attn.q_norm.weight": (q_dim,), p + "self_attn.k_norm.weight": (kv_dim,)}
-        if cfg.head_qk_norm:
+        if cfg.qk_norm_per_head:
             names |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
         if cfg.attention_out_bias:
             names[p + "self_attn.o_proj.bias"] = (hidden,)
@@ -274,6 +289,10 @@ def load_dense_weights(
     reader: CheckpointReader, dtype: torch.dtype = torch.float32, progress: str | None = None
 ) -> DenseWeights:
     cfg = reader.config
+    if cfg.family in DEEPSEEK_FAMILIES:
+        from .weights_deepseek import load_deepseek_dense_weights  # imports this module's dataclasses
+
+        return load_deepseek_dense_weights(reader, dtype, progress)
     layout = _layout_of(reader)
     t = {k: v.to(dtype) for k, v in reader.read_many(dense_tensor_names(cfg, layout), progress=progress).items()}
     layers = []

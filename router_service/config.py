@@ -34,6 +34,7 @@ from typing import Any
 from ..cluster.controller_config import ControllerConfig
 from ..experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ..experts.errors import ConfigError
+from ..experts.model_source import fetch_checkpoint, is_repo_id, source_problem
 from ..experts.tracing_config import TracingConfig
 from .batching import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
@@ -52,13 +53,19 @@ MIN_RESPONSE_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str | None = None  # checkpoint folder (on every node); None: the embedded default model
-    name: str | None = None  # the name clients use; None: the folder's name ("expertmesh-demo" for the embedded one)
+    # A checkpoint folder (local, or shared storage mounted on every node) or a Hugging Face repo id ("org/name"),
+    # fetched per node (experts/model_source.py); None: the embedded default model.
+    path: str | None = None
+    revision: str | None = None  # with a repo id: branch, tag or commit (default: the repo's main)
+    # The name clients use; None: the folder's name or the repo id ("expertmesh-demo" for the embedded model).
+    name: str | None = None
     dtype: str = "float32"  # weights and activations of the router and the experts
 
     def validate(self) -> ModelConfig:
-        if self.path is not None and not Path(self.path).is_dir():
-            raise ValueError(f"path: {self.path} is not a folder")
+        if self.path is not None and (problem := source_problem(self.path)) is not None:
+            raise ValueError(f"path: {problem}")
+        if self.revision is not None and (self.path is None or not is_repo_id(self.path)):
+            raise ValueError("revision: applies to a Hugging Face repo id given as model.path, not to a folder")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         if self.name is not None and not self.name.strip():
@@ -66,14 +73,30 @@ class ModelConfig:
         return self
 
     @property
+    def is_repo_id(self) -> bool:
+        return self.path is not None and is_repo_id(self.path)
+
+    @property
+    def source(self) -> str:
+        """What every process fetches the checkpoint from: an absolute folder or the repo id."""
+        if self.is_repo_id:
+            return self.path
+        return str((Path(self.path) if self.path else EMBEDDED_MODEL_DIR).resolve())
+
+    @property
     def resolved_path(self) -> Path:
-        return (Path(self.path) if self.path else EMBEDDED_MODEL_DIR).resolve()
+        """The local folder (for a repo id: the Hub cache's snapshot after fetching config and tokenizer only)."""
+        if self.is_repo_id:
+            return fetch_checkpoint(self.path, self.revision, tensors=lambda cfg, keys: ())
+        return Path(self.source)
 
     @property
     def served_name(self) -> str:
         if self.name:
             return self.name
-        return EMBEDDED_MODEL_NAME if self.path is None else self.resolved_path.name
+        if self.path is None:
+            return EMBEDDED_MODEL_NAME
+        return self.path if self.is_repo_id else Path(self.source).name
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from ..cluster.naming import NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
+from ..experts.model_source import dense_tensors, open_checkpoint
 from ..experts.modeling import KVCache, MoEDecoder
 from ..experts.telemetry import build_tracer
 from ..experts.tokenizer import load_tokenizer
@@ -44,9 +45,9 @@ class Router:
         """spec/actors: the running expert pool; config: the mesh's settings (router, failover, observability and
         tracing sections are read here); router_id: names this router in load reports (a Serve replica's id)."""
         self.spec = spec
-        self.reader = reader or CheckpointReader(spec.model_dir)
+        self.reader = reader or open_checkpoint(spec.model_dir, spec.revision, dense_tensors)
         self.model_config = self.reader.config
-        self.tokenizer = load_tokenizer(spec.model_dir)
+        self.tokenizer = load_tokenizer(self.reader.model_dir)
         self.config = config
         settings = config.router
         self.transport = make_transport(settings.transport, dict(actors))

@@ -36,7 +36,9 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("--model", "model.path", "model", "checkpoint folder (default: the embedded model)", {"metavar": "DIR"}),
+    Flag("--model", "model.path", "model", "checkpoint folder or Hugging Face repo id org/name (default: the embedded "
+         "model)", {"metavar": "DIR|REPO"}),
+    Flag("--revision", "model.revision", "model", "with a repo id: branch, tag or commit"),
     Flag("--model-name", "model.name", "model", "name clients use (default: folder name; expertmesh-demo if "
          "embedded)"),
     Flag("--dtype", "model.dtype", "model", "weights and activations", {"choices": DTYPES}),

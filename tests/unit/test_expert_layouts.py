@@ -24,6 +24,8 @@ from expertmesh.experts.weights import (
     load_expert_shards,
 )
 from tests.tiny_checkpoints import write_hf_checkpoint, write_mxfp4_gpt_oss
+from tests.tiny_deepseek import KINDS as DEEPSEEK_KINDS
+from tests.tiny_deepseek import write_deepseek_checkpoint
 
 FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe")
 
@@ -180,3 +182,15 @@ def test_gpt_oss_without_its_stacked_tensors_names_the_missing_one(gpt_oss, tmp_
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.down_proj_bias' is missing"):
         check_checkpoint(CheckpointReader(tmp_path))
+
+
+@pytest.mark.parametrize("kind", DEEPSEEK_KINDS)
+def test_deepseek_and_glm_stacked_files_load_the_same_experts(tmp_path, kind):
+    """The mechanism is generic: DeepSeek-V2/V3 and GLM-4.5 saved stacked read as the per-expert files do."""
+    a = CheckpointReader(write_deepseek_checkpoint(kind, tmp_path / "per_expert", seed=2))
+    b = CheckpointReader(write_deepseek_checkpoint(kind, tmp_path / "fused", seed=2, fused=True))
+    assert (expert_layout(a.config, a.has), expert_layout(b.config, b.has)) == (PER_EXPERT, FUSED)
+    check_checkpoint(b)
+    shards = [(layer, e) for layer in a.config.moe_layers for e in range(a.config.num_experts)]
+    ea, eb = load_expert_shards(a, shards), load_expert_shards(b, shards)
+    assert all(torch.equal(ea[s].gate_up, eb[s].gate_up) and torch.equal(ea[s].down, eb[s].down) for s in shards)

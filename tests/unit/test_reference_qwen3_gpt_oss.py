@@ -134,7 +134,7 @@ def test_gpt_oss_features_are_exercised(models):
     model, _ = models["gpt_oss"]
     cfg = model.cfg
     assert cfg.family == "gpt_oss" and cfg.sliding_layers == (0,) and cfg.sliding_window == 4
-    assert cfg.rope_yarn is not None and model.rope.attention_scaling > 1
+    assert cfg.yarn is not None and model.rope.attention_scaling > 1
     ids = _ids(13, 6)
     sliding, full = model.attention
     assert sliding.window == 4 and full.window is None and sliding.sinks.shape == (cfg.num_heads,)
@@ -169,12 +169,12 @@ def test_gpt_oss_features_are_exercised(models):
 def test_qwen3_moe_per_head_qk_norm_and_dense_layer(models):
     model, _ = models["qwen3_moe"]
     cfg = model.cfg
-    assert cfg.family == "qwen3_moe" and cfg.head_qk_norm and not cfg.qk_norm
+    assert cfg.family == "qwen3_moe" and cfg.qk_norm_per_head and not cfg.qk_norm
     assert cfg.head_dim == 16 and cfg.num_heads * cfg.head_dim != cfg.hidden_size  # explicit head_dim
     assert cfg.moe_layers == (0, 2) and model.w.layers[1].dense_mlp is not None and not cfg.has_shared_expert
     assert model.w.layers[0].attention.q_norm.shape == (16,)
     attn = model.attention[0]
-    assert attn.per_head_norm
+    assert attn.qk_norm_per_head
     weights = attn.w
     saved = weights.q_norm, weights.k_norm
 
@@ -231,7 +231,7 @@ def _gpt_oss_raw(**overrides) -> dict:
 
 def test_qwen3_moe_config():
     cfg = config_from_dict(_qwen3_raw())
-    assert (cfg.family, cfg.num_experts, cfg.head_dim, cfg.head_qk_norm, cfg.norm_topk_prob) == (
+    assert (cfg.family, cfg.num_experts, cfg.head_dim, cfg.qk_norm_per_head, cfg.norm_topk_prob) == (
         "qwen3_moe", 8, 16, True, True)
     assert cfg.moe_layers == (0, 1, 2, 3) and not cfg.attention_bias and cfg.sliding_layers == ()
     assert config_from_dict(_qwen3_raw(decoder_sparse_step=2, mlp_only_layers=[3])).moe_layers == (1,)
@@ -247,9 +247,9 @@ def test_gpt_oss_config():
     cfg = config_from_dict(_gpt_oss_raw())
     assert cfg.family == "gpt_oss" and cfg.num_experts == 4 and cfg.sliding_layers == (0, 2)
     assert cfg.attention_sinks and cfg.attention_bias and cfg.attention_out_bias and cfg.router_bias
-    assert cfg.router_topk_softmax and cfg.expert_activation == "clamped_swiglu" and cfg.swiglu_limit == 7.0
-    assert cfg.rope_theta == 150000 and cfg.rope_yarn.factor == 32.0 and not cfg.rope_yarn.truncate
-    assert cfg.rope_yarn.original_max_position_embeddings == 4096 and cfg.quantization is None
+    assert cfg.router_kind == "topk_softmax" and cfg.expert_activation == "clamped_swiglu" and cfg.swiglu_limit == 7.0
+    assert cfg.rope_theta == 150000 and cfg.yarn.factor == 32.0 and not cfg.yarn.truncate
+    assert cfg.yarn.original_max_position_embeddings == 4096 and cfg.quantization is None
     assert cfg.expert_param_count() == 3 * 64 * 32 + 2 * 32 + 64
     default_types = config_from_dict({k: v for k, v in _gpt_oss_raw().items() if k != "layer_types"})
     assert default_types.sliding_layers == (0, 2)  # transformers' default alternation
@@ -258,15 +258,15 @@ def test_gpt_oss_config():
     with pytest.raises(CheckpointError, match="quant_method.*'fp8'") as err:
         config_from_dict(_gpt_oss_raw(quantization_config={"quant_method": "fp8"}), source="m/config.json")
     assert "m/config.json" in str(err.value)
-    with pytest.raises(CheckpointError, match="original_max_position_embeddings"):
-        config_from_dict(_gpt_oss_raw(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(CheckpointError, match="rope_type"):
+        config_from_dict(_gpt_oss_raw(rope_scaling={"rope_type": "longrope", "factor": 4.0}))
 
 
 def test_yarn_tables_equal_transformers():
     from transformers import GptOssConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from expertmesh.experts.rope import yarn_parameters
+    from expertmesh.experts.rope_yarn import yarn_inv_freq
 
     for truncate in (False, True):
         params = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -274,7 +274,7 @@ def test_yarn_tables_equal_transformers():
         hf_cfg = GptOssConfig(head_dim=64, rope_parameters=params, max_position_embeddings=131072)
         inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
         ours = config_from_dict(_gpt_oss_raw(head_dim=64, rope_scaling=params))
-        our_inv, our_factor = yarn_parameters(64, ours.rope_theta, ours.rope_yarn)
+        our_inv, our_factor = yarn_inv_freq(64, ours.rope_theta, ours.yarn)
         assert torch.equal(our_inv, inv_freq) and our_factor == factor
 
 
