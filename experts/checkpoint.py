@@ -75,6 +75,11 @@ class CheckpointReader:
                     where[key] = path
         return where
 
+    @staticmethod
+    def config_only(model_dir: str | Path) -> MoEModelConfig:
+        """The model's config from a folder that may hold no weights at all (planning before a download)."""
+        return load_model_config(Path(model_dir))
+
     def has(self, key: str) -> bool:
         return key in self._where
 

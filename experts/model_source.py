@@ -29,6 +29,33 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9_.\-]+$")
 TensorSelector = Callable[[MoEModelConfig, set[str]], Iterable[str]]
 
 
+def companions(wanted: set[str], keys: Iterable[str]) -> set[str]:
+    """The checkpoint keys a reader of `wanted` may touch: each name, the tensors stored beside it (`X.weight` ->
+    `X.weight_scale_inv` of FP8, `X.bias`), and — for a per-expert name the checkpoint stores fused
+    (`...experts.E.gate_proj.weight` absent, `...experts.gate_up_proj` / `..._blocks` / `..._scales` present) —
+    the layer's fused expert tensors."""
+    keys = set(keys)
+    stems = {_stem(name) for name in wanted}
+    fused_parents = {m.group(1) for name in wanted if name not in keys and (m := _PER_EXPERT.match(name))}
+    out = set()
+    for key in keys:
+        if _stem(key) in stems:
+            out.add(key)
+        elif (m := _FUSED.match(key)) and m.group(1) in fused_parents:
+            out.add(key)
+    return out
+
+
+def _stem(name: str) -> str:
+    """'a.b.weight' / 'a.b.weight_scale_inv' / 'a.b.bias' -> 'a.b'."""
+    head, _, last = name.rpartition(".")
+    return head if last.startswith(("weight", "bias")) else name
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts\.)\d+\.")
+_FUSED = re.compile(r"^(.*\.experts\.)(?!\d+\.)[^.]+$")
+
+
 def is_repo_id(source: str) -> bool:
     """True for 'org/name' that is not an existing path (a folder named like a repo id wins, as in transformers)."""
     return bool(_REPO_ID.match(source)) and not Path(source).expanduser().exists()
@@ -65,7 +92,7 @@ def fetch_checkpoint(source: str, revision: str | None = None, tensors: TensorSe
             files = set(weight_map.values())
         else:
             wanted = set(tensors(load_model_config(folder), set(weight_map)))
-            files = {weight_map[name] for name in wanted if name in weight_map}
+            files = {weight_map[name] for name in companions(wanted, weight_map)}
     for name in sorted(files):
         _download(source, name, revision)
     return folder

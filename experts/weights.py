@@ -150,26 +150,40 @@ def load_expert_shards(
     device: str | torch.device = "cpu",
     progress: str | None = None,
 ) -> dict[Shard, GatedMLPWeights]:
-    """Read exactly the tensors (or stacked rows) of `shards`, nothing else, into one GatedMLPWeights each."""
+    """Read exactly the tensors (or stacked rows) of `shards`, nothing else, in their stored dtype, move and cast
+    each once to (device, dtype), and fuse each shard's into GatedMLPWeights there."""
     cfg = reader.config
     layout = _layout_of(reader)
-    if layout == PER_EXPERT:
-        tensors = read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress)
-        out: dict[Shard, GatedMLPWeights] = {}
-        for layer, expert in shards:
-            names = expert_tensor_names(cfg, layer, expert)
-            parts = {role: tensors[name] for role, (name, _) in names.items()}
-            out[(layer, expert)] = GatedMLPWeights.from_parts(**parts).to(device, dtype)
-        return out
+    if layout != PER_EXPERT:
+        return _load_stacked_shards(reader, shards, layout, dtype, device, progress)
+    tensors = _cast_each(read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress),
+                         dtype, device)
+    out: dict[Shard, GatedMLPWeights] = {}
+    for layer, expert in shards:
+        names = expert_tensor_names(cfg, layer, expert)
+        # pop: a shard's parts are dropped as soon as they are fused, so the device holds each weight once (+ a shard)
+        parts = {role: tensors.pop(name) for role, (name, _) in names.items()}
+        out[(layer, expert)] = GatedMLPWeights.from_parts(**parts)
+    return out
+
+
+def _load_stacked_shards(
+    reader: CheckpointReader, shards: list[Shard], layout: str, dtype: torch.dtype,
+    device: str | torch.device, progress: str | None,
+) -> dict[Shard, GatedMLPWeights]:
+    """The stacked layouts: each shard's rows of its layer's [E, ...] tensors, never a whole tensor."""
+    cfg = reader.config
     _check_shards(cfg, shards)
     wanted: dict[str, tuple[tuple[int, ...], list[int]]] = {}
     for layer, expert in shards:
         for name, shape in fused_tensor_names(cfg, layer, layout).values():
             wanted.setdefault(name, (shape, []))[1].append(expert)
     rows = reader.read_rows(wanted, progress=progress)
-    out = {}
+    out: dict[Shard, GatedMLPWeights] = {}
     for layer, expert in shards:
-        parts = {role: rows[(name, expert)] for role, (name, _) in fused_tensor_names(cfg, layer, layout).items()}
+        # pop: an expert's rows are dropped once fused; it is built in the stored dtype (MXFP4: dequantised straight
+        # to `dtype`) and moved/cast once
+        parts = {role: rows.pop((name, expert)) for role, (name, _) in fused_tensor_names(cfg, layer, layout).items()}
         out[(layer, expert)] = _expert_from_rows(cfg, layout, parts, dtype).to(device, dtype)
     return out
 
@@ -192,6 +206,15 @@ def _expert_from_rows(
         gate_up_bias=torch.cat([bias[0::2], bias[1::2]]), down_bias=t["down_bias"].contiguous(),
         kind=cfg.expert_activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
     )
+
+
+def _cast_each(tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+               device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor (as read, in its stored dtype) moved and cast once, replacing it in the dict as it goes, so no
+    second full copy of the weights exists at any point (a bf16 checkpoint read as bf16 is never widened)."""
+    for name in list(tensors):
+        tensors[name] = tensors[name].to(device=device, dtype=dtype)
+    return tensors
 
 
 @dataclass
@@ -286,15 +309,17 @@ def _mlp_names(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int
 
 
 def load_dense_weights(
-    reader: CheckpointReader, dtype: torch.dtype = torch.float32, progress: str | None = None
+    reader: CheckpointReader, dtype: torch.dtype = torch.float32, progress: str | None = None,
+    device: str | torch.device = "cpu",
 ) -> DenseWeights:
+    """Everything but the routed experts, read in the stored dtype and moved/cast once per tensor to (device, dtype)."""
     cfg = reader.config
     if cfg.family in DEEPSEEK_FAMILIES:
         from .weights_deepseek import load_deepseek_dense_weights  # imports this module's dataclasses
 
-        return load_deepseek_dense_weights(reader, dtype, progress)
+        return load_deepseek_dense_weights(reader, dtype, progress, device)
     layout = _layout_of(reader)
-    t = {k: v.to(dtype) for k, v in reader.read_many(dense_tensor_names(cfg, layout), progress=progress).items()}
+    t = _cast_each(reader.read_many(dense_tensor_names(cfg, layout), progress=progress), dtype, device)
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."

@@ -96,14 +96,15 @@ def deepseek_dense_tensor_names(cfg: MoEModelConfig) -> dict[str, tuple[int, ...
     return names
 
 
-def load_deepseek_dense_weights(reader, dtype: torch.dtype, progress: str | None = None):
+def load_deepseek_dense_weights(reader, dtype: torch.dtype, progress: str | None = None,
+                                device: str | torch.device = "cpu"):
     """-> weights.DenseWeights of a DeepSeek-V2/V3 or GLM-4.5 checkpoint. The router gate and its correction bias
     stay float32 (transformers keeps them so and computes router logits in float32)."""
     from .weights import AttentionWeights, DenseWeights, LayerWeights  # weights.py dispatches here: import late
 
     cfg = reader.config
     raw = read_weights(reader, deepseek_dense_tensor_names(cfg), cfg.fp8_block, progress=progress)
-    t = {k: v.to(dtype) for k, v in raw.items()}
+    t = {k: v.to(device=device, dtype=dtype) for k, v in raw.items()}
 
     def mlp(prefix: str) -> GatedMLPWeights:
         return GatedMLPWeights.from_parts(t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"],
@@ -130,9 +131,9 @@ def load_deepseek_dense_weights(reader, dtype: torch.dtype, progress: str | None
         layer = LayerWeights(input_norm=t[p + "input_layernorm.weight"],
                              post_attention_norm=t[p + "post_attention_layernorm.weight"], attention=attention)
         if cfg.is_moe_layer(i):
-            layer.router = raw[p + "mlp.gate.weight"].float()  # [E, H]
+            layer.router = raw[p + "mlp.gate.weight"].to(device=device, dtype=torch.float32)  # [E, H]
             bias = raw.get(p + "mlp.gate.e_score_correction_bias")
-            layer.router_correction_bias = None if bias is None else bias.float()  # [E]
+            layer.router_correction_bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
             if cfg.has_shared_expert:
                 layer.shared_expert = mlp(p + "mlp.shared_experts.")
         else:

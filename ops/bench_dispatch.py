@@ -3,7 +3,8 @@
 Both run in one process run on the same weights and the same batch, measured alternately (one transformers
 forward, one expertmesh forward, repeat) so machine noise hits both alike; the result is their ratio η.
 
-Workloads (fp32, random Mixtral weights written to a temporary folder):
+Workloads (random Mixtral weights written to a temporary folder in fp32; `--dtype` runs both sides in that dtype,
+transformers loaded with the same dtype; "auto" is float32 on this CPU benchmark):
   prefill  hidden 1024, ffn 2816, 8 experts top-2, 4 layers; 4 sequences x 256 tokens per forward
   decode   same model; 32 sequences with 64 tokens of context, one new token each per forward
 """
@@ -74,10 +75,12 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
     """config: the mesh's settings (transport, overlap, ...); its model path is replaced by the bench checkpoint."""
     from transformers import AutoModelForCausalLM
 
+    from ..experts.dtypes import resolve_dtype
     from ..router_service.mesh import ExpertMesh
 
     config = config or MeshConfig()
     transport, overlap = config.router.transport, config.router.overlap
+    dtype = resolve_dtype(config.model.dtype, "float32", on_gpu=False)  # the CPU benchmark's checkpoint is fp32
 
     def say(msg: str) -> None:
         if verbose:
@@ -86,14 +89,14 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     result: dict = {"benchmark": "dispatch", "model": MODEL, "transport": transport, "overlap": overlap,
-                    "repeats": repeats,
+                    "dtype": dtype, "repeats": repeats,
                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
         model_dir = write_bench_checkpoint(Path(tmp) / "model")
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         say("starting expert actors ...")
-        with ExpertMesh(config.replace(**{"model.path": str(model_dir)})) as mesh:
+        with ExpertMesh(config.replace(**{"model.path": str(model_dir), "model.dtype": dtype})) as mesh:
             result["noop_round_ms"] = _noop_round_ms(mesh)
             result["transport_round_ms"] = _transport_round_ms(mesh)
             result["transport_round_vs_noop"] = round(result["transport_round_ms"] / result["noop_round_ms"], 3)
@@ -131,11 +134,11 @@ def _noop_round_ms(mesh, rounds: int = 20) -> float:
 def _transport_round_ms(mesh, rounds: int = 20) -> float:
     """The transport's own cost of one layer round: an empty batch (0 rows) to every expert actor through the
     mesh's transport, all in flight, then gather. Same shape as a real round, with no expert compute in it."""
-    import numpy as np
+    from ..experts.arrays import pack
 
     transport = mesh.router.transport
     shards = mesh.router.spec.actor_shards
-    empty = np.zeros((0, MODEL["hidden"]), np.float32)
+    empty = pack(torch.zeros(0, MODEL["hidden"], dtype=mesh.model.dtype))
     times = []
     for i in range(rounds + 3):  # 3 warm-up rounds
         started = time.perf_counter()
@@ -204,7 +207,7 @@ def _bench_prefill(hf, mesh, repeats: int) -> dict:
         out, elapsed, round_s = _timed_mesh(mesh, lambda: mesh.model.forward(rows), compute)
         mesh_times.append(elapsed)
         rounds.append(round_s)
-        delta = max(delta, float((torch.stack(out) - hf_logits).abs().max()))
+        delta = max(delta, float((torch.stack(out).float() - hf_logits.float()).abs().max()))
     return _summary(ids.numel(), hf_times, mesh_times, rounds, delta, compute)
 
 
@@ -218,7 +221,7 @@ def _bench_decode(hf, mesh, repeats: int) -> dict:
         hf_logits = hf(ids, past_key_values=hf_cache, use_cache=True).logits[:, -1]
     caches = [mesh.model.new_cache() for _ in range(n)]
     mesh_logits = torch.stack([x[-1] for x in mesh.model.forward(list(ids), caches)])
-    delta = float((mesh_logits - hf_logits).abs().max())
+    delta = float((mesh_logits.float() - hf_logits.float()).abs().max())
     next_ids = hf_logits.argmax(-1)  # [n]; both continue with the same tokens
     hf_times, mesh_times, rounds, compute = [], [], [], []
     for step in range(repeats + 1):  # step 0 warms up
@@ -234,6 +237,6 @@ def _bench_decode(hf, mesh, repeats: int) -> dict:
             hf_times.append(hf_elapsed)
             mesh_times.append(elapsed)
             rounds.append(round_s)
-        delta = max(delta, float((torch.stack([x[-1] for x in out]) - hf_step).abs().max()))
+        delta = max(delta, float((torch.stack([x[-1] for x in out]).float() - hf_step.float()).abs().max()))
         next_ids = hf_step.argmax(-1)
     return _summary(n, hf_times, mesh_times, rounds, delta, compute)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster.controller_config import ControllerConfig
+from ..experts.dtypes import DTYPE_CHOICES
 from ..experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ..experts.errors import ConfigError
 from ..experts.model_source import fetch_checkpoint, is_repo_id, source_problem
@@ -46,7 +47,7 @@ from .transports.base import TRANSPORTS
 __all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "ServerConfig",
            "ConfigError", "DTYPES"]
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = DTYPE_CHOICES  # "auto", "bfloat16", "float16", "float32" (experts/dtypes.py resolves "auto")
 MAX_MESSAGE_BYTES = 1 << 30  # gRPC's limits are 32-bit; Serve's hop adds its own overhead to a request
 MIN_RESPONSE_BYTES = 64 * 1024 * 1024
 
@@ -59,7 +60,9 @@ class ModelConfig:
     revision: str | None = None  # with a repo id: branch, tag or commit (default: the repo's main)
     # The name clients use; None: the folder's name or the repo id ("expertmesh-demo" for the embedded model).
     name: str | None = None
-    dtype: str = "float32"  # weights and activations of the router and the experts
+    # Weights and activations of the router and the experts. "auto": the checkpoint's dtype (config.json) in a
+    # process that computes on a GPU, float32 on a CPU; resolved per process by experts/dtypes.py:resolve_dtype.
+    dtype: str = "auto"
 
     def validate(self) -> ModelConfig:
         if self.path is not None and (problem := source_problem(self.path)) is not None:
@@ -139,7 +142,12 @@ class RouterConfig:
     transport: str = "refs"  # how expert calls travel: "refs" | "grpc" | "compiled" (README: Transports)
     overlap: bool = False  # ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap)
     capacity_factor: float | None = None  # None: no cap, no token is ever moved or dropped
-    threads: int = 1  # torch threads of a router replica
+    # torch threads of a router; None: the CPUs it was given (a Serve replica: what Ray assigned it, at least 1; an
+    # in-process router: torch's default, the process's CPUs). Setting it also makes a Serve replica reserve as many.
+    threads: int | None = None
+    # GPUs each router replica asks Ray for (fractions share one); > 0 puts its dense weights, KV cache and
+    # sampling on cuda:0 of what it gets. 0: the router computes on CPU.
+    gpus: float = 0.0
     replicas: int = 1  # Serve replicas of the router deployment
     autoscale: tuple[int, int] | None = None  # (min, max) Serve replicas, scaled on ongoing requests; None: fixed
     batcher: BatcherConfig = field(default_factory=BatcherConfig)  # continuous batching (Serve replicas)
@@ -152,8 +160,12 @@ class RouterConfig:
         if self.overlap and self.capacity_factor is not None:
             raise ValueError("overlap: cannot be combined with capacity_factor (capacity is per step; micro-batches "
                              "would change which tokens overflow)")
-        if self.threads < 1:
+        if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be ≥ 1, got {self.threads}")
+        if not (self.gpus >= 0 and math.isfinite(self.gpus)):
+            raise ValueError(f"gpus: must be a finite number ≥ 0, got {self.gpus}")
+        if self.gpus > 1 and self.gpus != int(self.gpus):
+            raise ValueError(f"gpus: above 1 must be a whole number, got {self.gpus}")
         if self.replicas < 1:
             raise ValueError(f"replicas: must be ≥ 1, got {self.replicas}")
         if self.autoscale is not None and not 1 <= self.autoscale[0] <= self.autoscale[1]:
@@ -161,11 +173,18 @@ class RouterConfig:
         return self
 
     def deployment_options(self) -> dict:
-        """Ray Serve options of the router deployment."""
+        """Ray Serve options of the router deployment (replicas or autoscaling)."""
         if self.autoscale is None:
             return {"num_replicas": self.replicas}
         low, high = self.autoscale
         return {"autoscaling_config": {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": 32}}
+
+    def replica_resources(self) -> dict:
+        """What each router replica asks Ray for. CPUs: `threads` when set; otherwise 1 with a GPU (it feeds the
+        GPU), else none, because by default the expert actors share every CPU of a node between them and a replica
+        asking for one could not be placed (it then runs 1 thread on the CPUs the actors leave idle)."""
+        cpus = self.threads if self.threads is not None else (1 if self.gpus > 0 else 0)
+        return {"num_cpus": cpus, "num_gpus": self.gpus}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import time
 from dataclasses import asdict
 
 import grpc
-import numpy as np
 import ray
 import torch
 from ray import serve
@@ -91,7 +90,13 @@ def router_options(config: MeshConfig) -> dict:
     """
     hop_limit = config.server.max_message_bytes + HOP_OVERHEAD_BYTES
     env = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(hop_limit)}
-    return config.router.deployment_options() | {"ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": env}}}
+    actor_options = config.router.replica_resources() | {"runtime_env": {"env_vars": env}}
+    return config.router.deployment_options() | {"ray_actor_options": actor_options}
+
+
+def replica_threads(configured: int | None, assigned_cpus: float) -> int:
+    """torch threads of a router replica: router.threads, else the CPUs Ray assigned it (at least 1)."""
+    return configured if configured is not None else max(1, int(assigned_cpus))
 
 
 @serve.deployment(name="router", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -100,7 +105,8 @@ class RouterDeployment:
         """config: the MeshConfig tree as a dict (router_service/config.py); pool: the running expert pool's
         PoolSpec as a dict. Plain data, so Serve ships it and a Serve YAML's builder produces it."""
         self.config = MeshConfig.from_dict(config)
-        torch.set_num_threads(max(1, self.config.router.threads))
+        assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        torch.set_num_threads(replica_threads(self.config.router.threads, assigned))
         spec = pool_spec_from_dict(pool)
         published = read_table()
         if published is not None:
@@ -212,7 +218,7 @@ class RouterDeployment:
                                            f"inputs[{proto_mapping.INPUT_NAME}].shape")
             rows = [row.tolist() for row in ids]
             logits = await self.batcher.run_exclusive(lambda: self.router.score_batch(rows))
-            out = torch.stack(logits).numpy().astype(np.float32)  # [batch, seq, vocab]
+            out = torch.stack(logits).to("cpu", torch.float32).numpy()  # [batch, seq, vocab], off the device
             return proto_mapping.infer_response(request, self.model_name, out)
         except Exception as exc:
             raise _set_status(grpc_context, _classify(exc), "ModelInfer") from None
@@ -276,6 +282,7 @@ class RouterDeployment:
             replica=serve.get_replica_context().replica_id.unique_id,
             retried_calls=backend.retried_calls, degraded_slots=backend.degraded_slots,
             load_json=json.dumps(self.router.load_snapshot()),
+            dtype=self.router.dtype_name, device=str(self.router.device), threads=torch.get_num_threads(),
         )
 
     def _batcher_gauges(self) -> dict:
@@ -372,6 +379,7 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
             replica_state.node_id = got["node_id"]
             replica_state.gpu_ids.extend(got["gpu_ids"])
             replica_state.device = got["device"]
+            replica_state.dtype = got.get("dtype", "")
             replica_state.generation = got["generation"]
             replica_state.calls = got["calls"]
             replica_state.tokens = got["tokens"]

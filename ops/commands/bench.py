@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     dispatch.add_argument("--workload", choices=["prefill", "decode", "both"], default="both")
     dispatch.add_argument("--repeats", type=int, default=5)
     # The mesh's settings (transport, overlap, failover, ...); the benchmark supplies its own checkpoint.
-    add_mesh_flags(dispatch, ("ray", "experts", "router", "failover", "controller", "tracing"))
+    add_mesh_flags(dispatch, ("ray", "experts", "router", "failover", "controller", "tracing"), extra=("model.dtype",))
     _output_flags(dispatch)
     serve_bench = bench_sub.add_parser("serve", help="concurrent gRPC streams: tokens/s and inter-token latency")
     serve_bench.add_argument("--target", help="a running server (default: start one on the embedded model)")

@@ -41,7 +41,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--revision", "model.revision", "model", "with a repo id: branch, tag or commit"),
     Flag("--model-name", "model.name", "model", "name clients use (default: folder name; expertmesh-demo if "
          "embedded)"),
-    Flag("--dtype", "model.dtype", "model", "weights and activations", {"choices": DTYPES}),
+    Flag("--dtype", "model.dtype", "model", "weights and activations; auto: the checkpoint's dtype on a GPU, "
+         "float32 on a CPU (README: Data types)", {"choices": DTYPES}),
     Flag("--address", "ray.address", "ray", "Ray cluster to join (default: start an embedded one)"),
     Flag("--ray-cpus", "ray.num_cpus", "ray", "CPUs of the embedded Ray (default: the machine's)", {"type": int}),
     Flag("--replicas-per-expert", "experts.replicas_per_expert", "experts", "replicas of each expert actor",
@@ -58,7 +59,10 @@ FLAGS: tuple[Flag, ...] = (
          "overlap the other's dense compute (README: Transports / Overlap)", {"action": "store_const", "const": True}),
     Flag("--capacity-factor", "router.capacity_factor", "router", "cap tokens per expert per step (default: no "
          "cap, no token is ever dropped)", {"type": float}),
-    Flag("--router-threads", "router.threads", "router", "torch threads per router", {"type": int}),
+    Flag("--router-threads", "router.threads", "router", "torch threads per router; a Serve replica also reserves "
+         "that many CPUs (default: the CPUs it was given, at least 1)", {"type": int}),
+    Flag("--router-gpus", "router.gpus", "router", "GPUs per router (fractions share one): its dense weights, KV "
+         "cache and sampling run on cuda:0 (default: 0, on CPU)", {"type": float}),
     Flag("--router-replicas", "router.replicas", "serve", "Serve replicas of the router", {"type": int}),
     Flag("--router-autoscale", "router.autoscale", "serve", "autoscale router replicas",
          {"type": _autoscale_range, "metavar": "MIN:MAX"}),
@@ -131,14 +135,15 @@ def _default(path: str) -> Any:
 
 
 def add_mesh_flags(parser: argparse.ArgumentParser, groups: tuple[str, ...] = GROUPS,
-                   config_file: bool = True) -> None:
-    """The flags of `groups`, and `--config FILE`, on `parser`."""
+                   config_file: bool = True, extra: tuple[str, ...] = ()) -> None:
+    """The flags of `groups`, and `--config FILE`, on `parser`; extra: dotted paths of single flags from other
+    groups (e.g. bench dispatch takes --dtype but not --model)."""
     if config_file:
         parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                             help="a YAML or JSON file holding the configuration tree (README: Configuration); "
                                  "flags override it")
     for flag in FLAGS:
-        if flag.group not in groups:
+        if flag.group not in groups and flag.path not in extra:
             continue
         default = _default(flag.path)
         shown = f" (default: {default})" if default not in (None, {}, False, True) else ""

@@ -136,3 +136,23 @@ def test_the_config_tree_takes_a_repo_id_and_a_revision(tmp_path):
         MeshConfig().replace(**{"model.path": "./not/here"}).validate()
     with pytest.raises(ConfigError, match="model.revision: applies to a Hugging Face repo id"):
         MeshConfig().replace(**{"model.path": str(tmp_path), "model.revision": "v2"}).validate()
+
+
+def test_companions_cover_fp8_scales_biases_and_fused_layouts():
+    from expertmesh.experts.model_source import companions
+
+    keys = {
+        "model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.0.mlp.experts.1.gate_proj.weight_scale_inv",
+        "model.layers.0.mlp.experts.11.gate_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.q_proj.bias", "model.layers.1.mlp.experts.gate_up_proj_blocks",
+        "model.layers.1.mlp.experts.gate_up_proj_scales", "model.layers.1.mlp.experts.down_proj",
+        "model.layers.2.mlp.experts.gate_up_proj",
+    }
+    wanted = {"model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+              "model.layers.1.mlp.experts.3.up_proj.weight"}
+    assert companions(wanted, keys) == {
+        "model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.0.mlp.experts.1.gate_proj.weight_scale_inv",
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.1.mlp.experts.gate_up_proj_blocks", "model.layers.1.mlp.experts.gate_up_proj_scales",
+        "model.layers.1.mlp.experts.down_proj",
+    }

@@ -26,6 +26,7 @@ PURE_MODULES = (
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
     "expertmesh.experts.config_deepseek",
+    "expertmesh.experts.dtypes",  # model.dtype resolution ("auto" against the checkpoint and the device)
     "expertmesh.experts.embedded_model",
     "expertmesh.experts.errors",
     "expertmesh.experts.ffn",
@@ -33,6 +34,7 @@ PURE_MODULES = (
     "expertmesh.experts.gating",
     "expertmesh.experts.kv_cache",
     "expertmesh.experts.mla_attention",
+    "expertmesh.experts.model_source",  # folders and Hub repo ids (huggingface_hub imported on use)
     "expertmesh.experts.modeling",
     "expertmesh.experts.mxfp4",
     "expertmesh.experts.norms",
@@ -62,6 +64,7 @@ PURE_MODULES = (
     "expertmesh.router_service.transports",
     "expertmesh.router_service.transports.base",
     # cluster policies and plans
+    "expertmesh.cluster.memory_plan",  # GPU memory accounting for placement and plan-cluster
     "expertmesh.cluster.actor_slots",
     "expertmesh.cluster.autoscale",
     "expertmesh.cluster.breaker",
