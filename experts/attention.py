@@ -43,18 +43,19 @@ class AttentionLayer(Protocol):
 
 
 class GQAAttention:
-    """Grouped-query attention with RoPE (Mixtral, Qwen2-MoE, OLMoE): optional q/k/v bias, OLMoE's RMSNorm over
-    the projected q and k, OLMoE's clip_qkv. Caches rotated keys and values."""
+    """Grouped-query attention with RoPE (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, gpt-oss): optional q/k/v bias,
+    OLMoE's RMSNorm over the projected q and k (full width), Qwen3-MoE's RMSNorm over each q and k head (head_dim,
+    before RoPE), OLMoE's clip_qkv, gpt-oss's attention sinks and o_proj bias. Caches rotated keys and values."""
 
     def __init__(self, cfg: MoEModelConfig, w: AttentionWeights, window: int | None):
         self.w = w
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.clip = cfg.clip_qkv
-        self.qk_norm_per_head = cfg.qk_norm_per_head  # GLM-4.5: q_norm/k_norm weights are [D], per head
+        self.qk_norm_per_head = cfg.qk_norm_per_head  # Qwen3-MoE, GLM-4.5: q_norm/k_norm weights are [D], per head
         self.scale = default_scale(cfg.head_dim)
         self.window = window
-        self.sinks = None
+        self.sinks = w.sinks  # [nh] or None
         self.cache_spec = {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -80,7 +81,7 @@ class GQAAttention:
         return entries["k"], entries["v"]
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
-        return F.linear(o, self.w.o)  # [T, H]
+        return F.linear(o, self.w.o, self.w.o_bias)  # [T, H]
 
 
 def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> AttentionLayer:

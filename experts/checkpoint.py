@@ -144,6 +144,39 @@ class CheckpointReader:
                         done.result()  # the first error, naming its file and key
         return out
 
+    def read_rows(
+        self, wanted: dict[str, tuple[tuple[int, ...], list[int]]], progress: str | None = None
+    ) -> dict[tuple[str, int], torch.Tensor]:
+        """Rows of stacked tensors: {name: (expected full shape, indices on axis 0)} -> {(name, index): tensor}.
+
+        Only the requested rows are read (`get_slice(name)[i]`, never the whole tensor), so an actor hosting a few
+        experts of a fused [E, ...] tensor reads those experts' bytes and nothing else. The full shape is checked
+        from the header first, so a wrong config fails here naming the file and key.
+        """
+        by_file: dict[Path, list[str]] = {}
+        for key in wanted:
+            by_file.setdefault(self.file_of(key), []).append(key)
+        out: dict[tuple[str, int], torch.Tensor] = {}
+        bar = tqdm(
+            total=sum(len(rows) for _, rows in wanted.values()), desc=progress or "loading weights", unit="slice",
+            disable=progress is None or not sys.stderr.isatty(), leave=False,
+        )
+        with bar:
+            for path, keys in by_file.items():
+                with _opened(path) as handle:
+                    for key in keys:
+                        expected, rows = wanted[key]
+                        view = _tensor(handle, path, key, header_only=True)
+                        shape = tuple(view.get_shape())
+                        if shape != tuple(expected):
+                            raise CheckpointError(
+                                f"{path}: tensor '{key}' has shape {shape}, expected {tuple(expected)} from config.json"
+                            )
+                        for row in rows:
+                            out[(key, row)] = view[row]
+                            bar.update(1)
+        return out
+
     def check_shapes(self, wanted: dict[str, tuple[int, ...]]) -> None:
         """Check that every tensor exists with its expected shape, reading headers only (no tensor data).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,23 +24,40 @@ def activation(name: str):
 
 @dataclass
 class GatedMLPWeights:
-    """One gated MLP. gate and up are fused so an expert costs two matmuls, not three."""
+    """One gated MLP. gate and up are fused so an expert costs two matmuls, not three.
 
-    gate_up: torch.Tensor  # [2I, H]
+    kind "gated": down(act(gate) * up). kind "clamped_swiglu" (gpt-oss): gate clamped to ≤ limit, up to ±limit,
+    down(gate·σ(alpha·gate)·(up + 1)); `act` is not used. Biases are optional (gpt-oss has them)."""
+
+    gate_up: torch.Tensor  # [2I, H]: the I gate rows, then the I up rows
     down: torch.Tensor  # [H, I]
+    gate_up_bias: torch.Tensor | None = None  # [2I]
+    down_bias: torch.Tensor | None = None  # [H]
+    kind: str = "gated"
+    alpha: float = 1.702  # clamped_swiglu only
+    limit: float = 7.0  # clamped_swiglu only
 
     @classmethod
-    def from_parts(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> GatedMLPWeights:
-        return cls(gate_up=torch.cat([gate, up], dim=0).contiguous(), down=down.contiguous())
+    def from_parts(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, **extra) -> GatedMLPWeights:
+        return cls(gate_up=torch.cat([gate, up], dim=0).contiguous(), down=down.contiguous(), **extra)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> GatedMLPWeights:
-        return GatedMLPWeights(self.gate_up.to(device=device, dtype=dtype), self.down.to(device=device, dtype=dtype))
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype)
+
+        return dataclasses.replace(self, gate_up=move(self.gate_up), down=move(self.down),
+                                   gate_up_bias=move(self.gate_up_bias), down_bias=move(self.down_bias))
 
     def nbytes(self) -> int:
-        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+        parts = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def gated_mlp(x: torch.Tensor, w: GatedMLPWeights, act) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)).  x: [T, H] -> [T, H]."""
-    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [T, I] each
-    return F.linear(act(gate) * up, w.down)  # [T, H]
+    """down(act(gate(x)) * up(x)), or gpt-oss's clamped SwiGLU for kind "clamped_swiglu".  x: [T, H] -> [T, H]."""
+    gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
+    if w.kind == "clamped_swiglu":
+        gate = gate.clamp(max=w.limit)
+        up = up.clamp(min=-w.limit, max=w.limit)
+        return F.linear((up + 1) * (gate * torch.sigmoid(gate * w.alpha)), w.down, w.down_bias)  # [T, H]
+    return F.linear(act(gate) * up, w.down, w.down_bias)  # [T, H]

@@ -1,9 +1,10 @@
 """Top-k gating: softmax over the router logits, top-k with deterministic tie-breaking, optional renormalisation,
 and an optional per-expert capacity that moves overflow to each token's next-best expert with room.
 
-Three routers, one `Routing`: `route` (softmax; Mixtral, Qwen2-MoE, OLMoE), `route_deepseek_v2` (softmax, greedy or
-group-limited top-k, scaled weights) and `route_sigmoid_grouped` (DeepSeek-V3, GLM-4.5: sigmoid scores, a correction
-bias that only ranks, group-limited top-k, optional renormalisation, scaled weights). `route_for_model` picks one
+Four routers, one `Routing`: `route` (softmax; Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE), `route_topk_softmax` (gpt-oss:
+top-k on the logits, softmax over the k), `route_deepseek_v2` (softmax, greedy or group-limited top-k, scaled
+weights) and `route_sigmoid_grouped` (DeepSeek-V3, GLM-4.5: sigmoid scores, a correction bias that only ranks,
+group-limited top-k, optional renormalisation, scaled weights). `route_for_model` picks one
 from the model config. Every router fills `Routing.probs` with a distribution over the E experts (softmax, or the
 sigmoid scores normalised to sum 1) so that load statistics (routing entropy) and `degrade` work with each.
 
@@ -89,6 +90,28 @@ def route(
                    rerouted_per_token=None if capacity_factor is None else rerouted_per_token, probs=probs)
 
 
+def route_topk_softmax(
+    router_logits: torch.Tensor, top_k: int, capacity_factor: float | None = None
+) -> Routing:
+    """gpt-oss: top-k on the router logits (bias already added), then softmax over the k chosen logits.
+
+    router_logits: [T, E] -> Routing over k slots. Ties keep the lower expert id first, as in `route`. The weights
+    equal softmax-then-renormalise mathematically; they are computed as transformers does (a softmax over the k
+    logits). `probs` is the softmax over all E logits: degraded re-routing and load statistics rank by it, and
+    renormalising its entries over any k experts gives that k's weights. With a capacity cap the softmax runs over
+    the slots that found room (a dropped slot weighs 0).
+    """
+    assert router_logits.dim() == 2, "router_logits must be [T, E]"
+    logits = router_logits.float()  # [T, E]
+    experts, rerouted, dropped, rerouted_per_token = _choose(logits, top_k, capacity_factor)  # [T, k]
+    chosen = torch.gather(logits, 1, experts.clamp(min=0))  # [T, k]
+    chosen = chosen.masked_fill(experts == DROPPED, float("-inf"))
+    weights = torch.softmax(chosen, dim=-1)  # [T, k]
+    weights = torch.nan_to_num(weights, nan=0.0)  # a token with every slot dropped: all weights 0
+    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped,
+                   rerouted_per_token=rerouted_per_token, probs=torch.softmax(logits, dim=-1))
+
+
 def route_deepseek_v2(
     router_logits: torch.Tensor,
     top_k: int,
@@ -162,6 +185,8 @@ def route_for_model(
     if cfg.router_kind == "deepseek_v2":
         return route_deepseek_v2(router_logits, cfg.top_k, cfg.topk_method, cfg.n_group, cfg.topk_group,
                                  cfg.routed_scaling_factor, capacity_factor)
+    if cfg.router_kind == "topk_softmax":  # gpt-oss
+        return route_topk_softmax(router_logits, cfg.top_k, capacity_factor)
     if cfg.router_kind == "sigmoid_grouped":
         return route_sigmoid_grouped(router_logits, cfg.top_k, correction_bias, cfg.n_group, cfg.topk_group,
                                      cfg.norm_topk_prob, cfg.routed_scaling_factor, capacity_factor)

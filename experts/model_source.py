@@ -100,9 +100,9 @@ def fetch_checkpoint(source: str, revision: str | None = None, tensors: TensorSe
 
 def dense_tensors(cfg: MoEModelConfig, keys: set[str]) -> Iterable[str]:
     """What a router reads: everything but the routed experts."""
-    from .weights import dense_tensor_names
+    from .weights import dense_tensor_names, expert_layout
 
-    return dense_tensor_names(cfg)
+    return dense_tensor_names(cfg, expert_layout(cfg, keys.__contains__))  # the layout names Mixtral's router
 
 
 def shard_tensors(shards: Iterable[tuple[int, int]]) -> TensorSelector:
@@ -110,9 +110,9 @@ def shard_tensors(shards: Iterable[tuple[int, int]]) -> TensorSelector:
     hosted = list(shards)
 
     def select(cfg: MoEModelConfig, keys: set[str]) -> Iterable[str]:
-        from .weights import expert_shard_names
+        from .weights import expert_layout, expert_shard_names
 
-        return expert_shard_names(cfg, hosted)
+        return expert_shard_names(cfg, hosted, expert_layout(cfg, keys.__contains__))  # per-expert or stacked
     return select
 
 

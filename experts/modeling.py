@@ -224,8 +224,8 @@ class MoEDecoder:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
             return None
         # DeepSeek/GLM routers score in float32 (their gate weight is kept float32), as transformers does.
-        logits = (F.linear(h, layer.router) if cfg.router_kind == "softmax"
-                  else F.linear(h.float(), layer.router.float()))  # [T_g, E]
+        logits = (F.linear(h, layer.router, layer.router_bias) if cfg.router_kind in ("softmax", "topk_softmax")
+                  else F.linear(h.float(), layer.router.float()))  # [T_g, E]; gpt-oss's router has a bias
         return h, route_for_model(cfg, logits, layer.router_correction_bias, self.capacity_factor)
 
     def _with_shared(self, layer, h: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:

@@ -47,10 +47,11 @@ def hf_config(kind: str, **overrides):
 
 
 def write_deepseek_checkpoint(kind: str, out: Path, seed: int = 0, mtp: bool = False,
-                              fp8_block: tuple[int, int] | None = None, **overrides) -> Path:
+                              fp8_block: tuple[int, int] | None = None, fused: bool = False, **overrides) -> Path:
     """save_pretrained a random `kind` model into `out`. Random correction biases and norm weights (transformers
     initialises them to 0 and 1, which would hide a missing bias or norm). mtp adds one MTP layer's tensors;
-    fp8_block quantises every linear weight but the router gate, embeddings and lm_head."""
+    fp8_block quantises every linear weight but the router gate, embeddings and lm_head. fused: transformers'
+    stacked expert layout (`save_original_format=False`)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -62,7 +63,7 @@ def write_deepseek_checkpoint(kind: str, out: Path, seed: int = 0, mtp: bool = F
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn_like(buf) * 0.3)
-    model.save_pretrained(out)
+    model.save_pretrained(out, **({"save_original_format": False} if fused else {}))
     if mtp or fp8_block:
         _rewrite(out, model.config.num_hidden_layers, mtp, fp8_block)
     return out

@@ -27,7 +27,7 @@ from expertmesh.experts.weights import (
 from tests.tiny_deepseek import KINDS, VOCAB, write_deepseek_checkpoint
 
 TOL = 1e-4
-LAYOUTS = ("per_expert",)  # the fused layout joins here once experts/weights.py reads it for every family
+LAYOUTS = ("per_expert", "fused")  # fused: transformers' stacked experts (save_original_format=False)
 WITH_MTP = ("deepseek_v3", "glm4_moe")  # published with multi-token-prediction layers
 
 
@@ -72,8 +72,9 @@ def _greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("deepseek_ckpt")
-    return {(kind, "per_expert"): write_deepseek_checkpoint(kind, root / kind, seed=i, mtp=kind in WITH_MTP)
-            for i, kind in enumerate(KINDS)}
+    return {(kind, layout): write_deepseek_checkpoint(kind, root / f"{kind}_{layout}", seed=i, mtp=kind in WITH_MTP,
+                                                      fused=layout == "fused")
+            for i, kind in enumerate(KINDS) for layout in LAYOUTS}
 
 
 @pytest.fixture(scope="module")

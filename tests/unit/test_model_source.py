@@ -83,6 +83,29 @@ def test_the_router_fetches_only_dense_files(checkpoints, offline_hub):
     assert {name for name in asked if name.endswith(".safetensors")} == expected
 
 
+def test_a_stacked_checkpoint_from_the_hub_fetches_by_its_own_names(tmp_path, offline_hub):
+    """transformers' stacked layout: the selectors name `mlp.experts.gate_up_proj` and Mixtral's `mlp.gate`."""
+    from expertmesh.experts.weights import FUSED, expert_layout
+    from tests.tiny_checkpoints import write_hf_checkpoint
+
+    cache, asked = offline_hub
+    folder = write_hf_checkpoint("mixtral", tmp_path / "fused", seed=4, max_shard_size="40KB", fused=True)
+    populate_hub_cache(cache, "acme/stacked", folder)
+    shards = [(1, 0), (1, 3)]
+    reader = open_checkpoint("acme/stacked", None, shard_tensors(shards))
+    assert expert_layout(reader.config, reader.has) == FUSED
+    weight_map = _weight_map(folder)
+    expected = {weight_map[name] for name in expert_shard_names(reader.config, shards, FUSED)}
+    assert {name for name in asked if name.endswith(".safetensors")} == expected
+    assert len(expected) < len(set(weight_map.values()))
+    got, want = load_expert_shards(reader, shards), load_expert_shards(CheckpointReader(folder), shards)
+    assert all(torch.equal(got[s].gate_up, want[s].gate_up) for s in shards)
+    asked.clear()
+    router = open_checkpoint("acme/stacked", None, dense_tensors)
+    assert weight_map["model.layers.0.mlp.gate.weight"] in {name for name in asked if name.endswith(".safetensors")}
+    assert router.has("model.layers.0.mlp.gate.weight")
+
+
 def test_a_file_missing_from_the_offline_cache_is_one_line(checkpoints, offline_hub):
     cache, _ = offline_hub
     folder = checkpoints["mixtral_sharded"]

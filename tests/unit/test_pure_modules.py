@@ -37,6 +37,7 @@ PURE_MODULES = (
     "expertmesh.experts.mla_attention",
     "expertmesh.experts.model_source",  # folders and Hub repo ids (huggingface_hub imported on use)
     "expertmesh.experts.modeling",
+    "expertmesh.experts.mxfp4",
     "expertmesh.experts.norms",
     "expertmesh.experts.reference",
     "expertmesh.experts.rope",
