@@ -110,8 +110,8 @@ def spy(monkeypatch) -> list:
     real = checkpoint_module.safe_open
 
     class _Opened:
-        def __init__(self, path, framework):
-            self.cm = real(path, framework=framework)
+        def __init__(self, path, framework, **options):
+            self.cm = real(path, framework=framework, **options)
 
         def __enter__(self):
             return _SpyHandle(self.cm.__enter__(), log)
