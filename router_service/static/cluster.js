@@ -11,7 +11,7 @@ function el(tag, attrs, ...children) {
   for (const [k, v] of Object.entries(attrs || {})) {
     if (k === "class") node.className = v; else node.setAttribute(k, v);
   }
-  for (const c of children) node.append(c === null || c === undefined ? "" : String(c));
+  for (const c of children) node.append(c instanceof Node ? c : String(c ?? ""));
   return node;
 }
 
