@@ -37,11 +37,19 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).resolve().parent / "static"
 PAGE_FILES = {"cluster.js": "text/javascript", "cluster.css": "text/css"}
 STATE_TIMEOUT_S = 10.0
+# handler_cancellation: a client that goes away cancels its handler even while no byte is being written (a request
+# still queued for a batch slot), so the Serve call is cancelled at once, not at the next write.
+RUNNER_OPTIONS = {"handler_cancellation": True, "access_log": None}
 _warnings = LogRateLimit()
 
 
+def json_response(body: dict, status: int = 200) -> web.Response:
+    """JSON ending in a newline, so `curl` output reads line by line."""
+    return web.json_response(body, status=status, dumps=lambda obj: json.dumps(obj) + "\n")
+
+
 def error_response(error: OpenAIError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    return json_response(error.body(), status=error.status)
 
 
 def _as_openai_error(exc: BaseException) -> OpenAIError:
@@ -101,13 +109,13 @@ class HttpFront:
     # ---- the OpenAI API ----------------------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(openai_api.models_list(self.model_name, self.created))
+        return json_response(openai_api.models_list(self.model_name, self.created))
 
     async def model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] != self.model_name:
             raise OpenAIError(404, f"model: the model {request.match_info['model'][:64]!r} does not exist",
                               param="model", code="model_not_found")
-        return web.json_response(openai_api.models_list(self.model_name, self.created)["data"][0])
+        return json_response(openai_api.models_list(self.model_name, self.created)["data"][0])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         job = openai_api.parse_completion(await self._body(request), self.model_name)
@@ -140,7 +148,7 @@ class HttpFront:
                 except Exception as exc:
                     raise _as_openai_error(exc) from None
                 finished = True
-                return web.json_response(openai_api.response(job, request_id, created, got))
+                return json_response(openai_api.response(job, request_id, created, got))
             return await self._stream(request, job, request_id, created, first, events, call)
         finally:
             if not finished:
@@ -174,7 +182,7 @@ class HttpFront:
                 self.unary_handle.GetClusterState.remote(admin_pb2.ClusterStateRequest()), STATE_TIMEOUT_S)
         except Exception as exc:
             raise _as_openai_error(exc) from None
-        return web.json_response(cluster_state_json(reply))
+        return json_response(cluster_state_json(reply))
 
     async def page(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "cluster.html", headers={"Cache-Control": "no-cache"})
@@ -222,8 +230,7 @@ async def start_http_front(handle: serve.handle.DeploymentHandle, settings: Serv
                            model_name: str) -> tuple[web.AppRunner, int]:
     """Serve the HTTP API on settings.host:settings.http_port; returns the runner (cleanup() stops it) and the
     port it bound (useful with port 0)."""
-    runner = web.AppRunner(HttpFront(handle, settings, model_name).app(), handler_cancellation=True,
-                           access_log=None)
+    runner = web.AppRunner(HttpFront(handle, settings, model_name).app(), **RUNNER_OPTIONS)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.http_port, ssl_context=tls_context(settings),
                        reuse_port=False)
