@@ -121,7 +121,11 @@ class RouterDeployment:
         self.shards = [(layer, e) for layer in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
         self._verdict: tuple[float, HealthVerdict] | None = None
         self._controller = None  # cached handle; dropped when a call to it fails
-        self.chat_template = load_chat_template(spec.model_dir)  # None: chat requests get a 400
+        try:
+            self.chat_template = load_chat_template(spec.model_dir)  # None: chat requests get a 400
+        except (OSError, ValueError) as exc:  # an unreadable tokenizer_config.json must not stop the server
+            log.warning("no chat template: cannot read tokenizer_config.json (%s)", exc)
+            self.chat_template = None
 
     def _authorize(self, grpc_context) -> None:
         token = self.config.server.auth_token
