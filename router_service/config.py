@@ -202,6 +202,9 @@ class ServerConfig:
     # (router_service/admin_auth.py).
     admin_token: str | None = None
     max_message_bytes: int = 16 * 1024 * 1024  # largest request; responses up to max_response_bytes
+    # The OpenAI-compatible HTTP API and the live cluster page (router_service/http_front.py) on this port, same
+    # host, token and TLS as gRPC; None: off. 0 picks a free port (printed on the ready line).
+    http_port: int | None = None
 
     def validate(self) -> ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -214,6 +217,10 @@ class ServerConfig:
             check_tls_pair(self.tls_cert, self.tls_key)  # PEM, a key that belongs to the certificate
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port: must be in [0, 65536), got {self.http_port}")
+        if self.http_port is not None and self.http_port != 0 and self.http_port == self.port:
+            raise ValueError(f"http_port: must differ from port ({self.port})")
         if not 1024 <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
             raise ValueError(f"max_message_bytes: must be in [1024, {MAX_MESSAGE_BYTES}] (1 GiB), got "
                              f"{self.max_message_bytes}")
@@ -238,6 +245,12 @@ class ServerConfig:
             check_can_listen(self.host, self.port)
         except ValueError as exc:
             raise ConfigError(*f"server.{exc}".split(": ", 1)) from None
+        if self.http_port:
+            try:
+                check_can_listen(self.host, self.http_port)
+            except ValueError as exc:
+                field, message = str(exc).split(": ", 1)
+                raise ConfigError("server.http_port" if field == "port" else f"server.{field}", message) from None
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,10 @@ from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
-from . import health, proto_mapping
+from . import health, openai_requests, proto_mapping
 from .admin_auth import admin_denial
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
+from .chat_template import load_chat_template
 from .config import MeshConfig
 from .dispatch import NoReplicaError
 from .error_log import ClientErrorLog, quiet_serve_request_logs
@@ -127,6 +128,11 @@ class RouterDeployment:
         self.shards = [(layer, e) for layer in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
         self._verdict: tuple[float, HealthVerdict] | None = None
         self._controller = None  # cached handle; dropped when a call to it fails
+        try:
+            self.chat_template = load_chat_template(spec.model_dir)  # None: chat requests get a 400
+        except (OSError, ValueError) as exc:  # an unreadable tokenizer_config.json must not stop the server
+            log.warning("no chat template: cannot read tokenizer_config.json (%s)", exc)
+            self.chat_template = None
 
     def _authorize(self, grpc_context) -> None:
         token = self.config.server.auth_token
@@ -175,6 +181,34 @@ class RouterDeployment:
         finally:
             if span is not None:
                 span.end()
+
+    async def OpenAIGenerate(self, job):  # noqa: N802 (named like the RPCs it sits with)
+        """The OpenAI HTTP API's generation (router_service/http_front.py): job is an openai_api.OpenAIJob; streams
+        one plain dict per batcher event (openai_requests.event_dict). Same batcher, same cancel path as Generate:
+        the HTTP front cancelling this call (client disconnect) closes the batcher stream, which frees the sequence."""
+        span = self.router.observer.start_request(None, rpc="OpenAIGenerate")
+        try:
+            gen_request = await asyncio.to_thread(
+                openai_requests.generation_request, job, self.cfg, self.router.encode, self._encode_rendered,
+                self.chat_template)
+            async with contextlib.aclosing(self.batcher.stream(gen_request, span=span)) as events:
+                async for event in events:
+                    yield openai_requests.event_dict(event, self._token_text)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise _set_status(None, _classify(exc), "OpenAIGenerate") from None
+        finally:
+            if span is not None:
+                span.end()
+
+    def _encode_rendered(self, text: str) -> list[int]:
+        if self.router.tokenizer is None:
+            return self.router.encode(text)  # raises the no-tokenizer error
+        return self.router.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _token_text(self, token_id: int) -> str:
+        return self.router.decode([token_id]) or ""
 
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:  # noqa: N802
         try:

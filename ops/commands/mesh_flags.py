@@ -118,6 +118,8 @@ FLAGS: tuple[Flag, ...] = (
          "sending `x-expertmesh-admin-token: TOKEN` (default: $EXPERTMESH_ADMIN_TOKEN, else they are refused)"),
     Flag("--max-message-bytes", "server.max_message_bytes", "server", "largest request or response",
          {"type": int}),
+    Flag("--http-port", "server.http_port", "server", "also serve the OpenAI-compatible HTTP API and the live "
+         "cluster page here (same host, token and TLS; 0 picks a free port; default off)", {"type": int}),
 )
 GROUPS = tuple(dict.fromkeys(f.group for f in FLAGS))
 # What runs in a process of its own without Serve (generate/score --local, bench dispatch).

@@ -51,6 +51,7 @@ PURE_MODULES = (
     "expertmesh.router_service.proto_mapping",
     "expertmesh.router_service.admin_auth",  # who may call the destructive Admin RPCs
     "expertmesh.router_service.batching",
+    "expertmesh.router_service.chat_template",  # chat templates (jinja2), as transformers renders them
     "expertmesh.router_service.continuation",  # what the gRPC front re-sends when a router replica dies
     "expertmesh.router_service.config",  # the configuration tree: the CLI checks it before anything starts
     "expertmesh.router_service.config_tree",
@@ -60,6 +61,8 @@ PURE_MODULES = (
     "expertmesh.router_service.errors",
     "expertmesh.router_service.log_limit",
     "expertmesh.router_service.observability_config",
+    "expertmesh.router_service.openai_api",  # OpenAI HTTP bodies, responses, stream chunks, errors
+    "expertmesh.router_service.openai_requests",  # OpenAI jobs -> GenerationRequests, batcher events -> dicts
     "expertmesh.router_service.sampling",
     "expertmesh.router_service.server_checks",  # TLS pair, host, port: checked before anything starts
     "expertmesh.router_service.transports",
