@@ -126,6 +126,12 @@ class ExpertsConfig:
     # large shard set (e.g. 1/8 of a 100 GB checkpoint from the Hub, or all of it from a ~100 MB/s cloud disk).
     start_timeout_s: float = 1800.0
     placement: str | None = None  # a PLACEMENT.json (`expertmesh plan`): one actor per GPU hosting its shards
+    # Memory check of the pool on GPU nodes (router_service/gpu_fit.py): each GPU's memory (None: probed with
+    # nvidia-smi on its node), the fraction of it expert weights + runtime may use, and how long to wait for the
+    # autoscaler to add missing GPUs (0, or no autoscaler running: stop at once with one line).
+    gpu_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    gpu_wait_s: float = 600.0
 
     def validate(self) -> ExpertsConfig:
         if self.replicas_per_expert < 1:
@@ -134,6 +140,12 @@ class ExpertsConfig:
             raise ValueError(f"num_cpus_per_actor: must be > 0, got {self.num_cpus_per_actor}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s}")
+        if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
+            raise ValueError(f"gpu_memory_gb: must be > 0, got {self.gpu_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.gpu_wait_s >= 0:
+            raise ValueError(f"gpu_wait_s: must be ≥ 0, got {self.gpu_wait_s}")
         if self.placement is not None and not Path(self.placement).is_file():
             raise ValueError(f"placement: {self.placement} is not a file")
         return self

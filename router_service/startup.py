@@ -27,6 +27,7 @@ from ..experts.transport_secret import transport_secret
 from ..experts.weights import check_checkpoint
 from .config import MeshConfig, RayConfig
 from .expert_pool import ExpertPool
+from .gpu_fit import fit_gpu_memory
 from .pool_layout import pool_layout
 from .ray_join import prepare_join
 
@@ -119,6 +120,8 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
         elastic = config.controller.elastic
         groups, slots = pool_layout(reader.config, config.experts.replicas_per_expert,
                                     config.experts.num_cpus_per_actor, config.experts.placement, elastic)
+        # On GPU nodes: the pool fits by bytes, or the autoscaler adds GPUs, or one line says what is missing.
+        slots = fit_gpu_memory(config, reader, groups, slots)
         tracing = config.tracing
         runtime.spec = PoolSpec(config.model.source, config.model.dtype, groups,
                                 tracing=tracing.as_dict() if tracing.enabled else None,

@@ -51,6 +51,12 @@ FLAGS: tuple[Flag, ...] = (
          "of each node's)", {"type": float}),
     Flag("--actor-start-timeout", "experts.start_timeout_s", "experts", "seconds for every expert actor to load "
          "(default 1800)", {"type": float}),
+    Flag("--gpu-memory-gb", "experts.gpu_memory_gb", "experts", "memory of each GPU in GiB (default: nvidia-smi on "
+         "each GPU node); the expert pool is checked against it by bytes before any actor loads", {"type": float}),
+    Flag("--expert-gpu-memory-utilization", "experts.gpu_memory_utilization", "experts", "fraction of each expert "
+         "GPU the pool may fill (default 0.9)", {"type": float}),
+    Flag("--gpu-wait", "experts.gpu_wait_s", "experts", "seconds to wait for the autoscaler to add GPUs the pool is "
+         "missing (default 600; 0: stop at once)", {"type": float}),
     Flag("--restore-timeout", "controller.restore_timeout_s", "controller", "seconds a restored actor may take to "
          "load (default 1800)", {"type": float}),
     Flag("--placement", "experts.placement", "experts", "start from a PLACEMENT.json (`expertmesh plan`): one "
