@@ -16,6 +16,7 @@ import torch
 from .arrays import readonly_tensor
 from .checkpoint import CheckpointReader
 from .ffn import activation, gated_mlp
+from .grouped_ffn import GroupedExperts
 from .telemetry import ExpertMetrics, build_tracer, context_of
 from .tracing_config import TracingConfig
 from .weights import Shard, load_expert_shards
@@ -39,6 +40,7 @@ class ExpertActor:
         self.act = activation(reader.config.hidden_act)
         self.dtype = getattr(torch, dtype)
         self.shards = load_expert_shards(reader, shards, self.dtype, self.device)
+        self.experts = GroupedExperts(self.shards, self.act)  # a call's experts in grouped matmuls, as the reference
         self.calls = 0
         self.tokens = 0
         self.tracer = build_tracer(TracingConfig(**tracing), f"expert:{name}") if tracing else None
@@ -72,11 +74,7 @@ class ExpertActor:
         started, cpu_started = time.perf_counter(), time.thread_time()
         inputs = readonly_tensor(x).to(self.device, self.dtype)
         with torch.inference_mode():
-            outs = [
-                gated_mlp(chunk, self.shards[(layer, e)], self.act)
-                for e, chunk in zip(experts, inputs.split(counts))
-            ]
-            result = torch.cat(outs) if len(outs) > 1 else outs[0]
+            result = self.experts.run(layer, list(experts), list(counts), inputs)  # [n, H]
         self.calls += 1
         self.tokens += int(x.shape[0])
         out = result.to("cpu").numpy()

@@ -39,7 +39,26 @@ class GatedMLPWeights:
         return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
 
 
+# at::internal::GRAIN_SIZE: torch runs a CPU elementwise op of fewer elements on one thread.
+PARALLEL_GRAIN = 32768
+
+
 def gated_mlp(x: torch.Tensor, w: GatedMLPWeights, act) -> torch.Tensor:
     """down(act(gate(x)) * up(x)).  x: [T, H] -> [T, H]."""
-    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [T, I] each
-    return F.linear(act(gate) * up, w.down)  # [T, H]
+    return F.linear(gated_activation(F.linear(x, w.gate_up), act), w.down)  # [T, H]
+
+
+def gated_activation(h: torch.Tensor, act) -> torch.Tensor:
+    """h: [T, 2I] = [gate | up] -> act(gate) * up, [T, I].
+
+    On CPU in blocks of whole rows below torch's parallel grain: torch's elementwise kernels compute full SIMD
+    vectors with vector code and a leftover tail with scalar code (their exp can differ in the last bit), and where
+    the tail falls depends on how the op is split over threads, i.e. on the tensor's total size. In blocks, each row
+    takes the same path however many rows share the call (other experts' rows, other replicas' chunks) and however
+    many threads run, so the reference and the actors agree bit for bit.
+    """
+    gate, up = h.chunk(2, dim=-1)  # [T, I] each
+    block = max(1, PARALLEL_GRAIN // max(1, gate.shape[1]))
+    if h.device.type != "cpu" or h.shape[0] <= block:
+        return act(gate) * up
+    return torch.cat([act(g) * u for g, u in zip(gate.split(block), up.split(block))])

@@ -332,7 +332,7 @@ class RemoteExperts:
         handles = []
         for i in which:
             call = calls[i]
-            x = hidden[torch.cat(call.token_idx)].contiguous().numpy()  # [n, H]
+            x = hidden[call.tokens].contiguous().numpy()  # [n, H]
             handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, x, **extra))
         return handles
 

@@ -27,8 +27,10 @@ PURE_MODULES = (
     "expertmesh.experts.errors",
     "expertmesh.experts.ffn",
     "expertmesh.experts.gating",
+    "expertmesh.experts.grouped_ffn",  # a call's experts in grouped matmuls (actors and reference)
     "expertmesh.experts.modeling",
     "expertmesh.experts.reference",
+    "expertmesh.experts.routed_rows",  # rows sorted by expert, and the one combine order
     "expertmesh.experts.tokenizer",
     "expertmesh.experts.tracing_config",
     "expertmesh.experts.weights",
