@@ -3,6 +3,7 @@
   sort_rows     routing [T, k] -> every (token, slot) pair that has an expert, sorted by expert id (one stable sort),
                 with the experts hit and their row counts
   combine_rows  expert outputs of those rows -> sum over each token's slots of gate weight * output, [T, H]
+  slot_ranks    where each slot comes in its token's sum
 
 Both the distributed combine (router_service/dispatch_plan.py) and LocalExperts call `combine_rows`, so the
 floating-point sum of a token's expert outputs is taken in one fixed order - the token's experts by ascending id, a
@@ -31,15 +32,16 @@ class SortedRows:
 
 def sort_rows(experts: torch.Tensor) -> SortedRows:
     """experts: [T, k] int64 expert ids (-1 = dropped) -> the routed rows sorted by expert."""
-    num_tokens, k = experts.shape
-    flat = experts.reshape(-1)  # [T*k], position p = token * k + slot
-    kept = torch.nonzero(flat >= 0).squeeze(1)  # [N] ascending positions
-    ids = flat[kept]  # [N]
-    # Stable: rows of one expert keep (token, slot) order, which is what nonzero(experts == e) gave per expert.
-    ids_sorted, order = torch.sort(ids, stable=True)  # [N], [N]
-    pos = kept[order]  # [N]
+    k = experts.shape[1]
+    # One stable sort of all T*k positions (p = token * k + slot): rows of one expert keep (token, slot) order, as
+    # nonzero(experts == e) gave them; dropped slots (-1) sort first and are cut off.
+    ids_sorted, order = torch.sort(experts.reshape(-1), stable=True)  # [T*k], [T*k]
     hit, counts = torch.unique_consecutive(ids_sorted, return_counts=True)
-    return SortedRows(tokens=pos // k, slots=pos % k, experts=hit.tolist(), counts=counts.tolist())
+    hit, counts = hit.tolist(), counts.tolist()
+    if hit and hit[0] < 0:
+        order = order[counts[0]:]  # [N]
+        hit, counts = hit[1:], counts[1:]
+    return SortedRows(tokens=order // k, slots=order % k, experts=hit, counts=counts)
 
 
 def slot_ranks(experts: torch.Tensor) -> torch.Tensor:
@@ -58,18 +60,20 @@ def combine_rows(hidden: torch.Tensor, routing: Routing, tokens: torch.Tensor, s
     """sum over slots of weight * expert output, in the fixed order of `slot_ranks`.
 
     hidden: [T, H] (shape and dtype of the result); tokens, slots: [N] the rows' (token, slot), in any order;
-    outputs: [N, H] the experts' unweighted outputs for those rows. Each weighted row lands in a [k, T, H] buffer at
-    its rank; the ranks are then added one after another (starting from zeros, as index_add_ into zeros did).
+    outputs: [N, H] the experts' unweighted outputs for those rows. The rows are grouped by rank (one stable sort);
+    rank by rank, each group - at most one row per token - is weighted and added into the result (from zeros, as
+    main's index_add_ per expert did). k small passes, each over at most [T, H]: no [N, H] temporaries, so the
+    combine stays in cache and does not page-fault fresh buffers in.
     """
     num_tokens, k = routing.experts.shape
     result = torch.zeros_like(hidden)  # [T, H]
     if tokens.numel() == 0:
         return result
-    weighted = (outputs * routing.weights[tokens, slots, None]).to(hidden.dtype)  # [N, H]
     ranks = slot_ranks(routing.experts)[tokens, slots]  # [N]
-    buffer = hidden.new_zeros((k, num_tokens, hidden.shape[1]))  # [k, T, H]
-    buffer[ranks, tokens] = weighted
-    # A slot without a row (dropped) adds +0.0, which leaves every partial sum as it was (they start at +0.0).
-    for rank in range(int(ranks.max()) + 1):
-        result.add_(buffer[rank])
+    by_rank = torch.sort(ranks, stable=True).indices  # [N]
+    weights = routing.weights[tokens, slots]  # [N]
+    for rows in by_rank.split(torch.bincount(ranks, minlength=k).tolist()):
+        if rows.numel():
+            weighted = outputs.index_select(0, rows) * weights[rows, None]  # [n_r, H]
+            result.index_add_(0, tokens[rows], weighted.to(hidden.dtype))
     return result

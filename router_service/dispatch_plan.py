@@ -5,7 +5,7 @@ the dispatcher's arithmetic is unit-tested, and run on a machine without Ray, on
   combine     the calls' outputs -> sum over slots of gate weight * expert output, [T, H], in the reference's order
 
 Both are vectorised for models with hundreds of experts: one stable sort of the layer's (token, slot) pairs by
-expert, one stable sort of those rows by actor, one combine through a [k, T, H] buffer (experts/routed_rows.py).
+expert, one stable sort of those rows by actor, one combine in k passes by slot rank (experts/routed_rows.py).
 What stays in Python is one step per expert hit (its replicas from the table: a dict look-up and, with several
 replicas, the split into contiguous chunks) - the routing table and the breakers are Python objects.
 """
@@ -120,6 +120,8 @@ def combine(
     """
     if not calls:
         return torch.zeros_like(hidden)
+    if len(calls) == 1:  # one actor hosts every expert hit (the many-expert layout on one device): no copies
+        return combine_rows(hidden, routing, calls[0].tokens, calls[0].slots, outputs[0])
     tokens = torch.cat([c.tokens for c in calls])  # [N]
     slots = torch.cat([c.slots for c in calls])  # [N]
     return combine_rows(hidden, routing, tokens, slots, torch.cat(list(outputs)))
