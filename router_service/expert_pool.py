@@ -63,8 +63,10 @@ def cluster_device_count(nodes: list[NodeResources]) -> int:
 def device_actor_slots(names: list[str], nodes: list[NodeResources],
                        num_cpus_per_actor: float | None) -> list[ActorSlot]:
     """Slots for the many-expert layout: spread like any pool (replicas on different devices), but without
-    num_cpus_per_actor each actor asks for its node's CPUs shared among the actors placed there, not at most one:
-    an actor hosting a slice of every layer computes grouped matmuls on all the cores it is given."""
+    num_cpus_per_actor each actor asks for its node's CPUs less one (left to the router, Ray and the OS), shared
+    among the actors placed there - not at most one: an actor hosting a slice of every layer computes grouped
+    matmuls on as many threads as it is given. (Giving it every core backfires: a torch thread pool that must
+    share its cores with another busy process waits at every parallel region; measured 20x slower here.)"""
     slots = plan_actor_slots(names, nodes, num_cpus_per_actor)
     if num_cpus_per_actor is not None:
         return slots
@@ -72,9 +74,11 @@ def device_actor_slots(names: list[str], nodes: list[NodeResources],
     per_node: dict[str, int] = {}
     for slot in slots:
         per_node[slot.node_id] = per_node.get(slot.node_id, 0) + 1
-    return [replace(slot, num_cpus=max(slot.num_cpus, math.floor(round(cpus[slot.node_id] / per_node[slot.node_id]
-                                                                        * 100, 6)) / 100))
-            for slot in slots]
+
+    def share(node: str) -> float:
+        return math.floor(round(max(1.0, cpus[node] - 1) / per_node[node] * 100, 6)) / 100
+
+    return [replace(slot, num_cpus=max(slot.num_cpus, share(slot.node_id))) for slot in slots]
 
 
 def cluster_nodes() -> list[NodeResources]:

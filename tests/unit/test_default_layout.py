@@ -63,14 +63,14 @@ def test_devices_are_gpus_or_else_nodes():
     assert cluster_device_count([NodeResources("a", 8), NodeResources("b", 2)]) == 2
 
 
-def test_device_actors_take_their_nodes_cores():
+def test_device_actors_take_their_nodes_cores_but_one():
     nodes = [NodeResources("n1", 8.0), NodeResources("n0", 6.0)]
     slots = device_actor_slots(["expert-e0-r0", "expert-e1-r0"], nodes, None)
-    assert {(s.node_id, s.num_cpus, s.num_gpus) for s in slots} == {("n0", 6.0, 0.0), ("n1", 8.0, 0.0)}
-    # two replicas of each slice: on different nodes, each node's cores shared by its two actors
+    assert {(s.node_id, s.num_cpus, s.num_gpus) for s in slots} == {("n0", 5.0, 0.0), ("n1", 7.0, 0.0)}
+    # two replicas of each slice: on different nodes, each node's cores (but one) shared by its two actors
     slots = device_actor_slots([f"expert-e{g}-r{r}" for g in range(2) for r in range(2)], nodes, None)
     assert slots[0].node_id != slots[1].node_id and slots[2].node_id != slots[3].node_id
-    assert sorted(s.num_cpus for s in slots) == [3.0, 3.0, 4.0, 4.0]
+    assert sorted(s.num_cpus for s in slots) == [2.5, 2.5, 3.5, 3.5]
     assert {s.num_cpus for s in device_actor_slots(["expert-e0-r0"], nodes, 1.5)} == {1.5}  # given: as given
 
 
@@ -78,7 +78,7 @@ def test_device_actors_on_gpus_get_one_gpu_each():
     nodes = [NodeResources("a", 16.0, 2), NodeResources("b", 16.0, 2)]
     slots = device_actor_slots([f"expert-e{g}-r0" for g in range(4)], nodes, None)
     assert sorted((s.node_id, s.gpu_slot) for s in slots) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
-    assert {(s.num_gpus, s.num_cpus) for s in slots} == {(1.0, 8.0)}
+    assert {(s.num_gpus, s.num_cpus) for s in slots} == {(1.0, 7.5)}
 
 
 def test_pool_layout_switches_at_many_experts(monkeypatch):
@@ -87,4 +87,4 @@ def test_pool_layout_switches_at_many_experts(monkeypatch):
     assert slots is None and len(groups) == 8
     groups, slots = pool_layout.pool_layout(_cfg(256), 1, None, None, None)
     assert list(groups) == ["expert-e0-r0"] and len(groups["expert-e0-r0"]) == 3 * 256
-    assert [(s.name, s.node_id, s.num_cpus) for s in slots] == [("expert-e0-r0", "n0", 2.0)]
+    assert [(s.name, s.node_id, s.num_cpus) for s in slots] == [("expert-e0-r0", "n0", 1.0)]
