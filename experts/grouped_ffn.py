@@ -84,8 +84,13 @@ def grouped_gated_mlp(x: torch.Tensor, stack: LayerStack, experts: list[int], co
         for e, n in zip(experts, counts):
             per_expert[stack.local[e]] = n
         offsets = torch.tensor(per_expert, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
-        h = torch._grouped_mm(x, stack.gate_up.transpose(1, 2), offs=offsets)  # [N, 2I]
-        return torch._grouped_mm(gated_activation(h, act), stack.down.transpose(1, 2), offs=offsets)  # [N, H]
+        try:
+            h = torch._grouped_mm(x, stack.gate_up.transpose(1, 2), offs=offsets)  # [N, 2I]
+            return torch._grouped_mm(gated_activation(h, act), stack.down.transpose(1, 2), offs=offsets)  # [N, H]
+        except RuntimeError:
+            # A kernel with shape or alignment limits (CUDA's) refused these weights: loop from now on, in this
+            # process, for this device and dtype.
+            _grouped_mm_ok[(x.device.type, x.dtype)] = False
     outs = [gated_mlp(rows, stack.weights(e), act) for e, rows in zip(experts, x.split(counts))]  # [n_e, H] each
     return torch.cat(outs)
 

@@ -35,15 +35,17 @@ def _per_expert(shards, layer, experts, counts, x):
 SIZES = [(8, 16, 24, 3), (64, 32, 48, 5), (8, 64, 704, 60), (16, 128, 352, 120)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("experts,hidden,inter,rows", SIZES)
-def test_grouped_equals_one_gated_mlp_per_expert(experts, hidden, inter, rows):
-    shards = _shards(experts, hidden, inter)
+def test_grouped_equals_one_gated_mlp_per_expert(experts, hidden, inter, rows, dtype):
+    shards = {key: GatedMLPWeights(w.gate_up.to(dtype), w.down.to(dtype))
+              for key, w in _shards(experts, hidden, inter).items()}
     reference = {k: GatedMLPWeights(w.gate_up.clone(), w.down.clone()) for k, w in shards.items()}
     grouped = GroupedExperts(shards, SILU)
     gen = torch.Generator().manual_seed(1)
     hit = sorted(torch.randperm(experts, generator=gen)[: max(1, experts // 2)].tolist())
     counts = torch.randint(1, 2 * rows, (len(hit),), generator=gen).tolist()
-    x = torch.randn(sum(counts), hidden, generator=gen)
+    x = torch.randn(sum(counts), hidden, generator=gen).to(dtype)
     got = grouped.run(0, hit, counts, x)
     assert torch.equal(got, _per_expert(reference, 0, hit, counts, x))
     assert torch.equal(shards[(0, hit[0])].gate_up, reference[(0, hit[0])].gate_up)  # views hold the same weights
@@ -119,3 +121,18 @@ def test_activation_bits_do_not_depend_on_the_rows_around_them():
             assert torch.equal(gated_activation(h[:n], SILU), alone[:n]), n
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_grouped_kernel_that_refuses_falls_back_to_the_loop(monkeypatch):
+    shards = _shards(8, 16, 24)
+    grouped = GroupedExperts(shards, SILU)
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(6))
+    want = grouped.run(0, [0, 3], [4, 5], x)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("grouped gemm: unsupported alignment")
+
+    monkeypatch.setattr(grouped_ffn, "_grouped_mm_ok", {("cpu", torch.float32): True})
+    monkeypatch.setattr(torch, "_grouped_mm", refuse)
+    assert torch.equal(grouped.run(0, [0, 3], [4, 5], x), want)
+    assert grouped_ffn._grouped_mm_ok[("cpu", torch.float32)] is False
