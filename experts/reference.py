@@ -14,7 +14,7 @@ from .ffn import GatedMLPWeights, activation
 from .gating import Routing
 from .grouped_ffn import GroupedExperts
 from .modeling import MoEDecoder
-from .routed_rows import combine_rows, sort_rows
+from .routed_rows import Piece, combine_pieces, sort_rows
 from .weights import Shard, load_dense_weights, load_expert_shards
 
 
@@ -34,7 +34,9 @@ class LocalExperts:
     def run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
         rows = sort_rows(routing.experts)  # every routed (token, slot), grouped by expert
         y = self.experts.run(layer, rows.experts, rows.counts, hidden[rows.tokens])  # [N, H]
-        return combine_rows(hidden, routing, rows.tokens, rows.slots, y)  # [T, H]
+        pieces = [Piece(e, t, s, out) for e, t, s, out in zip(
+            rows.experts, rows.tokens.split(rows.counts), rows.slots.split(rows.counts), y.split(rows.counts))]
+        return combine_pieces(hidden, routing, pieces)  # [T, H]
 
     # `run` in two halves, so the decoder's overlap schedule runs in process too (the work happens in submit).
     def submit(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:

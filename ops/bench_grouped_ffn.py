@@ -48,7 +48,10 @@ def _best_ms(fn, repeats: int) -> float:
     return round(1000 * min(times), 3)
 
 
-def run(hidden: int = 256, inter: int = 96, repeats: int = 7, seed: int = 0) -> dict:
+def run(hidden: int = 256, inter: int = 96, repeats: int = 7, seed: int = 0, threads: int = 1) -> dict:
+    """threads: torch threads, as an expert actor given that many CPUs (on a shared machine more than the free cores
+    measures the neighbours, not the kernels)."""
+    torch.set_num_threads(threads)
     act = activation("silu")
     gen = torch.Generator().manual_seed(seed)
     out: dict = {"benchmark": "grouped_ffn", "hidden": hidden, "inter": inter, "repeats": repeats,
@@ -87,9 +90,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--inter", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    text = json.dumps(run(args.hidden, args.inter, args.repeats), indent=2)
+    text = json.dumps(run(args.hidden, args.inter, args.repeats, threads=args.threads), indent=2)
     print(text)
     if args.out:
         with open(args.out, "w") as handle:

@@ -5,7 +5,8 @@ the dispatcher's arithmetic is unit-tested, and run on a machine without Ray, on
   combine     the calls' outputs -> sum over slots of gate weight * expert output, [T, H], in the reference's order
 
 Both are vectorised for models with hundreds of experts: one stable sort of the layer's (token, slot) pairs by
-expert, one stable sort of those rows by actor, one combine in k passes by slot rank (experts/routed_rows.py).
+expert; each actor's rows are then one slice of them (or, when replicas split shards, one stable sort of the rows
+by actor); one combine shared with the reference (experts/routed_rows.py `combine_pieces`).
 What stays in Python is one step per expert hit (its replicas from the table: a dict look-up and, with several
 replicas, the split into contiguous chunks) - the routing table and the breakers are Python objects.
 """
@@ -19,7 +20,7 @@ import torch
 
 from ..cluster.routing_table import RoutingTable, Shard, split_tokens
 from ..experts.gating import Routing
-from ..experts.routed_rows import combine_rows, sort_rows
+from ..experts.routed_rows import Piece, combine_pieces, sort_rows
 
 _NO_ROWS = torch.zeros(0, dtype=torch.int64)
 
@@ -63,9 +64,11 @@ def plan_calls(
     (RoutingTable.split). replicas_of picks which replicas of a shard may take calls (default: all in the table)."""
     rows = sort_rows(routing.experts)
     calls: dict[str, ActorCall] = {}
+    ranges: dict[str, list[list[int]]] = {}  # per call: [start, end) ranges of the expert-sorted rows
     call_index: dict[str, int] = {}
     piece_actor: list[int] = []  # per (expert, replica) piece, in row order: index of its actor's call
     piece_rows: list[int] = []
+    offset = 0
     for expert, count in zip(rows.experts, rows.counts):
         shard = (layer, expert)
         actors = table.replicas.get(shard) if replicas_of is None else replicas_of(shard)
@@ -80,15 +83,24 @@ def plan_calls(
             if call is None:
                 call = calls[actor] = ActorCall(actor)
                 call_index[actor] = len(call_index)
+                ranges[actor] = []
             call.experts.append(expert)
             call.counts.append(end - start)
+            spans = ranges[actor]
+            if spans and spans[-1][1] == offset + start:
+                spans[-1][1] = offset + end  # adjacent in the sorted rows: one slice (an actor's expert slice)
+            else:
+                spans.append([offset + start, offset + end])
             piece_actor.append(call_index[actor])
             piece_rows.append(end - start)
-    if not calls:
-        return []
+        offset += count
     ordered = list(calls.values())
-    if len(ordered) == 1:
-        ordered[0].tokens, ordered[0].slots = rows.tokens, rows.slots
+    if all(len(spans) == 1 for spans in ranges.values()):
+        # Every actor's rows are one run of the sorted rows (one expert, or a contiguous slice of experts, each on
+        # one replica): views, no copy.
+        for call in ordered:
+            (start, end), = ranges[call.actor]
+            call.tokens, call.slots = rows.tokens[start:end], rows.slots[start:end]
         return ordered
     row_actor = torch.repeat_interleave(torch.tensor(piece_actor), torch.tensor(piece_rows))  # [N]
     # Stable: within an actor its rows stay grouped by expert ascending, and chunks of one expert in token order.
@@ -118,10 +130,9 @@ def combine(
     Each token's outputs are added in one fixed order (its experts by ascending id: experts/routed_rows.py), the
     order of the in-process reference, so the floating-point sums match it whichever replicas served the step.
     """
-    if not calls:
-        return torch.zeros_like(hidden)
-    if len(calls) == 1:  # one actor hosts every expert hit (the many-expert layout on one device): no copies
-        return combine_rows(hidden, routing, calls[0].tokens, calls[0].slots, outputs[0])
-    tokens = torch.cat([c.tokens for c in calls])  # [N]
-    slots = torch.cat([c.slots for c in calls])  # [N]
-    return combine_rows(hidden, routing, tokens, slots, torch.cat(list(outputs)))
+    pieces = [
+        Piece(expert, tokens, slots, y)
+        for call, out in zip(calls, outputs)
+        for expert, tokens, slots, y in zip(call.experts, call.token_idx, call.slot_idx, out.split(call.counts))
+    ]
+    return combine_pieces(hidden, routing, pieces)

@@ -130,3 +130,31 @@ def test_single_actor_hosting_everything_gets_one_call_with_all_rows():
     assert sum(call.counts) == 64 * 8
     ids = routing.experts[call.tokens, call.slots]  # [N]
     assert bool((ids[1:] >= ids[:-1]).all())  # grouped by expert, ascending
+
+
+@pytest.mark.parametrize("experts,k", [(8, 2), (64, 8)])
+def test_piece_loop_and_rank_passes_give_the_same_bits(monkeypatch, experts, k):
+    # combine_pieces adds few pieces one index_add_ each and many pieces in rank passes: the same order per token.
+    from expertmesh.experts import routed_rows
+
+    table = _random_table(1, experts, 3)
+    routing = _random_routing(40, experts, k, 3, drop=0.1)
+    calls = plan_calls(0, routing, table)
+    outputs = _outputs(calls, 8, 2)
+    hidden = torch.zeros(40, 8)
+    monkeypatch.setattr(routed_rows, "PIECE_LOOP_MAX", 10**6)
+    by_piece = combine(hidden, routing, calls, outputs)
+    monkeypatch.setattr(routed_rows, "PIECE_LOOP_MAX", 0)
+    by_rank = combine(hidden, routing, calls, outputs)
+    assert torch.equal(by_piece, by_rank)
+    assert torch.equal(by_rank, loop_combine(hidden, routing, loop_plan_calls(0, routing, table), outputs))
+
+
+def test_an_actors_contiguous_expert_slice_is_one_view_of_the_sorted_rows():
+    table = RoutingTable.from_actor_shards({f"g{g}": [(0, e) for e in range(32 * g, 32 * g + 32)] for g in range(4)})
+    routing = _random_routing(64, 128, 8, 4)
+    calls = plan_calls(0, routing, table)
+    assert [c.actor for c in calls] == ["g0", "g1", "g2", "g3"]
+    base = calls[0].tokens.untyped_storage().data_ptr()
+    assert all(c.tokens.untyped_storage().data_ptr() == base for c in calls)  # slices, no copies
+    _assert_same_plan(calls, loop_plan_calls(0, routing, table))
