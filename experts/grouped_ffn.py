@@ -6,12 +6,13 @@ the stacks, so stacking costs no extra memory. A call's rows arrive grouped by e
 whole stack with each expert's row count (zero for the experts the call does not use), so no weight is copied per
 call.
 
-Why `_grouped_mm` (ops/bench_grouped_ffn.py, ops/reports/bench/grouped_ffn.json): on this CPU it is 1.2-1.7x faster
-than the per-expert loop at 8-256 experts (the loop pays ~20 us of Python and dispatch per expert), and bit-identical
-to it: each group is an ordinary matmul of that expert's rows, so an expert's rows give the same bits whichever
-other experts share the call (tests/unit/test_grouped_ffn.py checks both). bmm over padded groups was 1.5-4x slower
-and not bit-identical (its rows are padded to the largest group). Where `_grouped_mm` does not run (an older torch,
-a device/dtype it rejects) the same function falls back to the loop; on CPU that gives the same bits.
+Why `_grouped_mm` (ops/bench_grouped_ffn.py, ops/reports/bench/many_experts/grouped_ffn.json): on this CPU it beat
+the per-expert loop in 7 of 8 cases from 8 to 256 experts (up to 3.7x at 64 tokens; the loop pays ~20 us of Python
+and dispatch per expert), and it is bit-identical to it: each group is an ordinary matmul of that expert's rows, so
+an expert's rows give the same bits whichever other experts share the call (tests/unit/test_grouped_ffn.py checks
+both). bmm over padded groups was 1.2-4.4x slower than the loop and not bit-identical (its rows are padded to the
+largest group). Where `_grouped_mm` does not run (an older torch, a device/dtype it rejects) the same function falls
+back to the loop; on CPU that gives the same bits.
 
 The gate activation is `ffn.gated_activation` (row blocks below torch's parallel grain), so a row's activation takes
 the same code path whatever shares the call and however many threads run.
