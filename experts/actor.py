@@ -18,6 +18,7 @@ import torch
 from .arrays import HostStager, HostTensor, pack, to_tensor
 from .dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
 from .ffn import activation, gated_mlp
+from .grouped_ffn import GroupedExperts
 from .load_progress import ProgressReporter
 from .model_source import open_checkpoint, shard_tensors
 from .telemetry import ExpertMetrics, build_tracer, context_of
@@ -59,6 +60,7 @@ class ExpertActor:
             reporter.finish(error=f"{type(exc).__name__}: {exc}")
             raise
         reporter.finish()
+        self.experts = GroupedExperts(self.shards, self.act)  # a call's experts in grouped matmuls, as the reference
         self.calls = 0
         self.tokens = 0
         self.tracer = build_tracer(TracingConfig(**tracing), f"expert:{name}") if tracing else None
@@ -108,8 +110,7 @@ class ExpertActor:
 
     def _compute(self, layer: int, experts: list[int], counts: list[int], inputs: torch.Tensor) -> torch.Tensor:
         """inputs: [sum(counts), H] on this actor's device, rows grouped by expert -> outputs, same layout."""
-        outs = [gated_mlp(chunk, self.shards[(layer, e)], self.act) for e, chunk in zip(experts, inputs.split(counts))]
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        return self.experts.run(layer, list(experts), list(counts), inputs)
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()

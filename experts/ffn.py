@@ -53,11 +53,31 @@ class GatedMLPWeights:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
+# at::internal::GRAIN_SIZE: torch runs a CPU elementwise op of fewer elements on one thread.
+PARALLEL_GRAIN = 32768
+
+
 def gated_mlp(x: torch.Tensor, w: GatedMLPWeights, act) -> torch.Tensor:
     """down(act(gate(x)) * up(x)), or gpt-oss's clamped SwiGLU for kind "clamped_swiglu".  x: [T, H] -> [T, H]."""
-    gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
     if w.kind == "clamped_swiglu":
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
         gate = gate.clamp(max=w.limit)
         up = up.clamp(min=-w.limit, max=w.limit)
         return F.linear((up + 1) * (gate * torch.sigmoid(gate * w.alpha)), w.down, w.down_bias)  # [T, H]
-    return F.linear(act(gate) * up, w.down, w.down_bias)  # [T, H]
+    return F.linear(gated_activation(F.linear(x, w.gate_up, w.gate_up_bias), act), w.down, w.down_bias)  # [T, H]
+
+
+def gated_activation(h: torch.Tensor, act) -> torch.Tensor:
+    """h: [T, 2I] = [gate | up] -> act(gate) * up, [T, I].
+
+    On CPU in blocks of whole rows below torch's parallel grain: torch's elementwise kernels compute full SIMD
+    vectors with vector code and a leftover tail with scalar code (their exp can differ in the last bit), and where
+    the tail falls depends on how the op is split over threads, i.e. on the tensor's total size. In blocks, each row
+    takes the same path however many rows share the call (other experts' rows, other replicas' chunks) and however
+    many threads run, so the reference and the actors agree bit for bit.
+    """
+    gate, up = h.chunk(2, dim=-1)  # [T, I] each
+    block = max(1, PARALLEL_GRAIN // max(1, gate.shape[1]))
+    if h.device.type != "cpu" or h.shape[0] <= block:
+        return act(gate) * up
+    return torch.cat([act(g) * u for g, u in zip(gate.split(block), up.split(block))])

@@ -336,7 +336,7 @@ class RemoteExperts:
         then the one wait for all of them, then the sends: one host synchronisation per layer, not per call."""
         # `trace` only when tracing is on, so a transport without it still works with tracing off.
         extra = {} if trace is None else {"trace": trace}
-        staged = [self.stager.stage(hidden[torch.cat(calls[i].token_idx)]) for i in which]  # [n_i, H] each
+        staged = [self.stager.stage(hidden[calls[i].tokens]) for i in which]  # [n_i, H] each
         self.stager.finish()
         handles = []
         for i, rows in zip(which, staged):

@@ -32,6 +32,7 @@ PURE_MODULES = (
     "expertmesh.experts.ffn",
     "expertmesh.experts.fp8",
     "expertmesh.experts.gating",
+    "expertmesh.experts.grouped_ffn",  # a call's experts in grouped matmuls (actors and reference)
     "expertmesh.experts.kv_cache",
     "expertmesh.experts.load_progress",  # actors' load progress records (the KV store passed in)
     "expertmesh.experts.mla_attention",
@@ -42,6 +43,7 @@ PURE_MODULES = (
     "expertmesh.experts.reference",
     "expertmesh.experts.rope",
     "expertmesh.experts.rope_yarn",
+    "expertmesh.experts.routed_rows",  # rows sorted by expert, and the one combine order
     "expertmesh.experts.tokenizer",
     "expertmesh.experts.tracing_config",
     "expertmesh.experts.weights",
