@@ -80,7 +80,7 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
 
     from ..experts.dtypes import resolve_dtype
     from ..router_service.mesh import ExpertMesh
-    from .bench_shapes import SHAPES, write_olmoe_checkpoint
+    from .bench_shapes import SHAPES, write_shape_checkpoint
 
     config = config or MeshConfig()
     transport, overlap = config.router.transport, config.router.overlap
@@ -99,7 +99,7 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
         model_dir = (write_bench_checkpoint(Path(tmp) / "model") if shape == "mixtral"
-                     else write_olmoe_checkpoint(Path(tmp) / "model", model))
+                     else write_shape_checkpoint(Path(tmp) / "model", model))
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         say("starting expert actors ...")
         with ExpertMesh(config.replace(**{"model.path": str(model_dir), "model.dtype": dtype})) as mesh:

@@ -6,8 +6,9 @@ serve in 2026, at a small hidden size so they run on a CPU box.
                  expert width to hidden size (768 / 2048)
   deepseek-v3    DeepSeek-V3's MoE: 256 experts, top-8; hidden 256, expert width ratio 2048 / 7168
 
-Both many-expert shapes are written in the OLMoE format (per-expert names, `mlp.gate.weight`, q/k norm, no shared
-expert), a family expertmesh and `transformers` both read, so η compares like with like.
+qwen3-30b-a3b is written in the OLMoE format (per-expert names, softmax top-k, q/k norm; the same MoE arithmetic as
+Qwen3-MoE's); deepseek-v3 is a DeepseekV3ForCausalLM checkpoint saved by `transformers` itself (grouped sigmoid
+routing, MLA, a shared expert). Both are families expertmesh and `transformers` read, so η compares like with like.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ import torch
 SHAPES: dict[str, dict] = {
     "qwen3-30b-a3b": dict(hidden=256, inter=96, experts=128, top_k=8, layers=4, heads=8, kv_heads=4, vocab=4096,
                           norm_topk_prob=True),
-    # LEAD: switch to the DeepSeek-V3 family once it is merged (DeepseekV3ForCausalLM: sigmoid scores with
-    # e_score_correction_bias, n_group=8 / topk_group=4 group-limited top-8, routed_scaling_factor 2.5, one shared
-    # expert, first_k_dense_replace) - write it with write_deepseek_v3_checkpoint there and set "format" here. Until
-    # then: the same expert count, top-k and widths in the OLMoE format (softmax top-8, no groups, no shared expert).
-    "deepseek-v3": dict(hidden=256, inter=72, experts=256, top_k=8, layers=4, heads=8, kv_heads=4, vocab=4096,
-                        norm_topk_prob=True, format="olmoe"),
+    # The DeepSeek-V3 family itself: MLA attention, sigmoid scores with e_score_correction_bias, n_group=8 /
+    # topk_group=4 group-limited top-8, routed_scaling_factor 2.5, one shared expert, the first layer dense.
+    "deepseek-v3": dict(hidden=256, inter=72, experts=256, top_k=8, layers=4, heads=8, kv_heads=8, vocab=4096,
+                        norm_topk_prob=True, format="deepseek_v3", n_group=8, topk_group=4, first_dense=1,
+                        kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
 }
 
 
@@ -67,4 +67,36 @@ def write_olmoe_checkpoint(out: Path, m: dict, seed: int = 0) -> Path:
         "eos_token_id": 2, "pad_token_id": 0,
     }
     (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def write_shape_checkpoint(out: Path, m: dict, seed: int = 0) -> Path:
+    """The checkpoint of a SHAPES entry, in its format."""
+    if m.get("format") == "deepseek_v3":
+        return write_deepseek_v3_checkpoint(out, m, seed)
+    return write_olmoe_checkpoint(out, m, seed)
+
+
+def write_deepseek_v3_checkpoint(out: Path, m: dict, seed: int = 0) -> Path:
+    """A random DeepseekV3ForCausalLM of shape `m`, saved by transformers (per-expert names, as published)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    config = DeepseekV3Config(
+        vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=4 * m["hidden"],
+        moe_intermediate_size=m["inter"], num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+        num_key_value_heads=m["kv_heads"], n_shared_experts=1, n_routed_experts=m["experts"],
+        num_experts_per_tok=m["top_k"], n_group=m["n_group"], topk_group=m["topk_group"],
+        first_k_dense_replace=m["first_dense"], routed_scaling_factor=2.5, norm_topk_prob=m["norm_topk_prob"],
+        kv_lora_rank=m["kv_lora_rank"], q_lora_rank=m["q_lora_rank"], qk_nope_head_dim=m["qk_nope_head_dim"],
+        qk_rope_head_dim=m["qk_rope_head_dim"], v_head_dim=m["v_head_dim"], max_position_embeddings=1024,
+        rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=False, initializer_range=0.02, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers[m["first_dense"]:]:
+            layer.mlp.gate.weight.mul_(5.0)  # visibly uneven routing, as the other shapes
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.01)
+    model.save_pretrained(out)
     return out
