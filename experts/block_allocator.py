@@ -12,6 +12,7 @@ predict ids.
 from __future__ import annotations
 
 import heapq
+import threading
 
 
 class OutOfBlocks(RuntimeError):
@@ -28,6 +29,8 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks))  # a heap of free ids
         self._used: set[int] = set()
+        # A cache dropped without free() is released by its finalizer, on whichever thread collects it.
+        self._lock = threading.Lock()
 
     @property
     def num_free(self) -> int:
@@ -43,19 +46,21 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         """n block ids, all or none (OutOfBlocks)."""
         assert n >= 0, n
-        if n > len(self._free):
-            raise OutOfBlocks(n, len(self._free))
-        ids = [heapq.heappop(self._free) for _ in range(n)]
-        self._used.update(ids)
+        with self._lock:
+            if n > len(self._free):
+                raise OutOfBlocks(n, len(self._free))
+            ids = [heapq.heappop(self._free) for _ in range(n)]
+            self._used.update(ids)
         return ids
 
     def free(self, ids: list[int]) -> None:
         """Give blocks back; freeing a block that is not in use is a bug (double free) and raises."""
-        for b in ids:
-            if b not in self._used:
-                raise ValueError(f"block {b} is not allocated (double free?)")
-            self._used.remove(b)
-            heapq.heappush(self._free, b)
+        with self._lock:
+            for b in ids:
+                if b not in self._used:
+                    raise ValueError(f"block {b} is not allocated (double free?)")
+                self._used.remove(b)
+                heapq.heappush(self._free, b)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -23,6 +23,7 @@ space and the OS backs pages as blocks are first written, so resident memory gro
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -155,8 +156,10 @@ class KVCache:
 
     def __init__(self, pool: PagedKVPool):
         self.pool = pool
-        self.blocks: list[int] = []
+        self.blocks: list[int] = []  # changed in place only: the finalizer below holds this list
         self.length = 0  # tokens written (and attended) so far
+        # A cache dropped without free() (a caller's loop that just lets go of it) still returns its blocks.
+        weakref.finalize(self, _release, pool.allocator, self.blocks)
 
     @property
     def capacity(self) -> int:
@@ -174,9 +177,7 @@ class KVCache:
 
     def free(self) -> None:
         """Return every block to the pool; the cache is empty (length 0) and reusable."""
-        if self.blocks:
-            self.pool.allocator.free(self.blocks)
-        self.blocks = []
+        _release(self.pool.allocator, self.blocks)
         self.length = 0
 
     def nbytes(self) -> int:
@@ -187,3 +188,9 @@ class KVCache:
         """name -> [length, *shape]: this sequence's history at `layer` (a copy; for tests and debugging)."""
         table, _ = self.pool.block_table([self], [max(1, self.length)])
         return {name: t[0, :self.length] for name, t in self.pool.gather(layer, table).items()}
+
+
+def _release(allocator: BlockAllocator, blocks: list[int]) -> None:
+    if blocks:
+        allocator.free(blocks)
+        blocks.clear()

@@ -1,12 +1,14 @@
 """The decoder of the supported MoE families, in one readable file, with the routed experts behind an interface.
 
-`MoEDecoder` runs embeddings, attention (RoPE, GQA, optional q/k norm, sliding window) with a per-sequence KV cache,
-norms, gates and the dense/shared MLPs. The routed experts of each MoE layer are an `ExpertBackend`: in process for
-the reference model, Ray actors for the router. Same dense code on both paths, so a difference between them can
-only come from the experts' dispatch.
+`MoEDecoder` runs embeddings, attention (RoPE, GQA, optional q/k norm, sliding window) over a paged KV cache
+(experts/kv_cache.py; the math in experts/attention_core.py), norms, gates and the dense/shared MLPs. The routed
+experts of each MoE layer are an `ExpertBackend`: in process for the reference model, Ray actors for the router.
+Same dense code on both paths, so a difference between them can only come from the experts' dispatch.
 
 Sequences are flattened into one token axis ([T, H]) for every matmul and every expert call; only the attention core
-runs per sequence, so sequences of different lengths (and positions) share a step without padding.
+pads (decode rows together, prefill rows together, one call each), so sequences of different lengths (and positions)
+share a step. `forward(..., logits=)` says which rows need the lm_head: every position (Score), the last (generation),
+or none (a prompt chunk that is not the prompt's end).
 
 Overlap (`overlap=True`, README: Transports / Overlap): a step of ≥ 2 sequences is split into two micro-batches
 (contiguous halves by sequence, balanced by tokens) that take turns, so one's expert round is in flight while the
@@ -21,9 +23,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from .attention_core import StepLayout, attend
 from .config import MoEModelConfig
 from .ffn import activation, gated_mlp
 from .gating import Routing, concat_routings, route
+from .kv_cache import KVCache, KVCacheSettings, PagedKVPool
 from .weights import AttentionWeights, DenseWeights
 
 
@@ -43,22 +47,6 @@ class ExpertBackend(Protocol):
 
 
 @dataclass
-class KVCache:
-    """Keys and values of one sequence, per layer: [S, kvh, D] (sequence-major, so a batch pads along S)."""
-
-    keys: list[torch.Tensor | None]
-    values: list[torch.Tensor | None]
-    length: int = 0
-
-    @classmethod
-    def empty(cls, num_layers: int) -> KVCache:
-        return cls(keys=[None] * num_layers, values=[None] * num_layers)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
-
-
-@dataclass
 class StepTrace:
     """What one forward routed, per MoE layer: kept for stats and tests (e.g. 'calls == experts hit')."""
 
@@ -74,14 +62,22 @@ class _Group:
     sin: torch.Tensor  # [T_g, 1, D]
     lengths: list[int]
     starts: list[int]
-    caches: list[KVCache]
+    caches: list[KVCache] | None  # None: a cacheless forward (each sequence is a whole prompt)
     pending: tuple | None = None  # (layer, h [T_g, H], routing, backend handle) of a submitted expert round
+    _layout: StepLayout | None = None
+
+    @property
+    def layout(self) -> StepLayout:
+        """What every layer's attention shares (block tables, slots, masks): built at the group's first layer."""
+        if self._layout is None:
+            self._layout = StepLayout.build(self.lengths, self.starts, self.caches, self.x.device)
+        return self._layout
 
     def part(self, first: int, last: int) -> _Group:
         """Sequences first..last-1 of this group."""
         lo, hi = sum(self.lengths[:first]), sum(self.lengths[:last])
         return _Group(self.x[lo:hi], self.cos[lo:hi], self.sin[lo:hi], self.lengths[first:last],
-                      self.starts[first:last], self.caches[first:last])
+                      self.starts[first:last], None if self.caches is None else self.caches[first:last])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,7 +100,9 @@ class MoEDecoder:
         experts: ExpertBackend,
         capacity_factor: float | None = None,
         overlap: bool = False,
+        kv_cache: KVCacheSettings | None = None,
     ):
+        """kv_cache: block size and budget of the paged KV cache, allocated here on the device of the weights."""
         if overlap and capacity_factor is not None:
             # Capacity is per expert call: splitting a step into micro-batches would change which tokens overflow.
             raise ValueError("overlap: cannot be combined with capacity_factor (capacity is per step)")
@@ -119,23 +117,38 @@ class MoEDecoder:
         self.last_trace = StepTrace()
         # Called as step_observer(trace, lengths, caches) after every forward (load statistics); None = off.
         self.step_observer = None
+        self.kv_pool = PagedKVPool.plan(self.cache_specs(), self.dtype, self.w.embed.device,
+                                        cfg.max_position_embeddings, kv_cache or KVCacheSettings())
 
     @property
     def dtype(self) -> torch.dtype:
         return self.w.embed.dtype
 
+    def cache_specs(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per layer, what one token stores in the KV cache (name -> per-token shape)."""
+        kv = (self.cfg.num_kv_heads, self.cfg.head_dim)
+        return [{"k": kv, "v": kv} for _ in range(self.cfg.num_layers)]
+
     def new_cache(self) -> KVCache:
-        return KVCache.empty(self.cfg.num_layers)
+        """An empty sequence in the paged pool; it takes blocks as tokens arrive and gives them back on `free()`
+        (or when dropped)."""
+        return self.kv_pool.new_sequence()
 
     @torch.inference_mode()
-    def forward(self, tokens: list[torch.Tensor], caches: list[KVCache] | None = None) -> list[torch.Tensor]:
-        """tokens: per sequence, its new token ids [S_i]; caches (updated in place) hold what came before.
-        Returns per sequence logits [S_i, V] (float32)."""
-        cfg = self.cfg
-        if caches is None:
-            caches = [self.new_cache() for _ in tokens]
+    def forward(self, tokens: list[torch.Tensor], caches: list[KVCache] | None = None,
+                logits: str | list[str] = "all") -> list[torch.Tensor]:
+        """tokens: per sequence, its new token ids [S_i]; caches (updated in place) hold what came before, and
+        take the blocks the new tokens need (OutOfBlocks when the pool has none: the batcher reserves first).
+        None: each sequence is a whole prompt attended within this call, nothing is kept.
+        logits: per sequence (or one for all) which rows to run the lm_head on: "all" -> [S_i, V], "last" ->
+        [1, V], "none" -> [0, V]. Float32."""
+        wanted = [logits] * len(tokens) if isinstance(logits, str) else list(logits)
+        assert len(wanted) == len(tokens) and set(wanted) <= {"all", "last", "none"}, wanted
         lengths = [int(t.numel()) for t in tokens]
-        starts = [c.length for c in caches]
+        starts = [c.length for c in caches] if caches is not None else [0] * len(tokens)
+        if caches is not None:
+            for cache, n in zip(caches, lengths):
+                cache.reserve(n)
         ids = torch.cat([t.reshape(-1) for t in tokens])  # [T]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])  # [T]
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
@@ -159,14 +172,30 @@ class MoEDecoder:
         finally:
             if end is not None:
                 end()
-        for cache, n in zip(caches, lengths):
-            cache.length += n
+        if caches is not None:
+            for cache, n in zip(caches, lengths):
+                cache.length += n
         self.last_trace = trace
         if self.step_observer is not None:
-            self.step_observer(trace, lengths, caches)
-        x = rms_norm(x, self.w.final_norm, cfg.rms_norm_eps)
-        logits = F.linear(x, self.w.lm_head).float()  # [T, V]
-        return list(logits.split(lengths))
+            self.step_observer(trace, lengths, caches if caches is not None else [_Fresh(n) for n in lengths])
+        return self._logits(x, lengths, wanted)
+
+    def _logits(self, x: torch.Tensor, lengths: list[int], wanted: list[str]) -> list[torch.Tensor]:
+        """Final norm and lm_head on the rows `wanted` asks for only (x [T, H]); per sequence [rows_i, V]."""
+        if all(w == "all" for w in wanted):
+            rows, counts = None, lengths
+        else:
+            picked, counts, offset = [], [], 0
+            for n, w in zip(lengths, wanted):
+                take = range(offset, offset + n) if w == "all" else [offset + n - 1] if w == "last" else []
+                picked.extend(take)
+                counts.append(len(take))
+                offset += n
+            rows = torch.tensor(picked, dtype=torch.int64, device=x.device)
+            x = x[rows]  # [R, H]
+        x = rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps)
+        out = F.linear(x, self.w.lm_head).float()  # [R, V]
+        return list(out.split(counts))
 
     # ---- layer schedules ---------------------------------------------------------------------------------------
 
@@ -233,7 +262,7 @@ class MoEDecoder:
         returns None) or the gate -> (h [T_g, H], routing) for the expert round."""
         cfg = self.cfg
         h = rms_norm(g.x, layer.input_norm, cfg.rms_norm_eps)  # [T_g, H]
-        g.x = g.x + self._attention(i, layer.attention, h, g.cos, g.sin, g.lengths, g.starts, g.caches)
+        g.x = g.x + self._attention(i, layer.attention, h, g.cos, g.sin, g.layout)
         h = rms_norm(g.x, layer.post_attention_norm, cfg.rms_norm_eps)
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
@@ -254,9 +283,7 @@ class MoEDecoder:
         h: torch.Tensor,  # [T, H]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        lengths: list[int],
-        starts: list[int],
-        caches: list[KVCache],
+        layout: StepLayout,
     ) -> torch.Tensor:
         cfg = self.cfg
         q = F.linear(h, w.q, w.q_bias)  # [T, nh*D]
@@ -273,64 +300,18 @@ class MoEDecoder:
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         window = cfg.sliding_window if layer in cfg.sliding_layers else None
-        gqa = cfg.num_heads != cfg.num_kv_heads
-
-        outs: list[torch.Tensor | None] = [None] * len(lengths)
-        decode_rows: list[int] = []  # sequences adding exactly one token: attended together in one call
-        for i, (q_s, k_s, v_s, start, cache) in enumerate(zip(
-            q.split(lengths), k.split(lengths), v.split(lengths), starts, caches
-        )):
-            keys, values = _append(cache, layer, k_s, v_s)  # [S+start, kvh, D]
-            if q_s.shape[0] == 1 and window is None:
-                decode_rows.append(i)
-                continue
-            mask = _attention_mask(q_s.shape[0], start, window)
-            out = F.scaled_dot_product_attention(
-                q_s.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # [nh, S, D], [kvh, L, D]
-                attn_mask=mask, is_causal=mask is None and start == 0 and q_s.shape[0] > 1, enable_gqa=gqa,
-            )  # [nh, S, D]
-            outs[i] = out.transpose(0, 1).reshape(q_s.shape[0], -1)
-        if decode_rows:
-            for i, out in zip(decode_rows, self._batched_decode_attention(q, lengths, caches, layer, decode_rows)):
-                outs[i] = out
-        return F.linear(torch.cat(outs), w.o)  # [T, H]
-
-    def _batched_decode_attention(
-        self, q: torch.Tensor, lengths: list[int], caches: list[KVCache], layer: int, rows: list[int]
-    ) -> list[torch.Tensor]:
-        """One attention call for every sequence that adds a single token: pad their histories to the longest and
-        mask the padding. Per-sequence calls cost ~0.2 ms each in Python and dominate decode steps at batch 32."""
-        cfg = self.cfg
-        offsets = torch.tensor([0, *lengths]).cumsum(0)
-        q_rows = q[offsets[rows]]  # [B, nh, D]: each row's only query
-        keys = torch.nn.utils.rnn.pad_sequence([caches[i].keys[layer] for i in rows], batch_first=True)
-        values = torch.nn.utils.rnn.pad_sequence([caches[i].values[layer] for i in rows], batch_first=True)
-        history = torch.tensor([caches[i].keys[layer].shape[0] for i in rows])  # [B]
-        mask = torch.arange(keys.shape[1])[None, :] < history[:, None]  # [B, L]: True = a real position
-        out = F.scaled_dot_product_attention(
-            q_rows[:, :, None, :],  # [B, nh, 1, D]
-            keys.transpose(1, 2), values.transpose(1, 2),  # [B, kvh, L, D]
-            attn_mask=mask[:, None, None, :], enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )  # [B, nh, 1, D]
-        return list(out.reshape(len(rows), 1, -1).unbind(0))  # B x [1, nh*D]
+        out = attend(layout, layer, q, {"k": k, "v": v}, _gqa_keys_values, None, window, None)  # [T, nh*D]
+        return F.linear(out, w.o)  # [T, H]
 
 
-def _append(cache: KVCache, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add this step's keys/values ([S, kvh, D]) to the cache; returns the whole history."""
-    if cache.keys[layer] is not None:
-        k_new = torch.cat([cache.keys[layer], k_new])
-        v_new = torch.cat([cache.values[layer], v_new])
-    cache.keys[layer], cache.values[layer] = k_new, v_new
-    return k_new, v_new
+def _gqa_keys_values(entries: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA caches keys and values as they are."""
+    return entries["k"], entries["v"]
 
 
-def _attention_mask(num_new: int, start: int, window: int | None) -> torch.Tensor | None:
-    """Boolean [S, start+S] mask (True = attend), or None when plain causal (or no) masking is exact."""
-    if window is None and (start == 0 or num_new == 1):
-        return None  # is_causal covers a fresh prefill; a single new token attends to everything before it
-    q_pos = torch.arange(start, start + num_new)[:, None]
-    k_pos = torch.arange(start + num_new)[None, :]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= (q_pos - k_pos) < window
-    return mask
+class _Fresh:
+    """Stands for a sequence's cache in the step observer's call when the forward kept none (each sequence is a
+    whole prompt, started this step)."""
+
+    def __init__(self, length: int):
+        self.length = length
