@@ -1,6 +1,13 @@
-"""The attention math of a step over the paged KV cache: batched decode, batched (chunked) prefill.
+"""The attention math over cached history: scaled dot-product attention with causal masking, an optional sliding
+window and optional attention sinks, for a prefilling sequence or a batch of decoding ones.
 
-A step's sequences fall into two groups, each attended in one 4-D call:
+Attention *layers* (experts/attention.py, per family) decide what q, k and v are; this module only attends.
+Without sinks it calls `F.scaled_dot_product_attention` (fused kernels where eligible). With sinks (gpt-oss: a
+learned per-head logit that joins every row's softmax and attends to nothing) it computes the softmax itself, the
+way `transformers` does, since SDPA has no such term.
+
+Over the paged KV cache (experts/kv_cache.py) a step attends as two groups, each in one 4-D call (`StepLayout`,
+`attend`):
 - decode rows (one new token after some history): their histories are gathered from the pool through one padded
   block table ([B, nb] -> [B, L, ...]) and masked by length (and window);
 - prefill rows (several new tokens: a prompt, or a chunk of one after `start` earlier tokens): their queries are
@@ -8,14 +15,13 @@ A step's sequences fall into two groups, each attended in one 4-D call:
   read from the pool), else the rows' blocks up to start + S. A single fresh row without window or sinks runs as
   plain causal SDPA (no mask, so the fused kernels are eligible).
 Padding is masked out (boolean masks: True = attend); a padded query row attends its first key only, so no row is
-all-masked (no NaN), and padded outputs are dropped.
-
-`StepLayout` is what every layer of a step shares (who is in which group, slots to write, block tables, masks by
-window); `attend` is one layer's attention given its queries and new cache entries.
+all-masked, and padded outputs are dropped. `attend_prefill` / `attend_decode` are the same math for one sequence
+/ for dense padded histories (the obvious forms the tests compare against).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +32,64 @@ from .kv_cache import KVCache, PagedKVPool
 
 # A layer's map from cache entries ({name: [B, L, *shape]}) to keys [B, L, kvh, Dqk] and values [B, L, kvh, Dv].
 KeysValues = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def default_scale(head_dim: int) -> float:
+    """1/sqrt(d), computed as SDPA computes its default (so passing it changes no bit)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
+def attend_prefill(
+    q: torch.Tensor,  # [S, nh, Dqk] the sequence's new queries
+    k: torch.Tensor,  # [L, kvh, Dqk] its whole history, L = start + S
+    v: torch.Tensor,  # [L, kvh, Dv]
+    start: int,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [nh]
+) -> torch.Tensor:
+    """Attention of one sequence's S new tokens at positions start..start+S-1 -> [S, nh*Dv]."""
+    num_new = q.shape[0]
+    mask = prefill_mask(num_new, start, window, q.device)
+    out = _sdpa(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [nh, S, Dqk], [kvh, L, Dqk], [kvh, L, Dv]
+        mask, mask is None and start == 0 and num_new > 1, scale, sinks,
+    )  # [nh, S, Dv]
+    return out.transpose(0, 1).reshape(num_new, -1)
+
+
+def attend_decode(
+    q: torch.Tensor,  # [B, nh, Dqk] one query per sequence
+    k: torch.Tensor,  # [B, L, kvh, Dqk] histories padded to the longest
+    v: torch.Tensor,  # [B, L, kvh, Dv]
+    lengths: torch.Tensor,  # [B] int64 real history length of each row (its new token included)
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [nh]
+) -> torch.Tensor:
+    """One attention call for B sequences that each add a single token -> [B, nh*Dv]. Padding is masked out."""
+    positions = torch.arange(k.shape[1], device=q.device)[None, :]  # [1, L]
+    mask = positions < lengths[:, None]  # [B, L]: a real position
+    if window is not None:
+        mask &= (lengths[:, None] - 1 - positions) < window  # within the window of the query at length-1
+    out = _sdpa(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),  # [B, nh, 1, Dqk], [B, kvh, L, Dqk], [B, kvh, L, Dv]
+        mask[:, None, None, :], False, scale, sinks,
+    )  # [B, nh, 1, Dv]
+    return out.reshape(q.shape[0], -1)
+
+
+def prefill_mask(num_new: int, start: int, window: int | None, device: torch.device | str = "cpu"
+                 ) -> torch.Tensor | None:
+    """Boolean [S, start+S] mask (True = attend), or None when plain causal (or no) masking is exact."""
+    if window is None and (start == 0 or num_new == 1):
+        return None  # is_causal covers a fresh prefill; a single new token attends to everything before it
+    q_pos = torch.arange(start, start + num_new, device=device)[:, None]
+    k_pos = torch.arange(start + num_new, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= (q_pos - k_pos) < window
+    return mask
 
 
 @dataclass
@@ -119,7 +183,7 @@ class StepLayout:
 
 
 def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, torch.Tensor],
-           keys_values: KeysValues, scale: float | None, window: int | None,
+           keys_values: KeysValues, scale: float, window: int | None,
            sinks: torch.Tensor | None) -> torch.Tensor:
     """One layer's attention for the step. q: [T, nh, Dqk]; entries: the new tokens' cache entries
     ({name: [T, *shape]}), written to the pool first. Returns o [T, nh * Dv] in token order."""
@@ -131,7 +195,7 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
     if layout.decode_rows:
         k, v = keys_values(layout.pool.gather(layer, layout.decode_table))  # [Bd, L, kvh, D]
         qd = q[layout.decode_index][:, :, None, :]  # [Bd, nh, 1, D]
-        o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), layout.decode_mask(window), scale, sinks)
+        o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), layout.decode_mask(window), False, scale, sinks)
         parts.append((layout.decode_index, o[:, :, 0, :]))  # [Bd, nh, Dv]
     if layout.prefill_rows:
         qp = q[layout.prefill_index].transpose(1, 2)  # [Bp, nh, S, D]
@@ -142,10 +206,9 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
             k, v = keys_values(layout.pool.gather(layer, layout.prefill_table))  # [Bp, L, kvh, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [Bp, kvh, L, D]
         if layout.plain_causal(window, sinks):
-            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=k.shape[1] != nh)
+            o = _sdpa(qp, k, v, None, True, scale, None)  # [1, nh, S, Dv]
         else:
-            o = _sdpa(qp, k, v, layout.prefill_mask(window, k.shape[2]), scale, sinks)  # [Bp, nh, S, Dv]
+            o = _sdpa(qp, k, v, layout.prefill_mask(window, k.shape[2]), False, scale, sinks)  # [Bp, nh, S, Dv]
         o = o.transpose(1, 2)[layout.prefill_valid]  # [T_p, nh, Dv] real queries, row-major = token order
         parts.append((layout.prefill_index[layout.prefill_valid], o))
     if len(parts) == 1 and torch.equal(parts[0][0], torch.arange(t, device=q.device)):
@@ -157,18 +220,23 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
     return out.reshape(t, -1)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
-          sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [B, nh, S, D], k [B, kvh, L, D], v [B, kvh, L, Dv], mask [B, 1, S, L] -> [B, nh, S, Dv]. With sinks
-    ([nh], gpt-oss): a per-head extra logit in the softmax's denominator, which SDPA has no argument for."""
-    nh, kvh = q.shape[1], k.shape[1]
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+          scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [..., nh, S, Dqk], k [..., kvh, L, Dqk], v [..., kvh, L, Dv] -> [..., nh, S, Dv]."""
+    heads, kv_heads = q.shape[-3], k.shape[-3]
     if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=kvh != nh)
-    if kvh != nh:
-        k, v = k.repeat_interleave(nh // kvh, dim=1), v.repeat_interleave(nh // kvh, dim=1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q @ k.transpose(-1, -2)).float() * scale  # [B, nh, S, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)  # [B, nh, S, 1]
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [B, nh, S, L]
-    return (probs.to(v.dtype) @ v)  # [B, nh, S, Dv]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=heads != kv_heads)
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=-3)
+        v = v.repeat_interleave(heads // kv_heads, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., nh, S, L]
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)  # [..., nh, S, 1]
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)  # as transformers: stable with fully masked rows
+    probs = torch.softmax(combined, dim=-1)[..., :-1]  # the sink's share attends to nothing
+    return torch.matmul(probs.to(v.dtype), v)

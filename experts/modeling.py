@@ -1,6 +1,6 @@
 """The decoder of the supported MoE families, in one readable file, with the routed experts behind an interface.
 
-`MoEDecoder` runs embeddings, attention (RoPE, GQA, optional q/k norm, sliding window) over a paged KV cache
+`MoEDecoder` runs embeddings, attention (per-family layers, experts/attention.py) over a paged KV cache
 (experts/kv_cache.py; the math in experts/attention_core.py), norms, gates and the dense/shared MLPs. The routed
 experts of each MoE layer are an `ExpertBackend`: in process for the reference model, Ray actors for the router.
 Same dense code on both paths, so a difference between them can only come from the experts' dispatch.
@@ -23,12 +23,17 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from .attention import AttentionLayer, build_attention
 from .attention_core import StepLayout, attend
 from .config import MoEModelConfig
 from .ffn import activation, gated_mlp
 from .gating import Routing, concat_routings, route
 from .kv_cache import KVCache, KVCacheSettings, PagedKVPool
-from .weights import AttentionWeights, DenseWeights
+from .norms import rms_norm
+from .rope import build_rope
+from .weights import DenseWeights
+
+__all__ = ["ExpertBackend", "KVCache", "MoEDecoder", "StepTrace", "rms_norm"]
 
 
 class ExpertBackend(Protocol):
@@ -58,8 +63,8 @@ class _Group:
     """A micro-batch of a step: some consecutive sequences, their hidden states and rotary tables."""
 
     x: torch.Tensor  # [T_g, H] residual stream
-    cos: torch.Tensor  # [T_g, 1, D]
-    sin: torch.Tensor  # [T_g, 1, D]
+    cos: torch.Tensor  # [T_g, R] rotary tables of the group's positions
+    sin: torch.Tensor  # [T_g, R]
     lengths: list[int]
     starts: list[int]
     caches: list[KVCache] | None  # None: a cacheless forward (each sequence is a whole prompt)
@@ -78,18 +83,6 @@ class _Group:
         lo, hi = sum(self.lengths[:first]), sum(self.lengths[:last])
         return _Group(self.x[lo:hi], self.cos[lo:hi], self.sin[lo:hi], self.lengths[first:last],
                       self.starts[first:last], None if self.caches is None else self.caches[first:last])
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class MoEDecoder:
@@ -112,22 +105,28 @@ class MoEDecoder:
         self.capacity_factor = capacity_factor
         self.overlap = overlap  # ping-pong two micro-batches when the step and the backend allow it
         self.act = activation(cfg.hidden_act)
-        dim = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))  # [D/2]
+        # Everything the decoder makes per step (positions, RoPE tables, masks) lives where its weights do.
+        self.rope = build_rope(cfg, device=self.device)
+        self.attention: list[AttentionLayer] = [
+            build_attention(cfg, i, layer.attention) for i, layer in enumerate(weights.layers)
+        ]
         self.last_trace = StepTrace()
         # Called as step_observer(trace, lengths, caches) after every forward (load statistics); None = off.
         self.step_observer = None
-        self.kv_pool = PagedKVPool.plan(self.cache_specs(), self.dtype, self.w.embed.device,
-                                        cfg.max_position_embeddings, kv_cache or KVCacheSettings())
+        self.kv_pool = PagedKVPool.plan(self.cache_specs(), self.dtype, self.device, cfg.max_position_embeddings,
+                                        kv_cache or KVCacheSettings())
 
     @property
     def dtype(self) -> torch.dtype:
         return self.w.embed.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.w.embed.device
+
     def cache_specs(self) -> list[dict[str, tuple[int, ...]]]:
-        """Per layer, what one token stores in the KV cache (name -> per-token shape)."""
-        kv = (self.cfg.num_kv_heads, self.cfg.head_dim)
-        return [{"k": kv, "v": kv} for _ in range(self.cfg.num_layers)]
+        """Per layer, what one token stores in the KV cache (its attention layer's cache_spec)."""
+        return [dict(attn.cache_spec) for attn in self.attention]
 
     def new_cache(self) -> KVCache:
         """An empty sequence in the paged pool; it takes blocks as tokens arrive and gives them back on `free()`
@@ -149,11 +148,10 @@ class MoEDecoder:
         if caches is not None:
             for cache, n in zip(caches, lengths):
                 cache.reserve(n)
-        ids = torch.cat([t.reshape(-1) for t in tokens])  # [T]
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])  # [T]
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos, sin = emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]  # [T, 1, D]
+        device = self.device
+        ids = torch.cat([t.reshape(-1) for t in tokens]).to(device)  # [T]
+        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)])  # [T]
+        cos, sin = self.rope.tables(positions, self.dtype)  # [T, R] each
 
         x = F.embedding(ids, self.w.embed)  # [T, H]
         step = _Group(x, cos, sin, lengths, starts, caches)
@@ -183,7 +181,7 @@ class MoEDecoder:
     def _logits(self, x: torch.Tensor, lengths: list[int], wanted: list[str]) -> list[torch.Tensor]:
         """Final norm and lm_head on the rows `wanted` asks for only (x [T, H]); per sequence [rows_i, V]."""
         if all(w == "all" for w in wanted):
-            rows, counts = None, lengths
+            counts = lengths
         else:
             picked, counts, offset = [], [], 0
             for n, w in zip(lengths, wanted):
@@ -191,8 +189,7 @@ class MoEDecoder:
                 picked.extend(take)
                 counts.append(len(take))
                 offset += n
-            rows = torch.tensor(picked, dtype=torch.int64, device=x.device)
-            x = x[rows]  # [R, H]
+            x = x[torch.tensor(picked, dtype=torch.int64, device=x.device)]  # [R, H]
         x = rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps)
         out = F.linear(x, self.w.lm_head).float()  # [R, V]
         return list(out.split(counts))
@@ -262,7 +259,7 @@ class MoEDecoder:
         returns None) or the gate -> (h [T_g, H], routing) for the expert round."""
         cfg = self.cfg
         h = rms_norm(g.x, layer.input_norm, cfg.rms_norm_eps)  # [T_g, H]
-        g.x = g.x + self._attention(i, layer.attention, h, g.cos, g.sin, g.layout)
+        g.x = g.x + self._attention(i, h, g)
         h = rms_norm(g.x, layer.post_attention_norm, cfg.rms_norm_eps)
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
@@ -276,37 +273,13 @@ class MoEDecoder:
         gate = torch.sigmoid(F.linear(h, layer.shared_expert_gate))  # [T, 1]
         return mlp + gate * gated_mlp(h, layer.shared_expert, self.act)
 
-    def _attention(
-        self,
-        layer: int,
-        w: AttentionWeights,
-        h: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        layout: StepLayout,
-    ) -> torch.Tensor:
-        cfg = self.cfg
-        q = F.linear(h, w.q, w.q_bias)  # [T, nh*D]
-        k = F.linear(h, w.k, w.k_bias)  # [T, kvh*D]
-        v = F.linear(h, w.v, w.v_bias)  # [T, kvh*D]
-        if w.q_norm is not None:
-            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        if cfg.clip_qkv is not None:
-            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, nh, D]
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, kvh, D]
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        window = cfg.sliding_window if layer in cfg.sliding_layers else None
-        out = attend(layout, layer, q, {"k": k, "v": v}, _gqa_keys_values, None, window, None)  # [T, nh*D]
-        return F.linear(out, w.o)  # [T, H]
-
-
-def _gqa_keys_values(entries: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """GQA caches keys and values as they are."""
-    return entries["k"], entries["v"]
+    def _attention(self, layer: int, h: torch.Tensor, g: _Group) -> torch.Tensor:
+        """Layer `layer`'s attention for group g: project, write the new tokens to the paged cache, attend (decode
+        rows in one call, prefill rows in another; attention_core.attend). h: [T_g, H]."""
+        attn = self.attention[layer]
+        q, new = attn.project(h, g.cos, g.sin)  # [T_g, nh, Dqk], {name: [T_g, *shape]}
+        out = attend(g.layout, layer, q, new, attn.keys_values, attn.scale, attn.window, attn.sinks)  # [T_g, nh*Dv]
+        return attn.output(out)  # [T_g, H]
 
 
 class _Fresh:

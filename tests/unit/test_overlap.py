@@ -109,9 +109,9 @@ def test_schedule_interleaves_the_two_micro_batches(checkpoints, monkeypatch):
     overlapped.experts = log
     real_attention = MoEDecoder._attention
 
-    def attention(self, layer, w, h, *args):  # the dense part of a layer starts with its attention
+    def attention(self, layer, h, *args):  # the dense part of a layer starts with its attention
         log.events.append(("dense", layer, h.shape[0]))
-        return real_attention(self, layer, w, h, *args)
+        return real_attention(self, layer, h, *args)
 
     monkeypatch.setattr(MoEDecoder, "_attention", attention)
     overlapped.forward(_prompts((4, 4, 3, 6)))  # halves: 4+4 | 3+6 tokens (sizes tell A from B)

@@ -15,6 +15,7 @@ import torch
 
 from expertmesh.experts.config import config_from_dict, load_model_config
 from expertmesh.experts.errors import CheckpointError
+from expertmesh.experts.modeling import MoEDecoder
 from expertmesh.experts.reference import load_reference_model
 from tests.tiny_checkpoints import VOCAB, write_hf_checkpoint
 
@@ -167,10 +168,14 @@ def test_sliding_window_mixtral_matches_hf(extra_dir):
                                do_sample=False)[0].tolist()
     assert _greedy(model, ids[:6], 10) == expected
     # the window matters: without it the positions past the window differ, those inside do not
-    model.cfg = dataclasses.replace(model.cfg, sliding_window=None, sliding_layers=())
-    unwindowed = model.forward([ids])[0]
+    unwindowed = _with_config(model, sliding_window=None, sliding_layers=()).forward([ids])[0]
     assert _max_diff(unwindowed[:8], full[:8]) <= 1e-6
     assert _max_diff(unwindowed[8:], full[8:]) > 1e-2
+
+
+def _with_config(model: MoEDecoder, **changes) -> MoEDecoder:
+    """The same weights and experts under a changed model config (the attention layers are built from it)."""
+    return MoEDecoder(dataclasses.replace(model.cfg, **changes), model.w, model.experts)
 
 
 def test_sliding_window_qwen2_moe_layer_types_match_hf(extra_dir):
@@ -213,8 +218,8 @@ def test_olmoe_clip_qkv_matches_hf(extra_dir):
     ids = _ids(10, 12)
     theirs = _hf_logits(hf, ids)
     assert _max_diff(model.forward([ids])[0], theirs) <= TOL
-    model.cfg = dataclasses.replace(model.cfg, clip_qkv=None)  # the clip is active on this input
-    assert _max_diff(model.forward([ids])[0], theirs) > 1e-3
+    unclipped = _with_config(model, clip_qkv=None)  # the clip is active on this input
+    assert _max_diff(unclipped.forward([ids])[0], theirs) > 1e-3
 
 
 # ---------------------------------------------------------------- config parsing

@@ -1,0 +1,84 @@
+"""Attention layers per family: what a token's q, k and v are, what it stores in the KV cache, and the output
+projection. The math over the history is experts/attention_core.py; the decoder (experts/modeling.py) wires the
+two through the cache.
+
+Every layer implements `AttentionLayer`. A family with a different attention (DeepSeek's MLA) adds its own class
+and a branch in `build_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .attention_core import default_scale
+from .config import MoEModelConfig
+from .norms import rms_norm
+from .rope import apply_rotary
+from .weights import AttentionWeights
+
+
+class AttentionLayer(Protocol):
+    num_heads: int  # query heads
+    num_kv_heads: int  # heads of k/v as the core sees them (GQA: kvh; MLA expanded: nh)
+    scale: float  # softmax scale
+    window: int | None  # sliding window (keys with q_pos - k_pos < window), None = all
+    sinks: torch.Tensor | None  # [nh] per-head extra softmax logit, None = none
+    cache_spec: dict[str, tuple[int, ...]]  # what one token stores in the KV cache: name -> per-token shape
+
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """h [T, H], cos/sin [T, R] -> (q [T, nh, Dqk], {name: [T, *shape]} to append to the cache)."""
+        ...
+
+    def keys_values(self, entries: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached entries {name: [..., L, *shape]} -> (k [..., L, kvh, Dqk], v [..., L, kvh, Dv])."""
+        ...
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o [T, nh*Dv] -> [T, H]."""
+        ...
+
+
+class GQAAttention:
+    """Grouped-query attention with RoPE (Mixtral, Qwen2-MoE, OLMoE): optional q/k/v bias, OLMoE's RMSNorm over
+    the projected q and k, OLMoE's clip_qkv. Caches rotated keys and values."""
+
+    def __init__(self, cfg: MoEModelConfig, w: AttentionWeights, window: int | None):
+        self.w = w
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.clip = cfg.clip_qkv
+        self.scale = default_scale(cfg.head_dim)
+        self.window = window
+        self.sinks = None
+        self.cache_spec = {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
+
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        w = self.w
+        q = F.linear(h, w.q, w.q_bias)  # [T, nh*D]
+        k = F.linear(h, w.k, w.k_bias)  # [T, kvh*D]
+        v = F.linear(h, w.v, w.v_bias)  # [T, kvh*D]
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, self.eps)
+            k = rms_norm(k, w.k_norm, self.eps)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, nh, D]
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, kvh, D]
+        return q, {"k": k, "v": v.view(-1, self.num_kv_heads, self.head_dim)}
+
+    def keys_values(self, entries: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return entries["k"], entries["v"]
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        return F.linear(o, self.w.o)  # [T, H]
+
+
+def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> AttentionLayer:
+    """The attention layer of model layer `layer`."""
+    window = cfg.sliding_window if layer in cfg.sliding_layers else None
+    return GQAAttention(cfg, w, window)

@@ -1,0 +1,58 @@
+"""Rotary position embeddings: the tables (cos, sin) for a step's positions, and applying them to q/k heads.
+
+One `RotaryEmbedding` per model; every layer applies the same tables. `rotary_dim` may be smaller than the head
+(partial rotary, e.g. GLM-4.5, or DeepSeek's MLA where only the `qk_rope_head_dim` part rotates): then the first
+`rotary_dim` dims of each head rotate and the rest pass through, as in `transformers`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import MoEModelConfig
+
+
+class RotaryEmbedding:
+    """cos/sin tables in Hugging Face's layout: emb = cat(freqs, freqs) over the rotary dims."""
+
+    def __init__(self, rotary_dim: int, theta: float, inv_freq: torch.Tensor | None = None,
+                 attention_scaling: float = 1.0, device: torch.device | str = "cpu"):
+        self.rotary_dim = rotary_dim
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        self.inv_freq = inv_freq.to(device)  # [R/2]
+        # Scaled RoPE variants (YaRN) multiply cos and sin by a constant, as transformers does.
+        self.attention_scaling = attention_scaling
+
+    @property
+    def device(self) -> torch.device:
+        return self.inv_freq.device
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64 -> (cos [T, R], sin [T, R]) in `dtype`."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, n, d]; cos/sin: [T, R] with R <= d -> x with its first R dims of every head rotated."""
+    rotary = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]
+    if rotary == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :rotary], x[..., rotary:]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
+def build_rope(cfg: MoEModelConfig, device: torch.device | str = "cpu") -> RotaryEmbedding:
+    """The model's rotary embedding, from its config (families with scaled RoPE add their variant here)."""
+    return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device=device)
