@@ -30,7 +30,8 @@ import torch
 
 from .block_allocator import BlockAllocator, OutOfBlocks, blocks_for
 
-__all__ = ["KVCache", "PagedKVPool", "KVCacheSettings", "OutOfBlocks", "DEFAULT_CPU_KV_BYTES", "blocks_for"]
+__all__ = ["KVCache", "PagedKVPool", "KVCacheSettings", "OutOfBlocks", "DEFAULT_CPU_KV_BYTES", "blocks_for",
+           "settings_for"]
 
 DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB: the pool on CPU when no budget is given (README: Paged KV cache)
 DEFAULT_MAX_SEQUENCES = 64  # with no explicit token cap, the pool holds at most this many full-context sequences
@@ -46,6 +47,25 @@ class KVCacheSettings:
     block_size: int = 16
     budget_bytes: int | None = None
     max_tokens: int | None = None
+
+
+def settings_for(device: torch.device | str, kv_cache_gb: float | None, gpu_memory_utilization: float,
+                 block_size: int = 16) -> KVCacheSettings:
+    """The pool's size on `device` (README: Paged KV cache): kv_cache_gb when given (exactly, no token cap); else on
+    CUDA what keeps the process within gpu_memory_utilization of the GPU's memory (call it after the weights are
+    loaded: free now - (1 - utilization) × total); else DEFAULT_CPU_KV_BYTES capped at DEFAULT_MAX_SEQUENCES full
+    contexts."""
+    device = torch.device(device)
+    if kv_cache_gb is not None:
+        return KVCacheSettings(block_size, int(kv_cache_gb * (1 << 30)), max_tokens=1 << 62)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - (1.0 - gpu_memory_utilization) * total)
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization: {gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves "
+                             f"nothing for the KV cache ({free / 2**30:.1f} GiB free after the weights)")
+        return KVCacheSettings(block_size, budget, max_tokens=1 << 62)
+    return KVCacheSettings(block_size)
 
 
 class PagedKVPool:
