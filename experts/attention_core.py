@@ -121,7 +121,7 @@ class StepLayout:
         for n in lengths:
             offsets.append(offsets[-1] + n)
         decode = [i for i, (n, s) in enumerate(zip(lengths, starts)) if n == 1 and s > 0 and pool is not None]
-        prefill = [i for i in range(len(lengths)) if i not in set(decode)]
+        prefill = sorted(set(range(len(lengths))) - set(decode))
         decode_table = decode_kv_len = None
         if decode:
             decode_table, decode_kv_len = pool.block_table([caches[i] for i in decode], [starts[i] + 1 for i in decode])
