@@ -2,8 +2,8 @@
 with a static (preallocated) cache, same weights, same batch, same context, measured alternately in one run.
 
 Setup: the dispatch benchmark's model (ops/bench_dispatch.py MODEL, fp32, its context raised to fit N); `streams`
-sequences of N random tokens are prefilled on both sides (transformers in chunks of 512 across the batch into its
-StaticCache; expertmesh one sequence per forward into the paged pool), then every forward adds one token to each.
+sequences of N random tokens are prefilled on both sides in chunks of 512 tokens across the batch (transformers into
+its StaticCache, expertmesh into the paged pool), then every forward adds one token to each.
 Reported: η = transformers' decode step time / expertmesh's, the KV bytes per token (from the pool's tensors) against
 the formula layers × 2 × kv_heads × head_dim × dtype bytes, the pool's bytes held and reserved, the max |Δlogit|,
 and the process's peak RSS (router and transformers share this process, so it bounds the router's).
@@ -66,7 +66,10 @@ def run_context_bench(context: int, streams: int = 8, repeats: int = 5, verbose:
             model = mesh.model
             say(f"expertmesh: prefill {streams} x {context} into the paged cache ...")
             caches = [model.new_cache() for _ in range(streams)]
-            mesh_logits = torch.cat([model.forward([row], [c], logits="last")[0] for row, c in zip(ids, caches)])
+            for a in range(0, context, HF_PREFILL_CHUNK):  # chunked like the batcher's prefill: bounded expert calls
+                b = min(context, a + HF_PREFILL_CHUNK)
+                out = model.forward([row[a:b] for row in ids], caches, logits="last" if b == context else "none")
+            mesh_logits = torch.cat(out)  # [streams, V]
             delta = float((mesh_logits - hf_logits).abs().max())
             next_ids = hf_logits.argmax(-1)  # [streams]; both continue with the same tokens
             hf_times, mesh_times = [], []
