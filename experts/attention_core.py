@@ -193,7 +193,7 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
     out: torch.Tensor | None = None
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (token index [n], o [n, nh, Dv])
     if layout.decode_rows:
-        k, v = keys_values(layout.pool.gather(layer, layout.decode_table))  # [Bd, L, kvh, D]
+        k, v = keys_values(layout.pool.gather(layer, layout.decode_table, "decode"))  # [Bd, L, kvh, D]
         qd = q[layout.decode_index][:, :, None, :]  # [Bd, nh, 1, D]
         o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), layout.decode_mask(window), False, scale, sinks)
         parts.append((layout.decode_index, o[:, :, 0, :]))  # [Bd, nh, Dv]
@@ -203,7 +203,7 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
             new = {name: e[layout.prefill_index] for name, e in entries.items()}  # [Bp, S, *shape]
             k, v = keys_values(new)
         else:
-            k, v = keys_values(layout.pool.gather(layer, layout.prefill_table))  # [Bp, L, kvh, D]
+            k, v = keys_values(layout.pool.gather(layer, layout.prefill_table, "prefill"))  # [Bp, L, kvh, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [Bp, kvh, L, D]
         if layout.plain_causal(window, sinks):
             o = _sdpa(qp, k, v, None, True, scale, None)  # [1, nh, S, Dv]

@@ -78,6 +78,7 @@ class PagedKVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.allocator = BlockAllocator(num_blocks)
+        self._scratch: dict[tuple[str, str], torch.Tensor] = {}  # gather buffers, reused (see gather)
         self.storage: list[dict[str, torch.Tensor]] = [
             {name: torch.empty((num_blocks, block_size, *shape), dtype=dtype, device=self.device)
              for name, shape in spec.items()}
@@ -159,13 +160,22 @@ class PagedKVPool:
         table = torch.tensor([r + r[:1] * (nb - len(r)) for r in rows], dtype=torch.int64, device=self.device)
         return table, torch.tensor(upto, dtype=torch.int64, device=self.device)
 
-    def gather(self, layer: int, table: torch.Tensor) -> dict[str, torch.Tensor]:
+    def gather(self, layer: int, table: torch.Tensor, scratch: str = "") -> dict[str, torch.Tensor]:
         """name -> [B, nb * block_size, *shape]: the blocks of `table` [B, nb] side by side (one copy); positions
-        past a sequence's length are padding (stale or another sequence's data) for the caller to mask."""
+        past a sequence's length are padding (stale or another sequence's data) for the caller to mask.
+
+        The copy lands in a buffer the pool keeps per (scratch, name) and reuses at the next gather with the same
+        `scratch` tag (growing it when needed): a fresh tensor per layer and step would pay page faults on every
+        copy (measured on CPU: 8 × 4096 tokens of one entry, 36 ms into a new tensor, 15 ms into a reused one). So
+        the result is valid until the next gather with the same tag; the attention core uses it at once."""
         b, nb = table.shape
         out = {}
         for name, pool in self.storage[layer].items():
-            rows = pool.index_select(0, table.reshape(-1))  # [B*nb, bs, *shape]
+            buf = self._scratch.get((scratch, name))
+            if buf is None or buf.dtype != pool.dtype:
+                buf = self._scratch[(scratch, name)] = pool.new_empty(0)
+            # resize_(0) keeps the storage; index_select then grows the buffer only past its largest size so far.
+            rows = torch.index_select(pool, 0, table.reshape(-1), out=buf.resize_(0))  # [B*nb, bs, *shape]
             out[name] = rows.view(b, nb * self.block_size, *pool.shape[2:])
         return out
 
@@ -207,7 +217,7 @@ class KVCache:
     def read(self, layer: int) -> dict[str, torch.Tensor]:
         """name -> [length, *shape]: this sequence's history at `layer` (a copy; for tests and debugging)."""
         table, _ = self.pool.block_table([self], [max(1, self.length)])
-        return {name: t[0, :self.length] for name, t in self.pool.gather(layer, table).items()}
+        return {name: t[0, :self.length].clone() for name, t in self.pool.gather(layer, table, "read").items()}
 
 
 def _release(allocator: BlockAllocator, blocks: list[int]) -> None:
