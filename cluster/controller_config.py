@@ -13,7 +13,7 @@ class ControllerConfig:
     restore: bool = True  # False: only watch and report (for drills of the wait/degrade policies)
     check_interval_s: float = 0.5
     ping_timeout_s: float = 5.0
-    restore_timeout_s: float = 300.0
+    restore_timeout_s: float = 1800.0  # a restored actor loads its weights again (on a new node: fetches them too)
     drain_timeout_s: float = 60.0  # a remap stops replaced replicas when every router switched, or after this
     router_ttl_s: float = 10.0  # a router silent this long (scaled in, died) is not waited for
     # A lost actor the survivors have no room for at its normal share gets a stand-in with a smaller share; under

@@ -28,4 +28,5 @@ def start_expert_actor(slot: ActorSlot, spec: PoolSpec, *, detached: bool, reuse
         name=slot.name, namespace=NAMESPACE, num_cpus=slot.num_cpus, num_gpus=slot.num_gpus,
         scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node_id, soft=soft_affinity),
         lifetime="detached" if detached else None, get_if_exists=reuse,
-    ).remote(slot.name, spec.model_dir, shards, spec.dtype, generation, tracing=spec.tracing)
+    ).remote(slot.name, spec.model_dir, shards, spec.dtype, generation, tracing=spec.tracing,
+             revision=spec.revision)

@@ -10,8 +10,10 @@ k experts counts once for each of them; dropped slots count nowhere):
 - imbalance: max/mean of the shard load across the experts of a layer (1.0 = even, E/k = all on k experts);
   per GPU: max/mean of the load summed per GPU slot (`placement`: actor -> slot key, e.g. "node/gpu0"; actors
   missing from it are each their own slot, which is what CPU-only actors are). 0.0 when there was no load.
-- routing entropy: mean over tokens of H(p) = -sum_e p_e ln p_e of the gate's softmax over all E experts, in
-  nats (max ln E: a uniform gate); `routing_entropy_norm` divides by ln E.
+- routing entropy: mean over tokens of H(p) = -sum_e p_e ln p_e of the router's own distribution over all E
+  experts (`Routing.probs`): the softmax for softmax routers (Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V2), the sigmoid
+  scores normalised to sum 1 for sigmoid routers (DeepSeek-V3, GLM-4.5; the selection-only correction bias is not
+  part of it), in nats (max ln E: a uniform gate); `routing_entropy_norm` divides by ln E.
 - switch rate: along each sequence, the share of consecutive token pairs whose top-1 expert differs. Pairs cross
   step boundaries (a decode step's token is compared with the sequence's previous token), so it is exact for both
   prefill and decode.
@@ -76,7 +78,8 @@ def gpu_load(replica_load: dict[str, float], placement: dict[str, str] | None) -
 
 
 def routing_entropy(probs: torch.Tensor) -> torch.Tensor:
-    """probs: [T, E] gate softmax -> [T] entropy in nats (0 * ln 0 taken as 0)."""
+    """probs: [T, E] the router's distribution (softmax, or normalised sigmoid scores) -> [T] entropy in nats
+    (0 * ln 0 taken as 0)."""
     p = probs.float()
     return -(p * torch.log(p.clamp(min=1e-30))).sum(dim=-1)
 
@@ -220,8 +223,9 @@ class LoadWindow:
         """The routing one step served at several MoE layers at once (vectorised over layers: a decode step of
         32 sequences on 4 layers costs a few hundred microseconds, not one loop per layer and sequence).
 
-        experts: [n, T, k] (n = len(layers)); probs: [n, T, E] gate softmax or None; sequences `keys` (any
-        hashable identity that stays the same across a sequence's steps) laid out with `lengths` tokens each."""
+        experts: [n, T, k] (n = len(layers)); probs: [n, T, E] the router's distribution (Routing.probs) or None;
+        sequences `keys` (any hashable identity that stays the same across a sequence's steps) laid out with
+        `lengths` tokens each."""
         b = self._bucket()
         rows = np.array([self.row[layer] for layer in layers])
         e = experts.numpy()  # [n, T, k]; numpy: these arrays are tiny, and numpy's per-op cost is a few times lower

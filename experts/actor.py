@@ -1,7 +1,10 @@
 """The expert actor: a thin Ray shell around `gated_mlp` for the shards it hosts.
 
 It reads only its shards' tensors from the checkpoint, computes on the GPU Ray gave it (or the CPU), and sets its
-torch thread count from the CPUs Ray gave it, so many actors on one machine do not fight over cores.
+torch thread count from the CPUs Ray gave it, so many actors on one machine do not fight over cores. Its dtype is
+`model.dtype` resolved for its own device (experts/dtypes.py: "auto" is the checkpoint's dtype on a GPU, float32 on
+a CPU); rows arrive and leave as HostTensor (raw bytes + dtype tag, experts/arrays.py), so bf16 crosses bit-exactly.
+On a GPU a call is: host -> device copy, compute, device -> host copy into a pinned buffer, one synchronisation.
 """
 
 from __future__ import annotations
@@ -9,22 +12,31 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
 import ray
 import torch
 
-from .arrays import readonly_tensor
-from .checkpoint import CheckpointReader
+from .arrays import HostStager, HostTensor, pack, to_tensor
+from .dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
 from .ffn import activation, gated_mlp
+from .grouped_ffn import GroupedExperts
+from .load_progress import ProgressReporter
+from .model_source import open_checkpoint, shard_tensors
 from .telemetry import ExpertMetrics, build_tracer, context_of
 from .tracing_config import TracingConfig
-from .weights import Shard, load_expert_shards
+from .weights import Shard, expert_shard_bytes, load_expert_shards
+
+
+def _kv_put(key: bytes, value: bytes) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, value, overwrite=True)
 
 
 class ExpertActor:
-    def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "float32", generation: int = 0,
-                 tracing: dict | None = None, metrics: bool = True):
-        """tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
+    def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "auto", generation: int = 0,
+                 tracing: dict | None = None, metrics: bool = True, revision: str | None = None):
+        """dtype: model.dtype ("auto" or a name), resolved here for this actor's device; revision: with a Hub repo id
+        as model_dir; tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
         expertmesh_expert_seconds through Ray's metrics API."""
         self.name = name
         self.generation = generation  # 0 for the first actor of this name; +1 each time it is restored
@@ -35,10 +47,20 @@ class ExpertActor:
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         # Ray sets CUDA_VISIBLE_DEVICES to the GPU it assigned, so cuda:0 is that GPU.
         self.device = torch.device("cuda:0" if self.gpu_ids and torch.cuda.is_available() else "cpu")
-        reader = CheckpointReader(model_dir)
+        # A folder, or a Hub repo id of which this node fetches only the files holding these shards.
+        reader = open_checkpoint(model_dir, revision, shard_tensors(shards))
         self.act = activation(reader.config.hidden_act)
-        self.dtype = getattr(torch, dtype)
-        self.shards = load_expert_shards(reader, shards, self.dtype, self.device)
+        self.dtype_name = resolve_dtype(dtype, read_checkpoint_dtype(reader.model_dir), self.device.type == "cuda")
+        self.dtype = torch_dtype(self.dtype_name)
+        # Progress (bytes read of bytes to read) goes to Ray's KV store while __init__ runs, for `expertmesh status`.
+        reporter = ProgressReporter(name, expert_shard_bytes(reader, shards), _kv_put)
+        try:
+            self.shards = load_expert_shards(reader, shards, self.dtype, self.device, on_bytes=reporter.add)
+        except BaseException as exc:
+            reporter.finish(error=f"{type(exc).__name__}: {exc}")
+            raise
+        reporter.finish()
+        self.experts = GroupedExperts(self.shards, self.act)  # a call's experts in grouped matmuls, as the reference
         self.calls = 0
         self.tokens = 0
         self.tracer = build_tracer(TracingConfig(**tracing), f"expert:{name}") if tracing else None
@@ -55,8 +77,8 @@ class ExpertActor:
                 gated_mlp(torch.zeros(1, weights.gate_up.shape[1], device=self.device, dtype=self.dtype), weights,
                           self.act)
 
-    def forward(self, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
-                trace: dict[str, str] | None = None) -> np.ndarray:
+    def forward(self, layer: int, experts: list[int], counts: list[int], x: HostTensor,
+                trace: dict[str, str] | None = None) -> HostTensor:
         """x: [sum(counts), H], rows grouped by expert in `experts` order -> unweighted expert outputs, same layout.
         trace: W3C carrier of the router's dispatch span (None: tracing off, no span is made)."""
         if trace is not None and self.tracer is not None:
@@ -67,25 +89,28 @@ class ExpertActor:
                 return self._forward(layer, experts, counts, x)
         return self._forward(layer, experts, counts, x)
 
-    def _forward(self, layer: int, experts: list[int], counts: list[int], x: np.ndarray) -> np.ndarray:
-        # Arrays from Ray's object store are read-only views; we never write to them.
+    def _forward(self, layer: int, experts: list[int], counts: list[int], x: HostTensor) -> HostTensor:
+        # Arrays from Ray's object store (and gRPC messages) are read-only views; we never write to them.
         started, cpu_started = time.perf_counter(), time.thread_time()
-        inputs = readonly_tensor(x).to(self.device, self.dtype)
+        inputs = to_tensor(x).to(self.device, self.dtype, non_blocking=True)  # [sum(counts), H]
         with torch.inference_mode():
-            outs = [
-                gated_mlp(chunk, self.shards[(layer, e)], self.act)
-                for e, chunk in zip(experts, inputs.split(counts))
-            ]
-            result = torch.cat(outs) if len(outs) > 1 else outs[0]
+            result = self._compute(layer, experts, counts, inputs)  # [sum(counts), H]
+            stager = HostStager()  # one per call: gRPC threads and Ray calls may run forwards side by side
+            host = stager.stage(result)
+            stager.finish()  # the one synchronisation of this call (none on a CPU)
         self.calls += 1
         self.tokens += int(x.shape[0])
-        out = result.to("cpu").numpy()
+        out = pack(host)
         elapsed = time.perf_counter() - started
         self.compute_s += elapsed
         self.compute_cpu_s += time.thread_time() - cpu_started
         if self.metrics is not None:
             self.metrics.observe(elapsed)
         return out
+
+    def _compute(self, layer: int, experts: list[int], counts: list[int], inputs: torch.Tensor) -> torch.Tensor:
+        """inputs: [sum(counts), H] on this actor's device, rows grouped by expert -> outputs, same layout."""
+        return self.experts.run(layer, list(experts), list(counts), inputs)
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
@@ -94,6 +119,7 @@ class ExpertActor:
             "node_id": ctx.get_node_id(),
             "gpu_ids": self.gpu_ids,
             "device": str(self.device),
+            "dtype": self.dtype_name,
             "threads": self.threads,
             "pid": os.getpid(),
             "shards": sorted(self.shards),
@@ -118,7 +144,7 @@ class ExpertActor:
             self._grpc = ExpertGrpcServer(self.forward, ray.util.get_node_ip_address(), transport_secret())
         return self._grpc.address
 
-    def forward_step(self, step: tuple) -> np.ndarray | None:
+    def forward_step(self, step: tuple) -> HostTensor | None:
         """One layer step of a compiled graph that feeds every actor the same input:
         step = (layer, {actor name: (experts, counts, x)}, trace) -> this actor's outputs, None when it has no rows."""
         layer, calls, trace = step

@@ -43,17 +43,19 @@ class AttentionLayer(Protocol):
 
 
 class GQAAttention:
-    """Grouped-query attention with RoPE (Mixtral, Qwen2-MoE, OLMoE): optional q/k/v bias, OLMoE's RMSNorm over
-    the projected q and k, OLMoE's clip_qkv. Caches rotated keys and values."""
+    """Grouped-query attention with RoPE (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, gpt-oss): optional q/k/v bias,
+    OLMoE's RMSNorm over the projected q and k (full width), Qwen3-MoE's RMSNorm over each q and k head (head_dim,
+    before RoPE), OLMoE's clip_qkv, gpt-oss's attention sinks and o_proj bias. Caches rotated keys and values."""
 
     def __init__(self, cfg: MoEModelConfig, w: AttentionWeights, window: int | None):
         self.w = w
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.clip = cfg.clip_qkv
+        self.qk_norm_per_head = cfg.qk_norm_per_head  # Qwen3-MoE, GLM-4.5: q_norm/k_norm weights are [D], per head
         self.scale = default_scale(cfg.head_dim)
         self.window = window
-        self.sinks = None
+        self.sinks = w.sinks  # [nh] or None
         self.cache_spec = {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -62,23 +64,31 @@ class GQAAttention:
         q = F.linear(h, w.q, w.q_bias)  # [T, nh*D]
         k = F.linear(h, w.k, w.k_bias)  # [T, kvh*D]
         v = F.linear(h, w.v, w.v_bias)  # [T, kvh*D]
-        if w.q_norm is not None:
+        if w.q_norm is not None and not self.qk_norm_per_head:
             q = rms_norm(q, w.q_norm, self.eps)
             k = rms_norm(k, w.k_norm, self.eps)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, nh, D]
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, kvh, D]
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, nh, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kvh, D]
+        if self.qk_norm_per_head:
+            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+        q = apply_rotary(q, cos, sin)  # [T, nh, D]
+        k = apply_rotary(k, cos, sin)  # [T, kvh, D]
         return q, {"k": k, "v": v.view(-1, self.num_kv_heads, self.head_dim)}
 
     def keys_values(self, entries: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return entries["k"], entries["v"]
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
-        return F.linear(o, self.w.o)  # [T, H]
+        return F.linear(o, self.w.o, self.w.o_bias)  # [T, H]
 
 
 def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> AttentionLayer:
     """The attention layer of model layer `layer`."""
+    if cfg.attention_kind == "mla":  # DeepSeek-V2/V3
+        from .mla_attention import MLAAttention
+
+        return MLAAttention(cfg, w)
     window = cfg.sliding_window if layer in cfg.sliding_layers else None
     return GQAAttention(cfg, w, window)

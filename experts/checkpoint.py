@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,13 +22,16 @@ from .config import MoEModelConfig, load_model_config
 from .errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
+READ_THREADS = 4  # files of a sharded checkpoint read at once
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @contextmanager
-def _opened(path: Path) -> Iterator:
+def _opened(path: Path, device: str | torch.device = "cpu") -> Iterator:
     """safe_open whose failures (corrupt header, truncated file) become a CheckpointError naming the file."""
     try:
-        with safe_open(str(path), framework="pt") as handle:
+        with safe_open(str(path), framework="pt", device=str(device)) as handle:
             yield handle
     except SafetensorError as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
@@ -42,8 +47,12 @@ def _tensor(handle, path: Path, key: str, header_only: bool = False):
 class CheckpointReader:
     """Maps tensor names to the `.safetensors` file that holds them, and reads them one by one."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, partial: bool = False):
+        """partial: the folder holds only some of the files its index lists (a Hub snapshot fetched for one
+        process's tensors, experts/model_source.py); a missing file is an error only when one of its tensors is read.
+        """
         self.model_dir = Path(model_dir)
+        self.partial = partial
         if not self.model_dir.is_dir():
             raise CheckpointError(f"{self.model_dir}: model folder does not exist")
         self.config: MoEModelConfig = load_model_config(self.model_dir)
@@ -58,7 +67,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{index}: not a valid safetensors index (key 'weight_map')") from exc
             where = {key: self.model_dir / name for key, name in weight_map.items()}
             for path in set(where.values()):
-                if not path.is_file():
+                if not path.is_file() and not self.partial:
                     raise CheckpointError(f"{index}: shard file {path.name} listed in 'weight_map' is missing")
             return where
         files = sorted(self.model_dir.glob("*.safetensors"))
@@ -70,6 +79,11 @@ class CheckpointReader:
                 for key in handle.keys():
                     where[key] = path
         return where
+
+    @staticmethod
+    def config_only(model_dir: str | Path) -> MoEModelConfig:
+        """The model's config from a folder that may hold no weights at all (planning before a download)."""
+        return load_model_config(Path(model_dir))
 
     def has(self, key: str) -> bool:
         return key in self._where
@@ -85,30 +99,82 @@ class CheckpointReader:
         return self.read_many({key: shape})[key]
 
     def read_many(
-        self, wanted: dict[str, tuple[int, ...] | None], progress: str | None = None
+        self, wanted: dict[str, tuple[int, ...] | None], progress: str | None = None,
+        on_bytes: Callable[[int], None] | None = None, device: str | torch.device = "cpu",
     ) -> dict[str, torch.Tensor]:
-        """Tensors by name, grouped per file so each file is opened once. Shows a progress bar on a terminal."""
+        """Tensors by name, grouped per file so each file is opened once, files read in parallel (a few threads:
+        a sharded checkpoint on a cloud disk reads faster with several requests in flight), each tensor straight
+        onto `device` (safetensors copies from the mapped file to the GPU without a host copy of the whole file).
+        on_bytes(n) is called after each tensor (load progress). Shows a progress bar on a terminal."""
         by_file: dict[Path, list[str]] = {}
         for key in wanted:
             by_file.setdefault(self.file_of(key), []).append(key)
+        for path, keys in by_file.items():
+            if not path.is_file():
+                raise CheckpointError(f"{path}: file holding tensor '{keys[0]}' is missing (not fetched here)")
         out: dict[str, torch.Tensor] = {}
         bar = tqdm(
             total=len(wanted), desc=progress or "loading weights", unit="tensor",
+            disable=progress is None or not sys.stderr.isatty(), leave=False,
+        )
+        lock = threading.Lock()
+
+        def read_file(path: Path, keys: list[str]) -> None:
+            with _opened(path, device) as handle:
+                for key in keys:
+                    tensor = _tensor(handle, path, key)
+                    expected = wanted[key]
+                    if expected is not None and tuple(tensor.shape) != tuple(expected):
+                        raise CheckpointError(
+                            f"{path}: tensor '{key}' has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(expected)} from config.json"
+                        )
+                    with lock:
+                        out[key] = tensor
+                        bar.update(1)
+                        if on_bytes is not None:
+                            on_bytes(tensor.numel() * tensor.element_size())
+
+        with bar:
+            if len(by_file) == 1:
+                read_file(*next(iter(by_file.items())))
+            else:
+                with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(by_file))) as pool:
+                    for done in [pool.submit(read_file, path, keys) for path, keys in by_file.items()]:
+                        done.result()  # the first error, naming its file and key
+        return out
+
+    def read_rows(
+        self, wanted: dict[str, tuple[tuple[int, ...], list[int]]], progress: str | None = None
+    ) -> dict[tuple[str, int], torch.Tensor]:
+        """Rows of stacked tensors: {name: (expected full shape, indices on axis 0)} -> {(name, index): tensor}.
+
+        Only the requested rows are read (`get_slice(name)[i]`, never the whole tensor), so an actor hosting a few
+        experts of a fused [E, ...] tensor reads those experts' bytes and nothing else. The full shape is checked
+        from the header first, so a wrong config fails here naming the file and key.
+        """
+        by_file: dict[Path, list[str]] = {}
+        for key in wanted:
+            by_file.setdefault(self.file_of(key), []).append(key)
+        out: dict[tuple[str, int], torch.Tensor] = {}
+        bar = tqdm(
+            total=sum(len(rows) for _, rows in wanted.values()), desc=progress or "loading weights", unit="slice",
             disable=progress is None or not sys.stderr.isatty(), leave=False,
         )
         with bar:
             for path, keys in by_file.items():
                 with _opened(path) as handle:
                     for key in keys:
-                        tensor = _tensor(handle, path, key)
-                        expected = wanted[key]
-                        if expected is not None and tuple(tensor.shape) != tuple(expected):
+                        expected, rows = wanted[key]
+                        view = _tensor(handle, path, key, header_only=True)
+                        shape = tuple(view.get_shape())
+                        if shape != tuple(expected):
                             raise CheckpointError(
-                                f"{path}: tensor '{key}' has shape {tuple(tensor.shape)}, "
-                                f"expected {tuple(expected)} from config.json"
+                                f"{path}: tensor '{key}' has shape {shape}, expected {tuple(expected)} from config.json"
                             )
-                        out[key] = tensor
-                        bar.update(1)
+                        for row in rows:
+                            out[(key, row)] = view[row]
+                            bar.update(1)
         return out
 
     def check_shapes(self, wanted: dict[str, tuple[int, ...]]) -> None:
@@ -121,6 +187,8 @@ class CheckpointReader:
         for key in wanted:
             by_file.setdefault(self.file_of(key), []).append(key)
         for path, keys in by_file.items():
+            if self.partial and not path.is_file():
+                continue  # not fetched by this process: the name is in the index; its reader checks the shape
             with _opened(path) as handle:
                 for key in keys:
                     shape = tuple(_tensor(handle, path, key, header_only=True).get_shape())
@@ -128,6 +196,24 @@ class CheckpointReader:
                         raise CheckpointError(
                             f"{path}: tensor '{key}' has shape {shape}, expected {tuple(wanted[key])} from config.json"
                         )
+
+    def nbytes(self, keys: Iterable[str]) -> int:
+        """Bytes of these tensors as stored (headers only; files this process did not fetch count 0)."""
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.file_of(key), []).append(key)
+        total = 0
+        for path, names in by_file.items():
+            if not path.is_file():
+                continue
+            with _opened(path) as handle:
+                for key in names:
+                    view = _tensor(handle, path, key, header_only=True)
+                    numel = 1
+                    for n in view.get_shape():
+                        numel *= n
+                    total += numel * _DTYPE_BYTES.get(view.get_dtype(), 4)
+        return total
 
     def keys(self) -> Iterable[str]:
         return self._where.keys()

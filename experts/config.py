@@ -1,7 +1,7 @@
 """One validated description of an MoE checkpoint, read from its Hugging Face `config.json`.
 
-Three families share one decoder shape (RMSNorm, RoPE attention with GQA, SwiGLU experts) and differ in a
-handful of switches, so one dataclass with those switches is clearer than three model classes.
+The families share one decoder shape (RMSNorm, RoPE attention with GQA, gated experts) and differ in a handful of
+switches, so one dataclass with those switches is clearer than one model class per family.
 """
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config_deepseek import ARCHITECTURES as _DEEPSEEK_ARCHITECTURES
+from .config_deepseek import FAMILIES as _DEEPSEEK_FAMILIES
+from .config_deepseek import MODEL_TYPES as _DEEPSEEK_MODEL_TYPES
+from .config_deepseek import YarnScaling, deepseek_family_fields, rope_settings
 from .errors import CheckpointError
 
 # HF architecture name -> our family name.
@@ -17,14 +21,19 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "OlmoeForCausalLM": "olmoe",
-}
-MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe"}
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
+} | _DEEPSEEK_ARCHITECTURES
+MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "qwen3_moe": "qwen3_moe",
+               "gpt_oss": "gpt_oss"} | _DEEPSEEK_MODEL_TYPES
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
+# family -> quant_method values we dequantise on load
+SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)} | {family: ("fp8",) for family in _DEEPSEEK_FAMILIES}
 
 
 @dataclass(frozen=True)
 class MoEModelConfig:
-    family: str  # "mixtral" | "qwen2_moe" | "olmoe"
+    family: str  # "mixtral" | "qwen2_moe" | "olmoe" | "qwen3_moe" | "gpt_oss"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -51,17 +60,48 @@ class MoEModelConfig:
     moe_layers: tuple[int, ...] = field(default=())  # layers with a sparse MoE block; others are dense MLP
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # ---- DeepSeek-V2/V3 and GLM-4.5 (parsed in experts/config_deepseek.py) -------------------------------------
+    attention_kind: str = "gqa"  # "gqa" | "mla" (DeepSeek Multi-head Latent Attention)
+    q_lora_rank: int | None = None  # MLA: None = one q_proj; else q_a_proj -> RMSNorm -> q_b_proj
+    kv_lora_rank: int = 0  # MLA: width of the compressed key/value latent
+    qk_nope_head_dim: int = 0  # MLA: per-head query/key dims without RoPE
+    qk_rope_head_dim: int = 0  # MLA: per-head query/key dims with RoPE (the key part is shared by all heads)
+    v_head_dim: int = 0  # MLA
+    rotary_dim: int = 0  # dims of a head that RoPE rotates; 0 = head_dim (GLM: head_dim * partial_rotary_factor)
+    rope_pairs_interleaved: bool = False  # DeepSeek: RoPE rotates (x0,x1),(x2,x3),.. pairs, not the two halves
+    yarn: YarnScaling | None = None  # rope_type "yarn" (cos/sin scaled; MLA's softmax scale takes mscale too)
+    # "softmax" (route) | "deepseek_v2" | "sigmoid_grouped" (DeepSeek-V3, GLM-4.5) | "topk_softmax" (gpt-oss)
+    router_kind: str = "softmax"
+    topk_method: str = "greedy"  # deepseek_v2: "greedy" | "group_limited_greedy"
+    n_group: int = 1  # group-limited routing: experts split into n_group equal groups ...
+    topk_group: int = 1  # ... and each token picks its experts from its best topk_group groups
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' combine weights
+    router_correction_bias: bool = False  # sigmoid_grouped: mlp.gate.e_score_correction_bias (selection only)
+    shared_expert_gated: bool = True  # Qwen2-MoE's shared expert has a sigmoid gate; DeepSeek/GLM's have none
+    qk_norm_per_head: bool = False  # GLM-4.5 use_qk_norm: RMSNorm over each head's q and k (head_dim weights)
+    fp8_block: tuple[int, int] | None = None  # quant_method "fp8": weights stored e4m3 with per-block scale_inv
+    # ---- end DeepSeek-V2/V3 and GLM-4.5 ------------------------------------------------------------------------
+    # ---- Qwen3-MoE and gpt-oss (issue 13 items 2-3; they also use qk_norm_per_head, yarn, router_kind) ----
+    attention_sinks: bool = False  # gpt-oss: a learned per-head extra logit in the attention softmax
+    attention_out_bias: bool = False  # gpt-oss: o_proj carries a bias
+    router_bias: bool = False  # gpt-oss: the router linear carries a bias
+    expert_activation: str = "gated"  # "gated" (act(gate)·up) | "clamped_swiglu" (gpt-oss)
+    swiglu_alpha: float = 1.702  # gpt-oss clamped SwiGLU: gate·σ(alpha·gate)·(up+1)
+    swiglu_limit: float = 7.0  # gpt-oss: gate clamped to ≤ limit, up to ±limit
+    quantization: str | None = None  # quantization_config.quant_method of the expert tensors ("mxfp4")
+    # ---- end of the Qwen3-MoE / gpt-oss block ----
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
     @property
     def has_shared_expert(self) -> bool:
-        return self.family == "qwen2_moe" and self.shared_expert_intermediate_size > 0
+        return self.family in ("qwen2_moe", *_DEEPSEEK_FAMILIES) and self.shared_expert_intermediate_size > 0
 
     def expert_param_count(self) -> int:
-        """Parameters of one expert FFN (gate, up, down)."""
-        return 3 * self.hidden_size * self.expert_intermediate_size
+        """Parameters of one expert FFN (gate, up, down, and gpt-oss's biases)."""
+        biases = 2 * self.expert_intermediate_size + self.hidden_size if self.family == "gpt_oss" else 0
+        return 3 * self.hidden_size * self.expert_intermediate_size + biases
 
 
 def load_model_config(model_dir: str | Path) -> MoEModelConfig:
@@ -90,7 +130,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
     hidden = need("hidden_size")
     heads = need("num_attention_heads")
     layers = need("num_hidden_layers")
-    kv_heads = raw.get("num_key_value_heads") or heads
+    mla = family in ("deepseek_v2", "deepseek_v3")  # MLA: num_key_value_heads and head_dim do not apply
+    kv_heads = heads if mla else raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // heads
     if heads % kv_heads:
         raise CheckpointError(
@@ -112,7 +153,9 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
         head_dim=head_dim,
         top_k=need("num_experts_per_tok"),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw, source),
+        rope_theta=0.0 if family in _DEEPSEEK_FAMILIES else _rope_theta(raw, source),  # theirs: config_deepseek
+        yarn=None if family in _DEEPSEEK_FAMILIES else rope_settings(raw, source)[2],
+        quantization=_quantization(raw, family, source),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         hidden_act=act,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -131,10 +174,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
             moe_layers=all_layers,
         )
     elif family == "qwen2_moe":
-        step = raw.get("decoder_sparse_step", 1) or 1
-        mlp_only = set(raw.get("mlp_only_layers") or [])
         experts = need("num_experts")
-        moe_layers = tuple(i for i in all_layers if i not in mlp_only and experts > 0 and (i + 1) % step == 0)
+        moe_layers = _sparse_layers(raw, layers, experts)
         layer_types = raw.get("layer_types") or []
         sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
         cfg = MoEModelConfig(
@@ -149,6 +190,46 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
             shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
             moe_layers=moe_layers,
         )
+    elif family == "qwen3_moe":
+        experts = raw.get("num_experts") or raw.get("num_local_experts") or need("num_experts")
+        cfg = MoEModelConfig(
+            **common,
+            num_experts=experts,
+            expert_intermediate_size=need("moe_intermediate_size"),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            qk_norm_per_head=True,
+            dense_intermediate_size=int(raw.get("intermediate_size") or 0),
+            moe_layers=_sparse_layers(raw, layers, experts),
+            # transformers applies the window to every layer when use_sliding_window is on
+            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
+            sliding_layers=all_layers if raw.get("use_sliding_window") and raw.get("sliding_window") else (),
+        )
+    elif family == "gpt_oss":
+        layer_types = raw.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)
+        ]  # transformers' default: alternate, starting with a sliding layer
+        sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        cfg = MoEModelConfig(
+            **common,
+            num_experts=raw.get("num_local_experts") or need("num_experts"),
+            expert_intermediate_size=need("intermediate_size"),
+            norm_topk_prob=True,  # the softmax runs over the k selected logits: the weights sum to 1
+            attention_bias=bool(raw.get("attention_bias", True)),
+            attention_out_bias=bool(raw.get("attention_bias", True)),
+            attention_sinks=True,
+            router_bias=True,
+            router_kind="topk_softmax",
+            expert_activation="clamped_swiglu",
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+            sliding_window=raw.get("sliding_window", 128) if sliding else None,
+            sliding_layers=sliding,
+            moe_layers=all_layers,
+        )
+    elif family in _DEEPSEEK_FAMILIES:
+        cfg = MoEModelConfig(**(common | deepseek_family_fields(family, raw, common, need, source)),
+                             fp8_block=_fp8_block(raw, source))
     else:  # olmoe
         cfg = MoEModelConfig(
             **common,
@@ -164,9 +245,25 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
         raise CheckpointError(
             f"{source}: num_experts_per_tok={cfg.top_k} exceeds the number of experts ({cfg.num_experts})"
         )
-    if cfg.family == "qwen2_moe" and len(cfg.moe_layers) < cfg.num_layers and cfg.dense_intermediate_size <= 0:
+    dense_layers = len(cfg.moe_layers) < cfg.num_layers
+    if cfg.family in ("qwen2_moe", "qwen3_moe") and dense_layers and cfg.dense_intermediate_size <= 0:
         raise CheckpointError(f"{source}: key 'intermediate_size' is needed for the dense (mlp_only) layers")
     return cfg
+
+
+def _fp8_block(raw: dict, source: str) -> tuple[int, int] | None:
+    """quantization_config of a block-scaled FP8 checkpoint (DeepSeek-V3's published format) -> its block."""
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8":
+        raise CheckpointError(f"{source}: key 'quantization_config.quant_method'={quant.get('quant_method')!r} "
+                              "is not supported (supported: 'fp8' with weight_block_size)")
+    block = quant.get("weight_block_size") or [128, 128]
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise CheckpointError(f"{source}: key 'quantization_config.weight_block_size'={block!r} must be two "
+                              "positive integers")
+    return (block[0], block[1])
 
 
 def _family(raw: dict, source: str) -> str:
@@ -183,14 +280,29 @@ def _family(raw: dict, source: str) -> str:
     )
 
 
+def _sparse_layers(raw: dict, layers: int, experts: int) -> tuple[int, ...]:
+    """Qwen2/3-MoE: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid."""
+    step = raw.get("decoder_sparse_step", 1) or 1
+    mlp_only = set(raw.get("mlp_only_layers") or [])
+    return tuple(i for i in range(layers) if i not in mlp_only and experts > 0 and (i + 1) % step == 0)
+
+
 def _rope_theta(raw: dict, source: str) -> float:
-    # transformers >= 5 nests RoPE settings under `rope_parameters`; older checkpoints use `rope_theta`/`rope_scaling`.
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise CheckpointError(f"{source}: key 'rope_parameters.rope_type'={rope_type!r} is not supported yet")
-    return float(params.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    """rope_theta; a RoPE type other than default and yarn is refused (rope_settings names the key)."""
+    return rope_settings(raw, source)[0]
+
+
+def _quantization(raw: dict, family: str, source: str) -> str | None:
+    quant = raw.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method not in SUPPORTED_QUANTIZATION.get(family, ()):
+        raise CheckpointError(
+            f"{source}: key 'quantization_config.quant_method'={method!r} is not supported for {family} "
+            f"(supported: {SUPPORTED_QUANTIZATION.get(family, ())})"
+        )
+    return method
 
 
 def _single_id(value) -> int | None:

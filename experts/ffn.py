@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,23 +24,60 @@ def activation(name: str):
 
 @dataclass
 class GatedMLPWeights:
-    """One gated MLP. gate and up are fused so an expert costs two matmuls, not three."""
+    """One gated MLP. gate and up are fused so an expert costs two matmuls, not three.
 
-    gate_up: torch.Tensor  # [2I, H]
+    kind "gated": down(act(gate) * up). kind "clamped_swiglu" (gpt-oss): gate clamped to ≤ limit, up to ±limit,
+    down(gate·σ(alpha·gate)·(up + 1)); `act` is not used. Biases are optional (gpt-oss has them)."""
+
+    gate_up: torch.Tensor  # [2I, H]: the I gate rows, then the I up rows
     down: torch.Tensor  # [H, I]
+    gate_up_bias: torch.Tensor | None = None  # [2I]
+    down_bias: torch.Tensor | None = None  # [H]
+    kind: str = "gated"
+    alpha: float = 1.702  # clamped_swiglu only
+    limit: float = 7.0  # clamped_swiglu only
 
     @classmethod
-    def from_parts(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> GatedMLPWeights:
-        return cls(gate_up=torch.cat([gate, up], dim=0).contiguous(), down=down.contiguous())
+    def from_parts(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, **extra) -> GatedMLPWeights:
+        return cls(gate_up=torch.cat([gate, up], dim=0).contiguous(), down=down.contiguous(), **extra)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> GatedMLPWeights:
-        return GatedMLPWeights(self.gate_up.to(device=device, dtype=dtype), self.down.to(device=device, dtype=dtype))
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype)
+
+        return dataclasses.replace(self, gate_up=move(self.gate_up), down=move(self.down),
+                                   gate_up_bias=move(self.gate_up_bias), down_bias=move(self.down_bias))
 
     def nbytes(self) -> int:
-        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+        parts = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+
+# at::internal::GRAIN_SIZE: torch runs a CPU elementwise op of fewer elements on one thread.
+PARALLEL_GRAIN = 32768
 
 
 def gated_mlp(x: torch.Tensor, w: GatedMLPWeights, act) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)).  x: [T, H] -> [T, H]."""
-    gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)  # [T, I] each
-    return F.linear(act(gate) * up, w.down)  # [T, H]
+    """down(act(gate(x)) * up(x)), or gpt-oss's clamped SwiGLU for kind "clamped_swiglu".  x: [T, H] -> [T, H]."""
+    if w.kind == "clamped_swiglu":
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
+        gate = gate.clamp(max=w.limit)
+        up = up.clamp(min=-w.limit, max=w.limit)
+        return F.linear((up + 1) * (gate * torch.sigmoid(gate * w.alpha)), w.down, w.down_bias)  # [T, H]
+    return F.linear(gated_activation(F.linear(x, w.gate_up, w.gate_up_bias), act), w.down, w.down_bias)  # [T, H]
+
+
+def gated_activation(h: torch.Tensor, act) -> torch.Tensor:
+    """h: [T, 2I] = [gate | up] -> act(gate) * up, [T, I].
+
+    On CPU in blocks of whole rows below torch's parallel grain: torch's elementwise kernels compute full SIMD
+    vectors with vector code and a leftover tail with scalar code (their exp can differ in the last bit), and where
+    the tail falls depends on how the op is split over threads, i.e. on the tensor's total size. In blocks, each row
+    takes the same path however many rows share the call (other experts' rows, other replicas' chunks) and however
+    many threads run, so the reference and the actors agree bit for bit.
+    """
+    gate, up = h.chunk(2, dim=-1)  # [T, I] each
+    block = max(1, PARALLEL_GRAIN // max(1, gate.shape[1]))
+    if h.device.type != "cpu" or h.shape[0] <= block:
+        return act(gate) * up
+    return torch.cat([act(g) * u for g, u in zip(gate.split(block), up.split(block))])

@@ -1,6 +1,13 @@
 """Top-k gating: softmax over the router logits, top-k with deterministic tie-breaking, optional renormalisation,
 and an optional per-expert capacity that moves overflow to each token's next-best expert with room.
 
+Four routers, one `Routing`: `route` (softmax; Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE), `route_topk_softmax` (gpt-oss:
+top-k on the logits, softmax over the k), `route_deepseek_v2` (softmax, greedy or group-limited top-k, scaled
+weights) and `route_sigmoid_grouped` (DeepSeek-V3, GLM-4.5: sigmoid scores, a correction bias that only ranks,
+group-limited top-k, optional renormalisation, scaled weights). `route_for_model` picks one
+from the model config. Every router fills `Routing.probs` with a distribution over the E experts (softmax, or the
+sigmoid scores normalised to sum 1) so that load statistics (routing entropy) and `degrade` work with each.
+
 Pure torch; no Ray. The router and the in-process reference share it, so they route identically.
 """
 
@@ -23,6 +30,9 @@ class Routing:
     rerouted_per_token: torch.Tensor | None = None  # [T] int64, with a capacity cap; None without one
     probs: torch.Tensor | None = None  # [T, E] float32 gate probabilities (for degraded re-routing)
     degraded_per_token: torch.Tensor | None = None  # [T] int64 slots moved off an expert with no live replica
+    # [T, E] float32 what the router ranked experts by where that is not `probs` (sigmoid_grouped: score + correction
+    # bias, experts outside the token's chosen groups at -inf); None = probs. `degrade` ranks replacements by it.
+    selection: torch.Tensor | None = None
 
     @property
     def degraded(self) -> int:
@@ -80,19 +90,161 @@ def route(
                    rerouted_per_token=None if capacity_factor is None else rerouted_per_token, probs=probs)
 
 
+def route_topk_softmax(
+    router_logits: torch.Tensor, top_k: int, capacity_factor: float | None = None
+) -> Routing:
+    """gpt-oss: top-k on the router logits (bias already added), then softmax over the k chosen logits.
+
+    router_logits: [T, E] -> Routing over k slots. Ties keep the lower expert id first, as in `route`. The weights
+    equal softmax-then-renormalise mathematically; they are computed as transformers does (a softmax over the k
+    logits). `probs` is the softmax over all E logits: degraded re-routing and load statistics rank by it, and
+    renormalising its entries over any k experts gives that k's weights. With a capacity cap the softmax runs over
+    the slots that found room (a dropped slot weighs 0).
+    """
+    assert router_logits.dim() == 2, "router_logits must be [T, E]"
+    logits = router_logits.float()  # [T, E]
+    experts, rerouted, dropped, rerouted_per_token = _choose(logits, top_k, capacity_factor)  # [T, k]
+    chosen = torch.gather(logits, 1, experts.clamp(min=0))  # [T, k]
+    chosen = chosen.masked_fill(experts == DROPPED, float("-inf"))
+    weights = torch.softmax(chosen, dim=-1)  # [T, k]
+    weights = torch.nan_to_num(weights, nan=0.0)  # a token with every slot dropped: all weights 0
+    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped,
+                   rerouted_per_token=rerouted_per_token, probs=torch.softmax(logits, dim=-1))
+
+
+def route_deepseek_v2(
+    router_logits: torch.Tensor,
+    top_k: int,
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    capacity_factor: float | None = None,
+) -> Routing:
+    """DeepSeek-V2's router (transformers' DeepseekV2TopkRouter). router_logits: [T, E] (computed in float32).
+
+    Softmax over all experts; "greedy" takes the top-k, "group_limited_greedy" first keeps each token's best
+    `topk_group` of `n_group` equal groups (a group scores its best expert) and takes the top-k inside them. Weights
+    are the softmax probabilities times `routed_scaling_factor`, never renormalised (as in transformers).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    selection = None
+    if topk_method == "group_limited_greedy":
+        group_scores = probs.view(probs.shape[0], n_group, -1).max(dim=-1).values  # [T, G]
+        keep = _group_mask(group_scores, topk_group, probs.shape[1])  # [T, E]
+        selection = probs.masked_fill(~keep, 0.0)  # transformers fills 0, which every softmax prob beats
+    elif topk_method != "greedy":
+        raise ValueError(f"topk_method must be 'greedy' or 'group_limited_greedy', got {topk_method!r}")
+    ranking = probs if selection is None else selection
+    experts, rerouted, dropped, rerouted_per_token = _choose(ranking, top_k, capacity_factor)
+    weights = _gathered(probs, experts) * routed_scaling_factor  # [T, k]
+    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped,
+                   rerouted_per_token=rerouted_per_token, probs=probs, selection=selection)
+
+
+def route_sigmoid_grouped(
+    router_logits: torch.Tensor,
+    top_k: int,
+    correction_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+    capacity_factor: float | None = None,
+) -> Routing:
+    """DeepSeek-V3 / GLM-4.5's router (transformers' DeepseekV3TopkRouter). router_logits: [T, E] (float32).
+
+    scores = sigmoid(logits); experts are *ranked* by scores + correction_bias ([E], `e_score_correction_bias`) but
+    *weighted* by the scores alone. Group-limited: a group scores the sum of its two best ranked experts, each token
+    keeps its best `topk_group` of `n_group` groups, the top-k comes from those. Weights: the chosen scores, divided
+    by their sum when norm_topk_prob, times routed_scaling_factor. `probs` = scores / sum(scores) over all E experts.
+    """
+    scores = torch.sigmoid(router_logits.float())  # [T, E]
+    num_tokens, num_experts = scores.shape
+    choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
+    group_scores = choice.view(num_tokens, n_group, -1).topk(min(2, num_experts // n_group), dim=-1).values.sum(-1)
+    keep = _group_mask(group_scores, topk_group, num_experts)  # [T, E]
+    selection = choice.masked_fill(~keep, float("-inf"))  # [T, E]
+    experts, rerouted, dropped, rerouted_per_token = _choose(selection, top_k, capacity_factor)
+    weights = _gathered(scores, experts)  # [T, k]
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * routed_scaling_factor
+    probs = scores / scores.sum(dim=-1, keepdim=True)  # [T, E] the sigmoid scores as a distribution
+    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped,
+                   rerouted_per_token=rerouted_per_token, probs=probs, selection=selection)
+
+
+def route_for_model(
+    cfg, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
+    capacity_factor: float | None = None,
+) -> Routing:
+    """The router of `cfg` (an experts.config.MoEModelConfig) over router_logits [T, E]."""
+    if cfg.router_kind == "softmax":
+        return route(router_logits, cfg.top_k, cfg.norm_topk_prob, capacity_factor)
+    if cfg.router_kind == "deepseek_v2":
+        return route_deepseek_v2(router_logits, cfg.top_k, cfg.topk_method, cfg.n_group, cfg.topk_group,
+                                 cfg.routed_scaling_factor, capacity_factor)
+    if cfg.router_kind == "topk_softmax":  # gpt-oss
+        return route_topk_softmax(router_logits, cfg.top_k, capacity_factor)
+    if cfg.router_kind == "sigmoid_grouped":
+        return route_sigmoid_grouped(router_logits, cfg.top_k, correction_bias, cfg.n_group, cfg.topk_group,
+                                     cfg.norm_topk_prob, cfg.routed_scaling_factor, capacity_factor)
+    raise ValueError(f"router_kind={cfg.router_kind!r} is not a known router")
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    """group_scores [T, G] -> [T, E] bool: the experts of each token's best topk_group groups (ties: lower id)."""
+    num_tokens, num_groups = group_scores.shape
+    best = preference_order(group_scores)[:, :topk_group]  # [T, g]
+    chosen = torch.zeros(num_tokens, num_groups, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+    return chosen[:, :, None].expand(-1, -1, num_experts // num_groups).reshape(num_tokens, num_experts)
+
+
+def _choose(
+    ranking: torch.Tensor, top_k: int, capacity_factor: float | None
+) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
+    """ranking [T, E] -> (experts [T, k], rerouted, dropped, rerouted_per_token): the top-k by ranking, or with a
+    capacity the same rank-by-rank fill as `route` (overflow goes to the next-ranked expert with room)."""
+    num_tokens, num_experts = ranking.shape
+    assert 0 < top_k <= num_experts, f"top_k={top_k} must be in 1..{num_experts}"
+    order = preference_order(ranking)  # [T, E]
+    if capacity_factor is None:
+        return order[:, :top_k].contiguous(), 0, 0, None
+    if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+        raise ValueError(f"capacity_factor must be a positive finite number, got {capacity_factor}")
+    capacity = max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+    experts, rerouted_per_token = _fill_with_capacity(order, top_k, capacity)
+    return experts, int(rerouted_per_token.sum()), int((experts == DROPPED).sum()), rerouted_per_token
+
+
+def _gathered(values: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """values [T, E] at experts [T, k]; 0 for dropped slots."""
+    picked = torch.gather(values, 1, experts.clamp(min=0))  # [T, k]
+    return torch.where(experts == DROPPED, torch.zeros_like(picked), picked)
+
+
 def degrade(routing: Routing, available: torch.Tensor) -> Routing:
     """Move every slot whose expert is unavailable to the token's next-best available expert it does not already
     use; the token's weights are then rescaled to their original total. available: [E] bool.
 
     Used when no replica of a shard is alive and the operator chose to degrade rather than wait. A slot with no
     available expert left is dropped (weight 0).
+
+    "Gate weight" is the router's own probability of an expert (`probs`): the softmax for `route` and
+    `route_deepseek_v2`; for the sigmoid router, the expert's sigmoid score over the sum of all E scores. Rescaled
+    to the token's original total, a sigmoid-routed token with norm_topk_prob therefore gets exactly the weights the
+    router would give its new expert set (score / sum of the chosen scores x routed_scaling_factor); without it the
+    token keeps its routed mass, split in proportion to the sigmoid scores. Replacements are ranked by what the
+    router ranked by (`selection`: score + correction bias, the token's chosen groups first), else by `probs`.
     """
     assert routing.probs is not None, "degrade needs the gate probabilities"
     experts = routing.experts.clone()  # [T, k]
     lost = (experts >= 0) & ~available[experts.clamp(min=0)]  # [T, k]
     if not bool(lost.any()):
         return routing
-    order = preference_order(routing.probs).tolist()  # [T, E]
+    ranking = routing.probs if routing.selection is None else routing.selection
+    order = preference_order(ranking).tolist()  # [T, E]
     avail = available.tolist()
     moved = torch.zeros(experts.shape[0], dtype=torch.int64)
     for t, slot in torch.nonzero(lost).tolist():
@@ -106,7 +258,7 @@ def degrade(routing: Routing, available: torch.Tensor) -> Routing:
     weights = weights * total / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
     return Routing(experts=experts, weights=weights, rerouted=routing.rerouted,
                    dropped=int((experts == DROPPED).sum()), rerouted_per_token=routing.rerouted_per_token,
-                   probs=routing.probs, degraded_per_token=moved)
+                   probs=routing.probs, degraded_per_token=moved, selection=routing.selection)
 
 
 def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,4 +308,5 @@ def concat_routings(parts: list[Routing]) -> Routing:
         rerouted_per_token=cat_or_none("rerouted_per_token"),  # [T]
         probs=cat_or_none("probs"),  # [T, E]
         degraded_per_token=degraded,  # [T]
+        selection=cat_or_none("selection"),  # [T, E]
     )

@@ -16,18 +16,18 @@ from collections.abc import Callable
 from concurrent import futures
 
 import grpc
-import numpy as np
 
 from ..protos import expert_transport_pb2 as pb
 from ..protos import expert_transport_pb2_grpc as pb_grpc
 from . import wire
+from .arrays import HostTensor
 
 # Prefill batches of a large model exceed gRPC's 4 MiB default by far; the router is the only client.
 MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 SECRET_METADATA_KEY = "x-expertmesh-cluster-secret"  # gRPC metadata keys are lower case
 
-Forward = Callable[..., np.ndarray]  # forward(layer, experts, counts, x, trace=None) -> [rows, H]
+Forward = Callable[..., HostTensor]  # forward(layer, experts, counts, x: HostTensor, trace=None) -> [rows, H]
 
 
 def call_metadata(secret: str) -> tuple[tuple[str, str], ...]:
@@ -67,7 +67,7 @@ class _Servicer(pb_grpc.ExpertTransportServicer):
             y = self.forward(layer, experts, counts, x, trace) if trace else self.forward(layer, experts, counts, x)
         except Exception as exc:  # the router retries elsewhere; say what failed
             context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        return pb.ExpertOutput(y=wire.encode(y))
+        return pb.ExpertOutput(y=wire.encode_host(y))
 
 
 class ExpertGrpcServer:

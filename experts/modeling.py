@@ -27,7 +27,7 @@ from .attention import AttentionLayer, build_attention
 from .attention_core import StepLayout, attend
 from .config import MoEModelConfig
 from .ffn import activation, gated_mlp
-from .gating import Routing, concat_routings, route
+from .gating import Routing, concat_routings, route_for_model
 from .kv_cache import KVCache, KVCacheSettings, PagedKVPool
 from .norms import rms_norm
 from .rope import build_rope
@@ -264,12 +264,17 @@ class MoEDecoder:
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
             return None
-        return h, route(F.linear(h, layer.router), cfg.top_k, cfg.norm_topk_prob, self.capacity_factor)
+        # DeepSeek/GLM routers score in float32 (their gate weight is kept float32), as transformers does.
+        logits = (F.linear(h, layer.router, layer.router_bias) if cfg.router_kind in ("softmax", "topk_softmax")
+                  else F.linear(h.float(), layer.router.float()))  # [T_g, E]; gpt-oss's router has a bias
+        return h, route_for_model(cfg, logits, layer.router_correction_bias, self.capacity_factor)
 
     def _with_shared(self, layer, h: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus the (gated) shared expert where the layer has one. h, mlp: [T, H]."""
         if layer.shared_expert is None:
             return mlp
+        if layer.shared_expert_gate is None:  # DeepSeek / GLM-4.5: shared experts without a gate
+            return mlp + gated_mlp(h, layer.shared_expert, self.act)
         gate = torch.sigmoid(F.linear(h, layer.shared_expert_gate))  # [T, 1]
         return mlp + gate * gated_mlp(h, layer.shared_expert, self.act)
 

@@ -10,29 +10,33 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointReader
-from .ffn import GatedMLPWeights, activation, gated_mlp
+from .ffn import GatedMLPWeights, activation
 from .gating import Routing
+from .grouped_ffn import GroupedExperts
 from .modeling import MoEDecoder
+from .routed_rows import Piece, combine_pieces, sort_rows
 from .weights import Shard, load_dense_weights, load_expert_shards
 
 
 class LocalExperts:
-    """ExpertBackend that holds every expert in this process and runs them one after another."""
+    """ExpertBackend that holds every expert in this process and runs a layer's experts in one grouped call, with
+    the same expert math (experts/grouped_ffn.py) and the same combine (experts/routed_rows.py) as the actors and
+    the router, so distributed == reference bit for bit."""
 
     def __init__(self, shards: dict[Shard, GatedMLPWeights], hidden_act: str):
         self.shards = shards
         self.act = activation(hidden_act)
+        self.experts = GroupedExperts(shards, self.act)  # re-binds the shards' weights to views of per-layer stacks
 
     def effective_routing(self, layer: int, routing: Routing) -> Routing:
         return routing  # every expert is always here
 
     def run(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
-        out = torch.zeros_like(hidden)  # [T, H]
-        for expert in torch.unique(routing.experts[routing.experts >= 0]).tolist():
-            token_idx, slot = torch.nonzero(routing.experts == expert, as_tuple=True)
-            y = gated_mlp(hidden[token_idx], self.shards[(layer, expert)], self.act)  # [n, H]
-            out.index_add_(0, token_idx, (y * routing.weights[token_idx, slot, None]).to(hidden.dtype))
-        return out
+        rows = sort_rows(routing.experts)  # every routed (token, slot), grouped by expert
+        y = self.experts.run(layer, rows.experts, rows.counts, hidden[rows.tokens])  # [N, H]
+        pieces = [Piece(e, t, s, out) for e, t, s, out in zip(
+            rows.experts, rows.tokens.split(rows.counts), rows.slots.split(rows.counts), y.split(rows.counts))]
+        return combine_pieces(hidden, routing, pieces)  # [T, H]
 
     # `run` in two halves, so the decoder's overlap schedule runs in process too (the work happens in submit).
     def submit(self, layer: int, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:

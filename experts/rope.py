@@ -55,4 +55,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def build_rope(cfg: MoEModelConfig, device: torch.device | str = "cpu") -> RotaryEmbedding:
     """The model's rotary embedding, from its config (families with scaled RoPE add their variant here)."""
+    if cfg.rotary_dim or cfg.yarn is not None:  # DeepSeek (MLA rope part, YaRN), GLM-4.5 (partial rotary)
+        from .rope_yarn import yarn_inv_freq
+
+        dim = cfg.rotary_dim or cfg.head_dim
+        inv_freq, scaling = yarn_inv_freq(dim, cfg.rope_theta, cfg.yarn) if cfg.yarn is not None else (None, 1.0)
+        return RotaryEmbedding(dim, cfg.rope_theta, inv_freq, scaling, device=device)
     return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device=device)

@@ -2,51 +2,163 @@
 
 The router loads the dense part (`load_dense_weights`); each expert actor loads only its shards
 (`load_expert_shards`). Names are the on-disk names that `save_pretrained` writes and that published checkpoints
-use (`block_sparse_moe.experts.E.w1` for Mixtral, `mlp.experts.E.gate_proj` for Qwen2-MoE and OLMoE).
+use. Routed experts come in one of these on-disk layouts, detected from the checkpoint's tensor names
+(`expert_layout`):
+
+- per_expert: one tensor per expert and role (`block_sparse_moe.experts.E.w1` for Mixtral,
+  `mlp.experts.E.gate_proj` for the others) — what `save_pretrained` of a model built from a config writes;
+- fused: transformers 5's stacked tensors `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
+  `mlp.experts.down_proj` [E, H, I], router `mlp.gate.weight` (Mixtral too) — written when a model loaded from fused
+  files is saved again, with `save_pretrained(save_original_format=False)`, and by recent Qwen releases;
+- fused_interleaved (gpt-oss): `gate_up_proj` [E, H, 2I] whose columns alternate gate, up; `down_proj` [E, I, H];
+  `gate_up_proj_bias` [E, 2I], `down_proj_bias` [E, H];
+- mxfp4 (gpt-oss as published): `*_blocks` u8 / `*_scales` u8 instead of `gate_up_proj` and `down_proj`, dequantised
+  on load (experts/mxfp4.py); biases as fused_interleaved.
+
+The fused names are the per-expert prefix `model.layers.{L}.mlp.experts.` without the expert index. A fused tensor
+is read one expert row at a time (`CheckpointReader.read_rows`), never whole.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .checkpoint import CheckpointReader
 from .config import MoEModelConfig
+from .config_deepseek import FAMILIES as DEEPSEEK_FAMILIES
+from .errors import CheckpointError
 from .ffn import GatedMLPWeights
+from .fp8 import read_weights, scale_names
+from .mxfp4 import dequantize as dequantize_mxfp4
 
 Shard = tuple[int, int]  # (layer, expert)
 
+PER_EXPERT, FUSED, FUSED_INTERLEAVED, MXFP4 = "per_expert", "fused", "fused_interleaved", "mxfp4"
+EXPERT_LAYOUTS = (PER_EXPERT, FUSED, FUSED_INTERLEAVED, MXFP4)
+INTERLEAVED_FAMILIES = ("gpt_oss",)  # stacked [E, H, 2I] with alternating gate/up columns, biases; never per-expert
+
 
 def expert_tensor_names(cfg: MoEModelConfig, layer: int, expert: int) -> dict[str, tuple[str, tuple[int, int]]]:
-    """role -> (on-disk name, expected shape) for one expert of one layer."""
+    """role -> (on-disk name, expected shape) for one expert of one layer, per-expert layout."""
     hidden, inter = cfg.hidden_size, cfg.expert_intermediate_size
     if cfg.family == "mixtral":
         prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
         names = {"gate": "w1.weight", "up": "w3.weight", "down": "w2.weight"}
     else:
-        prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+        prefix = f"{fused_expert_prefix(layer)}{expert}."
         names = {"gate": "gate_proj.weight", "up": "up_proj.weight", "down": "down_proj.weight"}
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     return {role: (prefix + name, shapes[role]) for role, name in names.items()}
 
 
-def expert_shard_names(cfg: MoEModelConfig, shards: list[Shard]) -> dict[str, tuple[int, ...]]:
-    """Every tensor name (-> expected shape) of `shards`."""
-    wanted: dict[str, tuple[int, ...]] = {}
+def fused_expert_prefix(layer: int) -> str:
+    """Where transformers 5 keeps a layer's stacked experts (every family, Mixtral included)."""
+    return f"model.layers.{layer}.mlp.experts."
+
+
+def fused_tensor_names(cfg: MoEModelConfig, layer: int, layout: str) -> dict[str, tuple[int, ...]]:
+    """role -> (on-disk name, full stacked shape) of one layer's experts in a stacked layout."""
+    e, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    base = fused_expert_prefix(layer)
+    if layout == FUSED:
+        return {"gate_up": (base + "gate_up_proj", (e, 2 * inter, hidden)),
+                "down": (base + "down_proj", (e, hidden, inter))}
+    biases = {"gate_up_bias": (base + "gate_up_proj_bias", (e, 2 * inter)),
+              "down_bias": (base + "down_proj_bias", (e, hidden))}
+    if layout == FUSED_INTERLEAVED:
+        return {"gate_up": (base + "gate_up_proj", (e, hidden, 2 * inter)),
+                "down": (base + "down_proj", (e, inter, hidden))} | biases
+    if layout == MXFP4:
+        for what, cols in (("hidden_size", hidden), ("intermediate_size", inter)):
+            if cols % 32:
+                raise CheckpointError(f"config.json: key '{what}'={cols} must be a multiple of 32 for MXFP4 blocks")
+        return {"gate_up_blocks": (base + "gate_up_proj_blocks", (e, 2 * inter, hidden // 32, 16)),
+                "gate_up_scales": (base + "gate_up_proj_scales", (e, 2 * inter, hidden // 32)),
+                "down_blocks": (base + "down_proj_blocks", (e, hidden, inter // 32, 16)),
+                "down_scales": (base + "down_proj_scales", (e, hidden, inter // 32))} | biases
+    raise ValueError(f"not a stacked expert layout: {layout!r}")
+
+
+def expert_layout(cfg: MoEModelConfig, has) -> str:
+    """The layout of the routed experts, from the tensor names (`has(name) -> bool`) of the first MoE layer."""
+    if not cfg.moe_layers:
+        return PER_EXPERT
+    base = fused_expert_prefix(cfg.moe_layers[0])
+    if has(base + "gate_up_proj_blocks"):
+        return MXFP4
+    if cfg.family in INTERLEAVED_FAMILIES:
+        return FUSED_INTERLEAVED  # its only unquantised layout (a missing tensor is then reported by name)
+    if not has(base + "gate_up_proj"):
+        return PER_EXPERT
+    if cfg.fp8_block is not None:  # FP8 block scales are per-expert tensors (`X.weight_scale_inv`) only
+        raise CheckpointError(f"tensor '{base}gate_up_proj': stacked experts in an FP8 checkpoint are not supported "
+                              "(per-expert FP8 tensors are)")
+    return FUSED
+
+
+def _layout_of(reader: CheckpointReader) -> str:
+    return expert_layout(reader.config, reader.has)
+
+
+def router_tensor_names(cfg: MoEModelConfig, layer: int, layout: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
+    """The router of an MoE layer: name -> shape (weight, and gpt-oss's bias)."""
+    p = f"model.layers.{layer}."
+    if cfg.family == "gpt_oss":  # the weight first, then the bias (load_dense_weights relies on the order)
+        return {p + "mlp.router.weight": (cfg.num_experts, cfg.hidden_size), p + "mlp.router.bias": (cfg.num_experts,)}
+    # transformers 5 moves Mixtral's block_sparse_moe to mlp; the fused files carry the new name
+    module = "block_sparse_moe" if cfg.family == "mixtral" and layout == PER_EXPERT else "mlp"
+    return {p + module + ".gate.weight": (cfg.num_experts, cfg.hidden_size)}
+
+
+def expert_shard_bytes(reader: CheckpointReader, shards: list[Shard]) -> int:
+    """Bytes an actor hosting `shards` reads (as stored; FP8 scales included; of a stacked tensor, its share of
+    rows). Headers only."""
+    cfg = reader.config
+    layout = _layout_of(reader)
+    if layout == PER_EXPERT:
+        names = dict(expert_shard_names(cfg, shards))
+        if cfg.fp8_block is not None:
+            names |= scale_names(reader, names, cfg.fp8_block)
+        return reader.nbytes(names)
+    hosted: dict[int, int] = {}
+    for layer, _ in shards:
+        hosted[layer] = hosted.get(layer, 0) + 1
+    return sum(reader.nbytes(expert_shard_names(cfg, [(layer, 0)], layout)) * count // cfg.num_experts
+               for layer, count in hosted.items())
+
+
+def _check_shards(cfg: MoEModelConfig, shards: list[Shard]) -> None:
     for layer, expert in shards:
         if not cfg.is_moe_layer(layer) or not 0 <= expert < cfg.num_experts:
             raise ValueError(f"shard (layer={layer}, expert={expert}) does not exist in this model")
-        for name, shape in expert_tensor_names(cfg, layer, expert).values():
-            wanted[name] = shape
+
+
+def expert_shard_names(
+    cfg: MoEModelConfig, shards: list[Shard], layout: str = PER_EXPERT
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor name (-> expected shape) holding `shards`; for a stacked layout, the whole [E, ...] tensors."""
+    _check_shards(cfg, shards)
+    wanted: dict[str, tuple[int, ...]] = {}
+    for layer, expert in shards:
+        if layout == PER_EXPERT:
+            wanted |= {name: shape for name, shape in expert_tensor_names(cfg, layer, expert).values()}
+        else:
+            wanted |= {name: shape for name, shape in fused_tensor_names(cfg, layer, layout).values()}
     return wanted
 
 
 def check_checkpoint(reader: CheckpointReader) -> None:
     """Every tensor the model needs exists with the right shape (headers only; no data is read)."""
     cfg = reader.config
+    layout = _layout_of(reader)
     shards = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
-    reader.check_shapes(dense_tensor_names(cfg) | expert_shard_names(cfg, shards))
+    wanted = dense_tensor_names(cfg, layout) | expert_shard_names(cfg, shards, layout)
+    if cfg.fp8_block is not None:  # an FP8 checkpoint's block scales must fit their weights too
+        wanted |= scale_names(reader, wanted, cfg.fp8_block)
+    reader.check_shapes(wanted)
 
 
 def load_expert_shards(
@@ -55,16 +167,76 @@ def load_expert_shards(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: str | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> dict[Shard, GatedMLPWeights]:
-    """Read exactly the tensors of `shards` (nothing else is touched) and fuse each into GatedMLPWeights."""
+    """Read exactly the tensors (or stacked rows) of `shards`, nothing else, in their stored dtype, straight onto
+    `device`, cast each once to `dtype`, and fuse each shard's into GatedMLPWeights there. on_bytes: progress."""
     cfg = reader.config
-    tensors = reader.read_many(expert_shard_names(cfg, shards), progress=progress)
+    layout = _layout_of(reader)
+    if layout != PER_EXPERT:
+        out = _load_stacked_shards(reader, shards, layout, dtype, device, progress)
+        if on_bytes is not None:
+            on_bytes(sum(w.nbytes() for w in out.values()))  # stacked rows: reported once, at the end
+        return out
+    tensors = _cast_each(read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress,
+                                      on_bytes=on_bytes, device=device), dtype, device)
     out: dict[Shard, GatedMLPWeights] = {}
     for layer, expert in shards:
         names = expert_tensor_names(cfg, layer, expert)
-        parts = {role: tensors[name] for role, (name, _) in names.items()}
-        out[(layer, expert)] = GatedMLPWeights.from_parts(**parts).to(device, dtype)
+        # pop: a shard's parts are dropped as soon as they are fused, so the device holds each weight once (+ a shard)
+        parts = {role: tensors.pop(name) for role, (name, _) in names.items()}
+        out[(layer, expert)] = GatedMLPWeights.from_parts(**parts)
     return out
+
+
+def _load_stacked_shards(
+    reader: CheckpointReader, shards: list[Shard], layout: str, dtype: torch.dtype,
+    device: str | torch.device, progress: str | None,
+) -> dict[Shard, GatedMLPWeights]:
+    """The stacked layouts: each shard's rows of its layer's [E, ...] tensors, never a whole tensor."""
+    cfg = reader.config
+    _check_shards(cfg, shards)
+    wanted: dict[str, tuple[tuple[int, ...], list[int]]] = {}
+    for layer, expert in shards:
+        for name, shape in fused_tensor_names(cfg, layer, layout).values():
+            wanted.setdefault(name, (shape, []))[1].append(expert)
+    rows = reader.read_rows(wanted, progress=progress)
+    out: dict[Shard, GatedMLPWeights] = {}
+    for layer, expert in shards:
+        # pop: an expert's rows are dropped once fused; it is built in the stored dtype (MXFP4: dequantised straight
+        # to `dtype`) and moved/cast once
+        parts = {role: rows.pop((name, expert)) for role, (name, _) in fused_tensor_names(cfg, layer, layout).items()}
+        out[(layer, expert)] = _expert_from_rows(cfg, layout, parts, dtype).to(device, dtype)
+    return out
+
+
+def _expert_from_rows(
+    cfg: MoEModelConfig, layout: str, t: dict[str, torch.Tensor], dtype: torch.dtype
+) -> GatedMLPWeights:
+    """One expert's rows of the stacked tensors -> GatedMLPWeights ([2I, H] gate rows then up rows, [H, I])."""
+    if layout == FUSED:
+        return GatedMLPWeights(gate_up=t["gate_up"].contiguous(), down=t["down"].contiguous())
+    if layout == MXFP4:
+        gate_up = dequantize_mxfp4(t["gate_up_blocks"], t["gate_up_scales"], dtype)  # [2I, H], rows alternate gate, up
+        down = dequantize_mxfp4(t["down_blocks"], t["down_scales"], dtype)  # [H, I]
+    else:  # FUSED_INTERLEAVED: x @ W form, transpose to F.linear's [out, in]
+        gate_up = t["gate_up"].t()  # [2I, H], rows alternate gate, up
+        down = t["down"].t()  # [H, I]
+    bias = t["gate_up_bias"]  # [2I], alternating too
+    return GatedMLPWeights.from_parts(
+        gate_up[0::2], gate_up[1::2], down,
+        gate_up_bias=torch.cat([bias[0::2], bias[1::2]]), down_bias=t["down_bias"].contiguous(),
+        kind=cfg.expert_activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+    )
+
+
+def _cast_each(tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+               device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor (as read, in its stored dtype) moved and cast once, replacing it in the dict as it goes, so no
+    second full copy of the weights exists at any point (a bf16 checkpoint read as bf16 is never widened)."""
+    for name in list(tensors):
+        tensors[name] = tensors[name].to(device=device, dtype=dtype)
+    return tensors
 
 
 @dataclass
@@ -76,8 +248,10 @@ class AttentionWeights:
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None  # OLMoE: [nh*D]
-    k_norm: torch.Tensor | None = None  # OLMoE: [kvh*D]
+    q_norm: torch.Tensor | None = None  # OLMoE: [nh*D]; Qwen3-MoE (per head): [D]
+    k_norm: torch.Tensor | None = None  # OLMoE: [kvh*D]; Qwen3-MoE (per head): [D]
+    o_bias: torch.Tensor | None = None  # gpt-oss: [H]
+    sinks: torch.Tensor | None = None  # gpt-oss: [nh] per-head extra logit in the softmax
 
 
 @dataclass
@@ -86,9 +260,11 @@ class LayerWeights:
     post_attention_norm: torch.Tensor  # [H]
     attention: AttentionWeights
     router: torch.Tensor | None = None  # [E, H] gate of an MoE layer
+    router_bias: torch.Tensor | None = None  # gpt-oss: [E]
     dense_mlp: GatedMLPWeights | None = None  # Qwen2-MoE mlp_only layers
     shared_expert: GatedMLPWeights | None = None  # Qwen2-MoE
     shared_expert_gate: torch.Tensor | None = None  # [1, H]
+    router_correction_bias: torch.Tensor | None = None  # [E] DeepSeek-V3 / GLM-4.5 e_score_correction_bias
 
 
 @dataclass
@@ -101,8 +277,12 @@ class DenseWeights:
     lm_head: torch.Tensor | None = None  # [V, H]
 
 
-def dense_tensor_names(cfg: MoEModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every non-expert tensor the model needs: name -> expected shape."""
+def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
+    """Every non-expert tensor the model needs: name -> expected shape (`layout` names Mixtral's router)."""
+    if cfg.family in DEEPSEEK_FAMILIES:
+        from .weights_deepseek import deepseek_dense_tensor_names  # imports this module's dataclasses
+
+        return deepseek_dense_tensor_names(cfg)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -126,9 +306,14 @@ def dense_tensor_names(cfg: MoEModelConfig) -> dict[str, tuple[int, ...]]:
             }
         if cfg.qk_norm:
             names |= {p + "self_attn.q_norm.weight": (q_dim,), p + "self_attn.k_norm.weight": (kv_dim,)}
+        if cfg.qk_norm_per_head:
+            names |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+        if cfg.attention_out_bias:
+            names[p + "self_attn.o_proj.bias"] = (hidden,)
+        if cfg.attention_sinks:
+            names[p + "self_attn.sinks"] = (cfg.num_heads,)
         if cfg.is_moe_layer(i):
-            router = "block_sparse_moe.gate.weight" if cfg.family == "mixtral" else "mlp.gate.weight"
-            names[p + router] = (cfg.num_experts, hidden)
+            names |= router_tensor_names(cfg, i, layout)
             if cfg.has_shared_expert:
                 names |= _mlp_names(p + "mlp.shared_expert.", hidden, cfg.shared_expert_intermediate_size)
                 names[p + "mlp.shared_expert_gate.weight"] = (1, hidden)
@@ -146,10 +331,17 @@ def _mlp_names(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int
 
 
 def load_dense_weights(
-    reader: CheckpointReader, dtype: torch.dtype = torch.float32, progress: str | None = None
+    reader: CheckpointReader, dtype: torch.dtype = torch.float32, progress: str | None = None,
+    device: str | torch.device = "cpu",
 ) -> DenseWeights:
+    """Everything but the routed experts, read in the stored dtype and moved/cast once per tensor to (device, dtype)."""
     cfg = reader.config
-    t = {k: v.to(dtype) for k, v in reader.read_many(dense_tensor_names(cfg), progress=progress).items()}
+    if cfg.family in DEEPSEEK_FAMILIES:
+        from .weights_deepseek import load_deepseek_dense_weights  # imports this module's dataclasses
+
+        return load_deepseek_dense_weights(reader, dtype, progress, device)
+    layout = _layout_of(reader)
+    t = _cast_each(reader.read_many(dense_tensor_names(cfg, layout), progress=progress), dtype, device)
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -158,6 +350,7 @@ def load_dense_weights(
             q=t[a + "q_proj.weight"], k=t[a + "k_proj.weight"], v=t[a + "v_proj.weight"], o=t[a + "o_proj.weight"],
             q_bias=t.get(a + "q_proj.bias"), k_bias=t.get(a + "k_proj.bias"), v_bias=t.get(a + "v_proj.bias"),
             q_norm=t.get(a + "q_norm.weight"), k_norm=t.get(a + "k_norm.weight"),
+            o_bias=t.get(a + "o_proj.bias"), sinks=t.get(a + "sinks"),
         )
         layer = LayerWeights(
             input_norm=t[p + "input_layernorm.weight"],
@@ -165,7 +358,9 @@ def load_dense_weights(
             attention=attention,
         )
         if cfg.is_moe_layer(i):
-            layer.router = t[p + ("block_sparse_moe.gate.weight" if cfg.family == "mixtral" else "mlp.gate.weight")]
+            router = list(router_tensor_names(cfg, i, layout))  # the weight, then gpt-oss's bias
+            layer.router = t[router[0]]
+            layer.router_bias = t[router[1]] if len(router) > 1 else None
             if cfg.has_shared_expert:
                 layer.shared_expert = _mlp(t, p + "mlp.shared_expert.")
                 layer.shared_expert_gate = t[p + "mlp.shared_expert_gate.weight"]

@@ -1,42 +1,57 @@
-"""Tensors on the wire for the internal gRPC transport: raw C-order bytes plus dtype and shape.
+"""Tensors on the wire of the internal gRPC transport: a dtype tag, the shape, and the raw bytes in C order.
 
-Pure (no Ray, no gRPC channel): `encode` copies the array's bytes once into the message; `decode` wraps the
-message's bytes without copying (a read-only array, like Ray's object store gives).
+The tag is the torch dtype name ("float32", "bfloat16", "float16", ...; experts/arrays.py CARRIED_DTYPES), so bf16
+and fp16 travel bit-exactly without numpy's dtype system (which has no bfloat16). Bytes are little-endian (every
+platform torch builds for). Pure (no Ray, no gRPC channel): encoding copies the tensor's bytes once into the message;
+decoding views the message's bytes without copying (read-only, like Ray's object store gives), then moves them to a
+device only when asked.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ..protos import expert_transport_pb2 as pb
+from .arrays import HostTensor, bits_dtype, pack, to_tensor
 
 
-def encode(array: np.ndarray) -> pb.Tensor:
-    """array (any shape, a numeric numpy dtype) -> Tensor message."""
-    if array.dtype.hasobject:
-        raise TypeError(f"cannot send an array of dtype {array.dtype} as raw bytes")
-    return pb.Tensor(dtype=array.dtype.str, shape=list(array.shape), data=np.ascontiguousarray(array).tobytes())
+def encode_host(packed: HostTensor) -> pb.Tensor:
+    """HostTensor -> Tensor message."""
+    return pb.Tensor(dtype=packed.dtype, shape=list(packed.shape), data=packed.bits.tobytes())
 
 
-def decode(tensor: pb.Tensor) -> np.ndarray:
-    """Tensor message -> read-only array viewing the message's bytes. Raises ValueError on a size mismatch."""
-    dtype = np.dtype(tensor.dtype)
+def decode_host(tensor: pb.Tensor) -> HostTensor:
+    """Tensor message -> HostTensor viewing the message's bytes. Raises ValueError on an unknown dtype tag or a size
+    mismatch."""
+    bits = bits_dtype(tensor.dtype)  # ValueError naming the tag if we do not carry it
     shape = tuple(int(n) for n in tensor.shape)
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected = int(np.prod(shape, dtype=np.int64)) * bits.itemsize
     if len(tensor.data) != expected:
         raise ValueError(f"tensor of dtype {tensor.dtype} and shape {list(shape)} needs {expected} bytes, "
                          f"got {len(tensor.data)}")
-    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    return HostTensor(tensor.dtype, np.frombuffer(tensor.data, dtype=bits).reshape(shape))
 
 
-def encode_batch(layer: int, experts: list[int], counts: list[int], x: np.ndarray,
+def encode(tensor: torch.Tensor) -> pb.Tensor:
+    """A tensor on any device -> Tensor message (a device tensor is copied to host first)."""
+    return encode_host(pack(tensor.detach().to("cpu")))
+
+
+def decode(tensor: pb.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
+    """Tensor message -> tensor: a read-only view of the message's bytes, or a copy on `device` when given."""
+    host = to_tensor(decode_host(tensor))
+    return host if device is None else host.to(device)
+
+
+def encode_batch(layer: int, experts: list[int], counts: list[int], x: HostTensor,
                  trace: dict[str, str] | None = None) -> pb.ExpertBatch:
     if sum(counts) != x.shape[0] or len(counts) != len(experts):
         raise ValueError(f"counts {counts} for experts {experts} do not cover x of {x.shape[0]} rows")
-    return pb.ExpertBatch(layer=layer, experts=experts, counts=counts, x=encode(x), trace=trace or {})
+    return pb.ExpertBatch(layer=layer, experts=experts, counts=counts, x=encode_host(x), trace=trace or {})
 
 
-def decode_batch(batch: pb.ExpertBatch) -> tuple[int, list[int], list[int], np.ndarray, dict[str, str] | None]:
+def decode_batch(batch: pb.ExpertBatch) -> tuple[int, list[int], list[int], HostTensor, dict[str, str] | None]:
     """-> (layer, experts, counts, x, trace or None)."""
-    return (batch.layer, list(batch.experts), [int(c) for c in batch.counts], decode(batch.x),
+    return (batch.layer, list(batch.experts), [int(c) for c in batch.counts], decode_host(batch.x),
             dict(batch.trace) or None)

@@ -3,9 +3,12 @@
 Both run in one process run on the same weights and the same batch, measured alternately (one transformers
 forward, one expertmesh forward, repeat) so machine noise hits both alike; the result is their ratio η.
 
-Workloads (fp32, random Mixtral weights written to a temporary folder):
+Workloads (random Mixtral weights written to a temporary folder in fp32; `--dtype` runs both sides in that dtype,
+transformers loaded with the same dtype; "auto" is float32 on this CPU benchmark):
   prefill  hidden 1024, ffn 2816, 8 experts top-2, 4 layers; 4 sequences x 256 tokens per forward
   decode   same model; 32 sequences with 64 tokens of context, one new token each per forward
+--shape qwen3-30b-a3b / deepseek-v3 runs the same workloads on a many-expert model (128 or 256 experts, top-8;
+ops/bench_shapes.py) instead of the Mixtral one.
 """
 
 from __future__ import annotations
@@ -70,14 +73,18 @@ def write_bench_checkpoint(out: Path, seed: int = 0) -> Path:
 
 
 def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool = True,
-                       config: MeshConfig | None = None) -> dict:
-    """config: the mesh's settings (transport, overlap, ...); its model path is replaced by the bench checkpoint."""
+                       config: MeshConfig | None = None, shape: str = "mixtral") -> dict:
+    """config: the mesh's settings (transport, overlap, ...); its model path is replaced by the bench checkpoint.
+    shape: "mixtral" (MODEL) or a many-expert shape of ops/bench_shapes.py."""
     from transformers import AutoModelForCausalLM
 
+    from ..experts.dtypes import resolve_dtype
     from ..router_service.mesh import ExpertMesh
+    from .bench_shapes import SHAPES, write_olmoe_checkpoint
 
     config = config or MeshConfig()
     transport, overlap = config.router.transport, config.router.overlap
+    dtype = resolve_dtype(config.model.dtype, "float32", on_gpu=False)  # the CPU benchmark's checkpoint is fp32
 
     def say(msg: str) -> None:
         if verbose:
@@ -85,24 +92,26 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
 
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
-    result: dict = {"benchmark": "dispatch", "model": MODEL, "transport": transport, "overlap": overlap,
-                    "repeats": repeats,
+    model = MODEL if shape == "mixtral" else SHAPES[shape]
+    result: dict = {"benchmark": "dispatch", "shape": shape, "model": model, "transport": transport, "overlap": overlap,
+                    "dtype": dtype, "repeats": repeats,
                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
-        model_dir = write_bench_checkpoint(Path(tmp) / "model")
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model_dir = (write_bench_checkpoint(Path(tmp) / "model") if shape == "mixtral"
+                     else write_olmoe_checkpoint(Path(tmp) / "model", model))
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         say("starting expert actors ...")
-        with ExpertMesh(config.replace(**{"model.path": str(model_dir)})) as mesh:
+        with ExpertMesh(config.replace(**{"model.path": str(model_dir), "model.dtype": dtype})) as mesh:
             result["noop_round_ms"] = _noop_round_ms(mesh)
-            result["transport_round_ms"] = _transport_round_ms(mesh)
+            result["transport_round_ms"] = _transport_round_ms(mesh, hidden=model["hidden"])
             result["transport_round_vs_noop"] = round(result["transport_round_ms"] / result["noop_round_ms"], 3)
             if workload in ("prefill", "both"):
                 say("prefill ...")
-                result["prefill"] = _with_floor(_bench_prefill(hf, mesh, repeats), result["noop_round_ms"])
+                result["prefill"] = _with_floor(_bench_prefill(hf, mesh, repeats, model), result["noop_round_ms"])
             if workload in ("decode", "both"):
                 say("decode ...")
-                result["decode"] = _with_floor(_bench_decode(hf, mesh, repeats), result["noop_round_ms"])
+                result["decode"] = _with_floor(_bench_decode(hf, mesh, repeats, model), result["noop_round_ms"])
             stats = {k: getattr(mesh.router.transport, k, None) for k in ("builds", "compiled_rounds",
                                                                             "fallback_rounds", "reconnects")}
             result["transport_stats"] = {k: v for k, v in stats.items() if v is not None}
@@ -128,14 +137,14 @@ def _noop_round_ms(mesh, rounds: int = 20) -> float:
     return round(1000 * statistics.median(times), 3)
 
 
-def _transport_round_ms(mesh, rounds: int = 20) -> float:
+def _transport_round_ms(mesh, rounds: int = 20, hidden: int = MODEL["hidden"]) -> float:
     """The transport's own cost of one layer round: an empty batch (0 rows) to every expert actor through the
     mesh's transport, all in flight, then gather. Same shape as a real round, with no expert compute in it."""
-    import numpy as np
+    from ..experts.arrays import pack
 
     transport = mesh.router.transport
     shards = mesh.router.spec.actor_shards
-    empty = np.zeros((0, MODEL["hidden"]), np.float32)
+    empty = pack(torch.zeros(0, hidden, dtype=mesh.model.dtype))
     times = []
     for i in range(rounds + 3):  # 3 warm-up rounds
         started = time.perf_counter()
@@ -150,10 +159,10 @@ def _transport_round_ms(mesh, rounds: int = 20) -> float:
 
 
 def _summary(tokens: int, hf_times: list[float], mesh_times: list[float], rounds: list[float], delta: float,
-             compute: list[float]) -> dict:
+             compute: list[float], model: dict = MODEL) -> dict:
     hf_s, mesh_s, round_s = statistics.median(hf_times), statistics.median(mesh_times), statistics.median(rounds)
     compute_s = statistics.median(compute)
-    layers = MODEL["layers"]
+    layers = model["layers"]
     # The experts' own work in a round: their CPU time spread over the cores the actors share (the router waits
     # during a round). What a round takes beyond it is the transport's: serialisation, calls, scheduling, waits.
     compute_wall_s = compute_s / (os.cpu_count() or 1)
@@ -189,8 +198,8 @@ def _timed_mesh(mesh, fn, compute: list[float] | None = None):
     return out, elapsed, round_s
 
 
-def _bench_prefill(hf, mesh, repeats: int) -> dict:
-    ids = torch.randint(0, MODEL["vocab"], (PREFILL["sequences"], PREFILL["tokens"]))
+def _bench_prefill(hf, mesh, repeats: int, model: dict = MODEL) -> dict:
+    ids = torch.randint(0, model["vocab"], (PREFILL["sequences"], PREFILL["tokens"]))
     rows = [r for r in ids]
     with torch.inference_mode():
         hf(ids)  # warm-up both
@@ -204,21 +213,21 @@ def _bench_prefill(hf, mesh, repeats: int) -> dict:
         out, elapsed, round_s = _timed_mesh(mesh, lambda: mesh.model.forward(rows), compute)
         mesh_times.append(elapsed)
         rounds.append(round_s)
-        delta = max(delta, float((torch.stack(out) - hf_logits).abs().max()))
-    return _summary(ids.numel(), hf_times, mesh_times, rounds, delta, compute)
+        delta = max(delta, float((torch.stack(out).float() - hf_logits.float()).abs().max()))
+    return _summary(ids.numel(), hf_times, mesh_times, rounds, delta, compute, model)
 
 
-def _bench_decode(hf, mesh, repeats: int) -> dict:
+def _bench_decode(hf, mesh, repeats: int, model: dict = MODEL) -> dict:
     from transformers import DynamicCache
 
     n, ctx = DECODE["sequences"], DECODE["context"]
-    ids = torch.randint(0, MODEL["vocab"], (n, ctx))
+    ids = torch.randint(0, model["vocab"], (n, ctx))
     hf_cache = DynamicCache(config=hf.config)
     with torch.inference_mode():
         hf_logits = hf(ids, past_key_values=hf_cache, use_cache=True).logits[:, -1]
     caches = [mesh.model.new_cache() for _ in range(n)]
     mesh_logits = torch.stack([x[-1] for x in mesh.model.forward(list(ids), caches)])
-    delta = float((mesh_logits - hf_logits).abs().max())
+    delta = float((mesh_logits.float() - hf_logits.float()).abs().max())
     next_ids = hf_logits.argmax(-1)  # [n]; both continue with the same tokens
     hf_times, mesh_times, rounds, compute = [], [], [], []
     for step in range(repeats + 1):  # step 0 warms up
@@ -234,6 +243,6 @@ def _bench_decode(hf, mesh, repeats: int) -> dict:
             hf_times.append(hf_elapsed)
             mesh_times.append(elapsed)
             rounds.append(round_s)
-        delta = max(delta, float((torch.stack([x[-1] for x in out]) - hf_step).abs().max()))
+        delta = max(delta, float((torch.stack([x[-1] for x in out]).float() - hf_step.float()).abs().max()))
         next_ids = hf_step.argmax(-1)
-    return _summary(n, hf_times, mesh_times, rounds, delta, compute)
+    return _summary(n, hf_times, mesh_times, rounds, delta, compute, model)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 READY = re.compile(r"expertmesh serving (\S+) on ([\d.]+):(\d+) \((tls|plaintext)\)")
+HTTP_READY = re.compile(r"expertmesh http on ([\d.]+):(\d+) \((https?)\)")  # printed before READY with --http-port
 
 
 @dataclass
@@ -26,6 +27,7 @@ class ServerProcess:
     target: str  # host:port to dial
     model_name: str
     log_path: Path  # the server's stderr
+    http_url: str | None = None  # http(s)://host:port of the HTTP front (--http-port), else None
 
     @property
     def port(self) -> int:
@@ -46,19 +48,22 @@ class ServerProcess:
 
 
 def start_server(args: list[str], log_path: Path | None = None, timeout: float = 600,
-                 new_session: bool = False) -> ServerProcess:
+                 new_session: bool = False, env: dict[str, str] | None = None) -> ServerProcess:
     """`expertmesh serve --port 0 <args>`; returns once it is ready. new_session keeps a terminal's Ctrl-C away
-    from the server so the caller can stop it in order."""
+    from the server so the caller can stop it in order. env: the server's whole environment (None: ours)."""
     if log_path is None:
         log_path = Path(tempfile.mkstemp(prefix="expertmesh-serve-", suffix=".log")[1])
     command = [sys.executable, "-m", "expertmesh.ops.cli", "serve", "--port", "0", *args]
     with log_path.open("w") as err:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=new_session)
+                                start_new_session=new_session, env=env)
     found: list[re.Match] = []
+    http: list[re.Match] = []
 
     def watch() -> None:
         for line in proc.stdout:
+            if HTTP_READY.search(line):
+                http.append(HTTP_READY.search(line))
             match = READY.search(line)
             if match:
                 found.append(match)
@@ -82,4 +87,9 @@ def start_server(args: list[str], log_path: Path | None = None, timeout: float =
                            f"{log_path.read_text(errors='replace')[-4000:]}")
     match = found[0]
     host = "127.0.0.1" if match.group(2) == "0.0.0.0" else match.group(2)
-    return ServerProcess(proc=proc, target=f"{host}:{match.group(3)}", model_name=match.group(1), log_path=log_path)
+    http_url = None
+    if http:
+        http_host = "127.0.0.1" if http[0].group(1) == "0.0.0.0" else http[0].group(1)
+        http_url = f"{http[0].group(3)}://{http_host}:{http[0].group(2)}"
+    return ServerProcess(proc=proc, target=f"{host}:{match.group(3)}", model_name=match.group(1), log_path=log_path,
+                         http_url=http_url)

@@ -205,6 +205,10 @@ def evaluate(model: MixtralForCausalLM, stream: torch.Tensor) -> dict:
     }
 
 
+DEMO_CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] | capitalize }}: "
+                      "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
 def save(model: MixtralForCausalLM, tok: Tokenizer, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tok.save(str(out / "tokenizer.json"))
@@ -216,6 +220,8 @@ def save(model: MixtralForCausalLM, tok: Tokenizer, out: Path) -> None:
         "pad_token": "<|pad|>",
         "model_max_length": model.config.max_position_embeddings,
         "clean_up_tokenization_spaces": False,  # cleanup would rewrite " ," etc. and break code round-trips
+        # The model saw plain text, not dialogues: this simple template lets /v1/chat/completions serve it anyway.
+        "chat_template": DEMO_CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     # expertmesh loads experts one by one by name, so insist on the classic per-expert tensor layout.

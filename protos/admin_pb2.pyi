@@ -11,7 +11,7 @@ class RouterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json")
+    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json", "dtype", "device", "threads")
     LIVE_KV_CACHES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,9 @@ class RouterStats(_message.Message):
     RETRIED_CALLS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_JSON_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     live_kv_caches: int
     active_sequences: int
     waiting_requests: int
@@ -30,14 +33,17 @@ class RouterStats(_message.Message):
     retried_calls: int
     degraded_slots: int
     load_json: str
-    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ...) -> None: ...
+    dtype: str
+    device: str
+    threads: int
+    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class ClusterStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("actor", "expert", "replica", "node_id", "gpu_ids", "device", "alive", "restoring", "generation", "breaker", "calls", "tokens", "drained")
+    __slots__ = ("actor", "expert", "replica", "node_id", "gpu_ids", "device", "alive", "restoring", "generation", "breaker", "calls", "tokens", "drained", "dtype", "load_bytes", "load_total_bytes", "load_error")
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +57,10 @@ class ReplicaState(_message.Message):
     CALLS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ERROR_FIELD_NUMBER: _ClassVar[int]
     actor: str
     expert: int
     replica: int
@@ -64,7 +74,11 @@ class ReplicaState(_message.Message):
     calls: int
     tokens: int
     drained: bool
-    def __init__(self, actor: _Optional[str] = ..., expert: _Optional[int] = ..., replica: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., restoring: _Optional[bool] = ..., generation: _Optional[int] = ..., breaker: _Optional[str] = ..., calls: _Optional[int] = ..., tokens: _Optional[int] = ..., drained: _Optional[bool] = ...) -> None: ...
+    dtype: str
+    load_bytes: int
+    load_total_bytes: int
+    load_error: str
+    def __init__(self, actor: _Optional[str] = ..., expert: _Optional[int] = ..., replica: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., restoring: _Optional[bool] = ..., generation: _Optional[int] = ..., breaker: _Optional[str] = ..., calls: _Optional[int] = ..., tokens: _Optional[int] = ..., drained: _Optional[bool] = ..., dtype: _Optional[str] = ..., load_bytes: _Optional[int] = ..., load_total_bytes: _Optional[int] = ..., load_error: _Optional[str] = ...) -> None: ...
 
 class ShardReplicas(_message.Message):
     __slots__ = ("layer", "expert", "replicas")

@@ -60,12 +60,17 @@ class GenerationRequest:
     # Tokens this request already generated and delivered, when it resumes after its router replica died
     # (router_service/continuation.py): they count toward max_tokens and usage and are not streamed again.
     resumed_ids: tuple[int, ...] = ()
+    # Log-probabilities to report per generated token (OpenAI `logprobs`): None = none; k ≥ 0 = the chosen token's
+    # and the k most likely tokens' (from the model's raw distribution, before temperature / top-p).
+    top_logprobs: int | None = None
 
 
 @dataclass
 class TokenEvent:
     token_ids: list[int]
     text: str
+    # One entry per token id when the request asked for them: (its log-probability, [(id, logprob)] top ones).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -370,7 +375,8 @@ class ContinuousBatcher:
         if finish in ("length", "eos") or (finish == "stop" and not stopped):
             text += self._flush(seq)
         if not replayed:  # a replayed token (and its text) reached the client before the failover
-            seq.events.put_nowait(TokenEvent(token_ids=[token], text=text))
+            logprobs = None if req.top_logprobs is None else [token_logprobs(logits, token, req.top_logprobs)]
+            seq.events.put_nowait(TokenEvent(token_ids=[token], text=text, logprobs=logprobs))
         if finish is not None:
             seq.events.put_nowait(DoneEvent(
                 finish_reason=finish, prompt_tokens=len(req.prompt_ids), completion_tokens=len(seq.generated),
@@ -413,6 +419,13 @@ class ContinuousBatcher:
         seq.cache = None
         if seq in self._active:
             self._active.remove(seq)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """logits: [V] -> (log-probability of `token`, the `top` most likely (id, log-probability), best first)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    values, ids = torch.topk(logprobs, min(top, logprobs.numel()))  # [top]
+    return float(logprobs[token]), list(zip(ids.tolist(), values.tolist()))
 
 
 def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:

@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster.controller_config import ControllerConfig
+from ..experts.dtypes import DTYPE_CHOICES
 from ..experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ..experts.errors import ConfigError
+from ..experts.model_source import fetch_checkpoint, is_repo_id, source_problem
 from ..experts.tracing_config import TracingConfig
 from .batching import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
@@ -45,20 +47,28 @@ from .transports.base import TRANSPORTS
 __all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "ServerConfig",
            "ConfigError", "DTYPES"]
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = DTYPE_CHOICES  # "auto", "bfloat16", "float16", "float32" (experts/dtypes.py resolves "auto")
 MAX_MESSAGE_BYTES = 1 << 30  # gRPC's limits are 32-bit; Serve's hop adds its own overhead to a request
 MIN_RESPONSE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str | None = None  # checkpoint folder (on every node); None: the embedded default model
-    name: str | None = None  # the name clients use; None: the folder's name ("expertmesh-demo" for the embedded one)
-    dtype: str = "float32"  # weights and activations of the router and the experts
+    # A checkpoint folder (local, or shared storage mounted on every node) or a Hugging Face repo id ("org/name"),
+    # fetched per node (experts/model_source.py); None: the embedded default model.
+    path: str | None = None
+    revision: str | None = None  # with a repo id: branch, tag or commit (default: the repo's main)
+    # The name clients use; None: the folder's name or the repo id ("expertmesh-demo" for the embedded model).
+    name: str | None = None
+    # Weights and activations of the router and the experts. "auto": the checkpoint's dtype (config.json) in a
+    # process that computes on a GPU, float32 on a CPU; resolved per process by experts/dtypes.py:resolve_dtype.
+    dtype: str = "auto"
 
     def validate(self) -> ModelConfig:
-        if self.path is not None and not Path(self.path).is_dir():
-            raise ValueError(f"path: {self.path} is not a folder")
+        if self.path is not None and (problem := source_problem(self.path)) is not None:
+            raise ValueError(f"path: {problem}")
+        if self.revision is not None and (self.path is None or not is_repo_id(self.path)):
+            raise ValueError("revision: applies to a Hugging Face repo id given as model.path, not to a folder")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {DTYPES}, got {self.dtype!r}")
         if self.name is not None and not self.name.strip():
@@ -66,14 +76,30 @@ class ModelConfig:
         return self
 
     @property
+    def is_repo_id(self) -> bool:
+        return self.path is not None and is_repo_id(self.path)
+
+    @property
+    def source(self) -> str:
+        """What every process fetches the checkpoint from: an absolute folder or the repo id."""
+        if self.is_repo_id:
+            return self.path
+        return str((Path(self.path) if self.path else EMBEDDED_MODEL_DIR).resolve())
+
+    @property
     def resolved_path(self) -> Path:
-        return (Path(self.path) if self.path else EMBEDDED_MODEL_DIR).resolve()
+        """The local folder (for a repo id: the Hub cache's snapshot after fetching config and tokenizer only)."""
+        if self.is_repo_id:
+            return fetch_checkpoint(self.path, self.revision, tensors=lambda cfg, keys: ())
+        return Path(self.source)
 
     @property
     def served_name(self) -> str:
         if self.name:
             return self.name
-        return EMBEDDED_MODEL_NAME if self.path is None else self.resolved_path.name
+        if self.path is None:
+            return EMBEDDED_MODEL_NAME
+        return self.path if self.is_repo_id else Path(self.source).name
 
 
 @dataclass(frozen=True)
@@ -96,8 +122,16 @@ class RayConfig:
 class ExpertsConfig:
     replicas_per_expert: int = 1  # the default layout: actor expert-e{E}-r{R} hosts expert E of every MoE layer
     num_cpus_per_actor: float | None = None  # None: share each node's CPUs among its actors (≤ 1 each)
-    start_timeout_s: float = 180.0  # every actor loaded its weights and answered, or start-up fails
+    # Every actor loaded its weights and answered, or start-up fails. The default lets an actor fetch and read a
+    # large shard set (e.g. 1/8 of a 100 GB checkpoint from the Hub, or all of it from a ~100 MB/s cloud disk).
+    start_timeout_s: float = 1800.0
     placement: str | None = None  # a PLACEMENT.json (`expertmesh plan`): one actor per GPU hosting its shards
+    # Memory check of the pool on GPU nodes (router_service/gpu_fit.py): each GPU's memory (None: probed with
+    # nvidia-smi on its node), the fraction of it expert weights + runtime may use, and how long to wait for the
+    # autoscaler to add missing GPUs (0, or no autoscaler running: stop at once with one line).
+    gpu_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    gpu_wait_s: float = 600.0
 
     def validate(self) -> ExpertsConfig:
         if self.replicas_per_expert < 1:
@@ -106,6 +140,12 @@ class ExpertsConfig:
             raise ValueError(f"num_cpus_per_actor: must be > 0, got {self.num_cpus_per_actor}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s: must be > 0, got {self.start_timeout_s}")
+        if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
+            raise ValueError(f"gpu_memory_gb: must be > 0, got {self.gpu_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.gpu_wait_s >= 0:
+            raise ValueError(f"gpu_wait_s: must be ≥ 0, got {self.gpu_wait_s}")
         if self.placement is not None and not Path(self.placement).is_file():
             raise ValueError(f"placement: {self.placement} is not a file")
         return self
@@ -116,7 +156,12 @@ class RouterConfig:
     transport: str = "refs"  # how expert calls travel: "refs" | "grpc" | "compiled" (README: Transports)
     overlap: bool = False  # ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap)
     capacity_factor: float | None = None  # None: no cap, no token is ever moved or dropped
-    threads: int = 1  # torch threads of a router replica
+    # torch threads of a router; None: the CPUs it was given (a Serve replica: what Ray assigned it, at least 1; an
+    # in-process router: torch's default, the process's CPUs). Setting it also makes a Serve replica reserve as many.
+    threads: int | None = None
+    # GPUs each router replica asks Ray for (fractions share one); > 0 puts its dense weights, KV cache and
+    # sampling on cuda:0 of what it gets. 0: the router computes on CPU.
+    gpus: float = 0.0
     replicas: int = 1  # Serve replicas of the router deployment
     autoscale: tuple[int, int] | None = None  # (min, max) Serve replicas, scaled on ongoing requests; None: fixed
     batcher: BatcherConfig = field(default_factory=BatcherConfig)  # continuous batching (Serve replicas)
@@ -134,8 +179,12 @@ class RouterConfig:
         if self.overlap and self.capacity_factor is not None:
             raise ValueError("overlap: cannot be combined with capacity_factor (capacity is per step; micro-batches "
                              "would change which tokens overflow)")
-        if self.threads < 1:
+        if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be ≥ 1, got {self.threads}")
+        if not (self.gpus >= 0 and math.isfinite(self.gpus)):
+            raise ValueError(f"gpus: must be a finite number ≥ 0, got {self.gpus}")
+        if self.gpus > 1 and self.gpus != int(self.gpus):
+            raise ValueError(f"gpus: above 1 must be a whole number, got {self.gpus}")
         if self.replicas < 1:
             raise ValueError(f"replicas: must be ≥ 1, got {self.replicas}")
         if self.autoscale is not None and not 1 <= self.autoscale[0] <= self.autoscale[1]:
@@ -149,11 +198,18 @@ class RouterConfig:
         return self
 
     def deployment_options(self) -> dict:
-        """Ray Serve options of the router deployment."""
+        """Ray Serve options of the router deployment (replicas or autoscaling)."""
         if self.autoscale is None:
             return {"num_replicas": self.replicas}
         low, high = self.autoscale
         return {"autoscaling_config": {"min_replicas": low, "max_replicas": high, "target_ongoing_requests": 32}}
+
+    def replica_resources(self) -> dict:
+        """What each router replica asks Ray for. CPUs: `threads` when set; otherwise 1 with a GPU (it feeds the
+        GPU), else none, because by default the expert actors share every CPU of a node between them and a replica
+        asking for one could not be placed (it then runs 1 thread on the CPUs the actors leave idle)."""
+        cpus = self.threads if self.threads is not None else (1 if self.gpus > 0 else 0)
+        return {"num_cpus": cpus, "num_gpus": self.gpus}
 
 
 @dataclass(frozen=True)
@@ -169,6 +225,9 @@ class ServerConfig:
     # (router_service/admin_auth.py).
     admin_token: str | None = None
     max_message_bytes: int = 16 * 1024 * 1024  # largest request; responses up to max_response_bytes
+    # The OpenAI-compatible HTTP API and the live cluster page (router_service/http_front.py) on this port, same
+    # host, token and TLS as gRPC; None: off. 0 picks a free port (printed on the ready line).
+    http_port: int | None = None
 
     def validate(self) -> ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -181,6 +240,10 @@ class ServerConfig:
             check_tls_pair(self.tls_cert, self.tls_key)  # PEM, a key that belongs to the certificate
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port: must be in [0, 65536), got {self.http_port}")
+        if self.http_port is not None and self.http_port != 0 and self.http_port == self.port:
+            raise ValueError(f"http_port: must differ from port ({self.port})")
         if not 1024 <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
             raise ValueError(f"max_message_bytes: must be in [1024, {MAX_MESSAGE_BYTES}] (1 GiB), got "
                              f"{self.max_message_bytes}")
@@ -205,6 +268,12 @@ class ServerConfig:
             check_can_listen(self.host, self.port)
         except ValueError as exc:
             raise ConfigError(*f"server.{exc}".split(": ", 1)) from None
+        if self.http_port:
+            try:
+                check_can_listen(self.host, self.http_port)
+            except ValueError as exc:
+                field, message = str(exc).split(": ", 1)
+                raise ConfigError("server.http_port" if field == "port" else f"server.{field}", message) from None
 
 
 @dataclass(frozen=True)

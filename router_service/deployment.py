@@ -16,7 +16,6 @@ import time
 from dataclasses import asdict
 
 import grpc
-import numpy as np
 import ray
 import torch
 from ray import serve
@@ -25,13 +24,15 @@ from ..cluster.naming import CONTROLLER_NAME, NAMESPACE, parse_expert_actor_name
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.shard_liveness import HealthVerdict, health_verdict
 from ..cluster.table_store import read_table
+from ..experts.load_progress import read_progress
 from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
-from . import health, proto_mapping
+from . import health, openai_requests, proto_mapping
 from .admin_auth import admin_denial
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
+from .chat_template import load_chat_template
 from .config import MeshConfig
 from .dispatch import NoReplicaError
 from .error_log import ClientErrorLog, quiet_serve_request_logs
@@ -54,7 +55,7 @@ CONTROLLER_ASK_S = 2.0  # the controller's liveness view, or the router's own wi
 
 def pool_spec_from_dict(pool: dict) -> PoolSpec:
     """A PoolSpec from the plain dict Serve ships to a router replica (shards as lists after a YAML/JSON trip)."""
-    return PoolSpec(model_dir=pool["model_dir"], dtype=pool["dtype"], actor_shards={},
+    return PoolSpec(model_dir=pool["model_dir"], dtype=pool["dtype"], actor_shards={}, revision=pool.get("revision"),
                     tracing=pool.get("tracing")).with_actor_shards(pool["actor_shards"])
 
 
@@ -91,7 +92,13 @@ def router_options(config: MeshConfig) -> dict:
     """
     hop_limit = config.server.max_message_bytes + HOP_OVERHEAD_BYTES
     env = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(hop_limit)}
-    return config.router.deployment_options() | {"ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": env}}}
+    actor_options = config.router.replica_resources() | {"runtime_env": {"env_vars": env}}
+    return config.router.deployment_options() | {"ray_actor_options": actor_options}
+
+
+def replica_threads(configured: int | None, assigned_cpus: float) -> int:
+    """torch threads of a router replica: router.threads, else the CPUs Ray assigned it (at least 1)."""
+    return configured if configured is not None else max(1, int(assigned_cpus))
 
 
 @serve.deployment(name="router", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -100,7 +107,8 @@ class RouterDeployment:
         """config: the MeshConfig tree as a dict (router_service/config.py); pool: the running expert pool's
         PoolSpec as a dict. Plain data, so Serve ships it and a Serve YAML's builder produces it."""
         self.config = MeshConfig.from_dict(config)
-        torch.set_num_threads(max(1, self.config.router.threads))
+        assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        torch.set_num_threads(replica_threads(self.config.router.threads, assigned))
         spec = pool_spec_from_dict(pool)
         published = read_table()
         if published is not None:
@@ -120,6 +128,11 @@ class RouterDeployment:
         self.shards = [(layer, e) for layer in self.cfg.moe_layers for e in range(self.cfg.num_experts)]
         self._verdict: tuple[float, HealthVerdict] | None = None
         self._controller = None  # cached handle; dropped when a call to it fails
+        try:
+            self.chat_template = load_chat_template(spec.model_dir)  # None: chat requests get a 400
+        except (OSError, ValueError) as exc:  # an unreadable tokenizer_config.json must not stop the server
+            log.warning("no chat template: cannot read tokenizer_config.json (%s)", exc)
+            self.chat_template = None
 
     def _authorize(self, grpc_context) -> None:
         token = self.config.server.auth_token
@@ -169,6 +182,34 @@ class RouterDeployment:
             if span is not None:
                 span.end()
 
+    async def OpenAIGenerate(self, job):  # noqa: N802 (named like the RPCs it sits with)
+        """The OpenAI HTTP API's generation (router_service/http_front.py): job is an openai_api.OpenAIJob; streams
+        one plain dict per batcher event (openai_requests.event_dict). Same batcher, same cancel path as Generate:
+        the HTTP front cancelling this call (client disconnect) closes the batcher stream, which frees the sequence."""
+        span = self.router.observer.start_request(None, rpc="OpenAIGenerate")
+        try:
+            gen_request = await asyncio.to_thread(
+                openai_requests.generation_request, job, self.cfg, self.router.encode, self._encode_rendered,
+                self.chat_template)
+            async with contextlib.aclosing(self.batcher.stream(gen_request, span=span)) as events:
+                async for event in events:
+                    yield openai_requests.event_dict(event, self._token_text)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise _set_status(None, _classify(exc), "OpenAIGenerate") from None
+        finally:
+            if span is not None:
+                span.end()
+
+    def _encode_rendered(self, text: str) -> list[int]:
+        if self.router.tokenizer is None:
+            return self.router.encode(text)  # raises the no-tokenizer error
+        return self.router.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _token_text(self, token_id: int) -> str:
+        return self.router.decode([token_id]) or ""
+
     async def Score(self, request: pb.ScoreRequest, grpc_context=None) -> pb.ScoreResponse:  # noqa: N802
         try:
             self._authorize(grpc_context)
@@ -212,7 +253,7 @@ class RouterDeployment:
                                            f"inputs[{proto_mapping.INPUT_NAME}].shape")
             rows = [row.tolist() for row in ids]
             logits = await self.batcher.run_exclusive(lambda: self.router.score_batch(rows))
-            out = torch.stack(logits).numpy().astype(np.float32)  # [batch, seq, vocab]
+            out = torch.stack(logits).to("cpu", torch.float32).numpy()  # [batch, seq, vocab], off the device
             return proto_mapping.infer_response(request, self.model_name, out)
         except Exception as exc:
             raise _set_status(grpc_context, _classify(exc), "ModelInfer") from None
@@ -276,6 +317,7 @@ class RouterDeployment:
             replica=serve.get_replica_context().replica_id.unique_id,
             retried_calls=backend.retried_calls, degraded_slots=backend.degraded_slots,
             load_json=json.dumps(self.router.load_snapshot()),
+            dtype=self.router.dtype_name, device=str(self.router.device), threads=torch.get_num_threads(),
         )
 
     def _batcher_gauges(self) -> dict:
@@ -323,6 +365,12 @@ class RouterDeployment:
         return admin_pb2.ReplicaReply(ok=True, message=outcome["message"])
 
 
+def _kv_get(key: bytes) -> bytes | None:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key)
+
+
 async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name: str) -> admin_pb2.ClusterState:
     """Controller view (epoch, events, restores) + each actor's own report + this router's breakers."""
     state = admin_pb2.ClusterState(model=model_name, router=stats,
@@ -368,10 +416,16 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
             restoring=name in restoring,
             breaker=router.backend.breakers.get(name).state, drained=name in drained,
         )
+        progress = read_progress(name, _kv_get)
+        if progress is not None:
+            replica_state.load_bytes = progress.loaded_bytes
+            replica_state.load_total_bytes = progress.total_bytes
+            replica_state.load_error = progress.error or ""
         if got is not None:
             replica_state.node_id = got["node_id"]
             replica_state.gpu_ids.extend(got["gpu_ids"])
             replica_state.device = got["device"]
+            replica_state.dtype = got.get("dtype", "")
             replica_state.generation = got["generation"]
             replica_state.calls = got["calls"]
             replica_state.tokens = got["tokens"]

@@ -18,6 +18,7 @@ import torch
 
 from ..cluster.breaker import BreakerBoard
 from ..cluster.routing_table import RoutingTable, Shard, split_tokens
+from ..experts.arrays import HostStager, pack
 from ..experts.gating import Routing, degrade
 from .dispatch_plan import ActorCall, add_rows, combine, plan_calls
 from .transports.base import Transport
@@ -86,6 +87,8 @@ class RemoteExperts:
         self._in_flight: list[_PendingLayer] = []  # submitted layers not yet waited for (their calls may be out)
         self._last_revive = 0.0
         self.calls_per_layer: dict[int, int] = {}  # of the most recent forward; tests check calls == actors hit
+        # Rows leave the router's device through pinned buffers, one synchronisation per send (tests count them).
+        self.stager = HostStager()
         self.round_seconds = 0.0  # wall time spent in expert rounds since creation (benchmarks read it)
         self.retried_calls = 0
         self.degraded_slots = 0
@@ -290,6 +293,8 @@ class RemoteExperts:
                 self.calls_per_layer[p.layer] = before + len(calls)
             self.effective[p.layer] = served
             self.degraded_slots += served.degraded
+            if p.hidden.device.type != "cpu":  # outputs arrive in host memory; combine runs where hidden lives
+                outputs = [out.to(p.hidden.device, non_blocking=True) for out in outputs]
             result = combine(p.hidden, served, calls, outputs)
             # Time this thread spent on the round (submit + wait), not the work it did while the round flew.
             self.round_seconds += p.busy_s + time.perf_counter() - waited
@@ -326,14 +331,17 @@ class RemoteExperts:
             self._revive(force=True)
 
     def _send(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall], which, trace: dict[str, str] | None):
-        """Submit calls[i] for i in `which` through the transport; -> their handles."""
+        """Submit calls[i] for i in `which` through the transport; -> their handles.
+        Every call's rows are gathered on the device and copied to host (non-blocking, into pinned buffers) first,
+        then the one wait for all of them, then the sends: one host synchronisation per layer, not per call."""
         # `trace` only when tracing is on, so a transport without it still works with tracing off.
         extra = {} if trace is None else {"trace": trace}
+        staged = [self.stager.stage(hidden[calls[i].tokens]) for i in which]  # [n_i, H] each
+        self.stager.finish()
         handles = []
-        for i in which:
+        for i, rows in zip(which, staged):
             call = calls[i]
-            x = hidden[torch.cat(call.token_idx)].contiguous().numpy()  # [n, H]
-            handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, x, **extra))
+            handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, pack(rows), **extra))
         return handles
 
     def _execute(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall],

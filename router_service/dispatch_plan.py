@@ -3,6 +3,12 @@ the dispatcher's arithmetic is unit-tested, and run on a machine without Ray, on
 
   plan_calls  routing [T, k] + routing table -> one ActorCall per actor that has tokens (rows grouped by expert)
   combine     the calls' outputs -> sum over slots of gate weight * expert output, [T, H], in the reference's order
+
+Both are vectorised for models with hundreds of experts: one stable sort of the layer's (token, slot) pairs by
+expert; each actor's rows are then one slice of them (or, when replicas split shards, one stable sort of the rows
+by actor); one combine shared with the reference (experts/routed_rows.py `combine_pieces`).
+What stays in Python is one step per expert hit (its replicas from the table: a dict look-up and, with several
+replicas, the split into contiguous chunks) - the routing table and the breakers are Python objects.
 """
 
 from __future__ import annotations
@@ -14,48 +20,106 @@ import torch
 
 from ..cluster.routing_table import RoutingTable, Shard, split_tokens
 from ..experts.gating import Routing
+from ..experts.routed_rows import Piece, combine_pieces, sort_rows
+
+_NO_ROWS = torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass
 class ActorCall:
-    """Everything one actor gets for one layer: rows of several experts, grouped by expert."""
+    """Everything one actor gets for one layer: rows of several experts, grouped by expert (ascending)."""
 
     actor: str
     experts: list[int] = field(default_factory=list)
-    token_idx: list[torch.Tensor] = field(default_factory=list)  # per expert: [n_e] token positions
-    slot_idx: list[torch.Tensor] = field(default_factory=list)  # per expert: [n_e] which of the k slots
+    counts: list[int] = field(default_factory=list)  # rows of each expert, aligned with `experts`
+    tokens: torch.Tensor = field(default_factory=lambda: _NO_ROWS)  # [sum counts] token positions, by expert
+    slots: torch.Tensor = field(default_factory=lambda: _NO_ROWS)  # [sum counts] which of the k slots
+
+    @classmethod
+    def of(cls, actor: str, experts: list[int], token_idx: Sequence[torch.Tensor],
+           slot_idx: Sequence[torch.Tensor]) -> ActorCall:
+        """A call from per-expert pieces: token_idx[i], slot_idx[i] are expert experts[i]'s rows."""
+        call = cls(actor)
+        for expert, tokens, slots in zip(experts, token_idx, slot_idx):
+            add_rows({actor: call}, actor, expert, tokens, slots)
+        return call
 
     @property
-    def counts(self) -> list[int]:
-        return [int(t.numel()) for t in self.token_idx]
+    def token_idx(self) -> tuple[torch.Tensor, ...]:
+        """Per expert: [n_e] token positions (views of `tokens`)."""
+        return self.tokens.split(self.counts)
+
+    @property
+    def slot_idx(self) -> tuple[torch.Tensor, ...]:
+        """Per expert: [n_e] slots (views of `slots`)."""
+        return self.slots.split(self.counts)
 
 
 def plan_calls(
     layer: int, routing: Routing, table: RoutingTable,
     replicas_of: Callable[[Shard], Sequence[str]] | None = None,
 ) -> list[ActorCall]:
-    """One ActorCall per actor that has tokens this layer, in a deterministic order (by expert, then actor).
-    replicas_of picks which replicas of a shard may take calls (default: all in the table)."""
+    """One ActorCall per actor that has tokens this layer, in a deterministic order (actors as their first rows
+    appear by expert id, then replica order). A shard's rows are split over its replicas in contiguous chunks
+    (RoutingTable.split). replicas_of picks which replicas of a shard may take calls (default: all in the table)."""
+    rows = sort_rows(routing.experts)
     calls: dict[str, ActorCall] = {}
-    for expert in torch.unique(routing.experts[routing.experts >= 0]).tolist():
-        token_idx, slot_idx = torch.nonzero(routing.experts == expert, as_tuple=True)  # [n], [n]
+    ranges: dict[str, list[list[int]]] = {}  # per call: [start, end) ranges of the expert-sorted rows
+    call_index: dict[str, int] = {}
+    piece_actor: list[int] = []  # per (expert, replica) piece, in row order: index of its actor's call
+    piece_rows: list[int] = []
+    offset = 0
+    for expert, count in zip(rows.experts, rows.counts):
         shard = (layer, expert)
-        if replicas_of is None:
-            chunks = table.split(shard, int(token_idx.numel()))
+        actors = table.replicas.get(shard) if replicas_of is None else replicas_of(shard)
+        if replicas_of is None and not actors:
+            table.split(shard, count)  # raises KeyError naming the shard
+        if len(actors) == 1:  # the common case, without split_tokens' arithmetic
+            chunks = [(actors[0], 0, count)]
         else:
-            chunks = split_tokens(replicas_of(shard), int(token_idx.numel()))
+            chunks = split_tokens(actors, count)
         for actor, start, end in chunks:
-            add_rows(calls, actor, expert, token_idx[start:end], slot_idx[start:end])
-    return list(calls.values())
+            call = calls.get(actor)
+            if call is None:
+                call = calls[actor] = ActorCall(actor)
+                call_index[actor] = len(call_index)
+                ranges[actor] = []
+            call.experts.append(expert)
+            call.counts.append(end - start)
+            spans = ranges[actor]
+            if spans and spans[-1][1] == offset + start:
+                spans[-1][1] = offset + end  # adjacent in the sorted rows: one slice (an actor's expert slice)
+            else:
+                spans.append([offset + start, offset + end])
+            piece_actor.append(call_index[actor])
+            piece_rows.append(end - start)
+        offset += count
+    ordered = list(calls.values())
+    if all(len(spans) == 1 for spans in ranges.values()):
+        # Every actor's rows are one run of the sorted rows (one expert, or a contiguous slice of experts, each on
+        # one replica): views, no copy.
+        for call in ordered:
+            (start, end), = ranges[call.actor]
+            call.tokens, call.slots = rows.tokens[start:end], rows.slots[start:end]
+        return ordered
+    row_actor = torch.repeat_interleave(torch.tensor(piece_actor), torch.tensor(piece_rows))  # [N]
+    # Stable: within an actor its rows stay grouped by expert ascending, and chunks of one expert in token order.
+    by_actor = torch.sort(row_actor, stable=True).indices  # [N]
+    sizes = [sum(c.counts) for c in ordered]
+    for call, tokens, slots in zip(ordered, rows.tokens[by_actor].split(sizes), rows.slots[by_actor].split(sizes)):
+        call.tokens, call.slots = tokens, slots
+    return ordered
 
 
 def add_rows(calls: dict[str, ActorCall], actor: str, expert: int, token_idx: torch.Tensor,
              slot_idx: torch.Tensor) -> None:
-    """Add one expert's rows to `actor`'s call (created on first use)."""
+    """Add one expert's rows to `actor`'s call (created on first use). For re-planning a failed call's rows, a
+    handful of pieces: each addition concatenates."""
     call = calls.setdefault(actor, ActorCall(actor))
     call.experts.append(expert)
-    call.token_idx.append(token_idx)
-    call.slot_idx.append(slot_idx)
+    call.counts.append(int(token_idx.numel()))
+    call.tokens = torch.cat([call.tokens, token_idx])
+    call.slots = torch.cat([call.slots, slot_idx])
 
 
 def combine(
@@ -63,16 +127,12 @@ def combine(
 ) -> torch.Tensor:
     """sum over slots of weight * expert output. hidden: [T, H] (for shape/dtype); outputs[i]: [sum counts, H].
 
-    Outputs are added expert by expert in ascending expert id, the order of the in-process reference, so the
-    floating-point sums match it whichever replicas served the step.
+    Each token's outputs are added in one fixed order (its experts by ascending id: experts/routed_rows.py), the
+    order of the in-process reference, so the floating-point sums match it whichever replicas served the step.
     """
-    pieces: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for call, out in zip(calls, outputs):
-        for expert, token_idx, slot_idx, y in zip(call.experts, call.token_idx, call.slot_idx, out.split(call.counts)):
-            pieces.append((expert, token_idx, slot_idx, y))
-    pieces.sort(key=lambda p: (p[0], int(p[1][0]) if p[1].numel() else -1))
-    result = torch.zeros_like(hidden)  # [T, H]
-    for _, token_idx, slot_idx, y in pieces:
-        weighted = y * routing.weights[token_idx, slot_idx, None]  # [n, H]
-        result.index_add_(0, token_idx, weighted.to(hidden.dtype))
-    return result
+    pieces = [
+        Piece(expert, tokens, slots, y)
+        for call, out in zip(calls, outputs)
+        for expert, tokens, slots, y in zip(call.experts, call.token_idx, call.slot_idx, out.split(call.counts))
+    ]
+    return combine_pieces(hidden, routing, pieces)

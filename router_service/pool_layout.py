@@ -17,7 +17,7 @@ from ..cluster.routing_table import Shard
 from ..cluster.shard_placement import Placement
 from ..experts.config import MoEModelConfig
 from .errors import RequestError
-from .expert_pool import cluster_nodes, default_actor_groups
+from .expert_pool import MANY_EXPERTS, cluster_device_count, cluster_nodes, default_actor_groups, device_actor_slots
 
 
 def load_placement(path: str | Path) -> Placement:
@@ -62,9 +62,15 @@ def pool_layout(cfg: MoEModelConfig, replicas_per_expert: int, num_cpus_per_acto
                 placement_path: str | None, elastic: ElasticConfig | None
                 ) -> tuple[dict[str, list[Shard]], list[ActorSlot] | None]:
     """The pool to start: a planned one (one actor per GPU) when a placement file or elasticity is given, else the
-    default grouping (one actor per logical expert; slots None: ExpertPool spreads it over the cluster)."""
+    default grouping: one actor per logical expert (slots None: ExpertPool spreads it over the cluster), or for a
+    model with more than MANY_EXPERTS experts per layer one actor per GPU (per node without GPUs) hosting a slice of
+    every layer's experts (expert_pool.default_actor_groups)."""
     if placement_path is None and elastic is None:
-        return default_actor_groups(cfg, replicas_per_expert), None
+        if cfg.num_experts <= MANY_EXPERTS:
+            return default_actor_groups(cfg, replicas_per_expert), None
+        nodes = cluster_nodes()
+        groups = default_actor_groups(cfg, replicas_per_expert, cluster_device_count(nodes))
+        return groups, device_actor_slots(list(groups), nodes, num_cpus_per_actor)
     placement = load_placement(placement_path) if placement_path else None
     return planned_layout(cfg, cluster_nodes(), elastic or ElasticConfig(num_cpus_per_actor=num_cpus_per_actor),
                           placement)

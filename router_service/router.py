@@ -6,6 +6,7 @@ The Serve deployment and the in-process `ExpertMesh` both wrap this class.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import ray
@@ -15,7 +16,9 @@ from ..cluster.naming import NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
+from ..experts.dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
 from ..experts.kv_cache import blocks_for, settings_for
+from ..experts.model_source import dense_tensors, open_checkpoint
 from ..experts.modeling import MoEDecoder
 from ..experts.telemetry import build_tracer
 from ..experts.tokenizer import load_tokenizer
@@ -28,7 +31,14 @@ from .table_sync import TableFollower
 from .transports.factory import close_transport, make_transport
 from .transports.refs import NameReviver
 
-__all__ = ["Router", "Generation", "RequestError"]
+__all__ = ["Router", "Generation", "RequestError", "router_device"]
+log = logging.getLogger(__name__)
+
+
+def router_device(gpus: float, cuda_available: bool) -> torch.device:
+    """Where a router computes: cuda:0 when it asked for GPUs (router.gpus) and sees one (in a Serve replica Ray
+    sets CUDA_VISIBLE_DEVICES to what it assigned, so cuda:0 is that GPU), else the CPU."""
+    return torch.device("cuda:0" if gpus > 0 and cuda_available else "cpu")
 
 
 @dataclass
@@ -45,15 +55,24 @@ class Router:
         """spec/actors: the running expert pool; config: the mesh's settings (router, failover, observability and
         tracing sections are read here); router_id: names this router in load reports (a Serve replica's id)."""
         self.spec = spec
-        self.reader = reader or CheckpointReader(spec.model_dir)
+        self.reader = reader or open_checkpoint(spec.model_dir, spec.revision, dense_tensors)
         self.model_config = self.reader.config
-        self.tokenizer = load_tokenizer(spec.model_dir)
+        self.tokenizer = load_tokenizer(self.reader.model_dir)
         self.config = config
         settings = config.router
         self.transport = make_transport(settings.transport, dict(actors))
         self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport,
                                      config.failover, reviver=NameReviver(self.transport, NAMESPACE))
-        dense = load_dense_weights(self.reader, getattr(torch, spec.dtype), progress="router weights")
+        # Dense weights, KV cache and sampling live on this device; only rows for expert actors leave it.
+        self.device = router_device(settings.gpus, torch.cuda.is_available())
+        self.dtype_name = resolve_dtype(spec.dtype, read_checkpoint_dtype(self.reader.model_dir),
+                                        self.device.type == "cuda")
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)
+        dense = load_dense_weights(self.reader, torch_dtype(self.dtype_name), progress="router weights",
+                                   device=self.device)
+        log.info("router: %s weights on %s, %d torch threads (model.dtype %s)", self.dtype_name, self.device,
+                 torch.get_num_threads(), spec.dtype)
         kv_cache = settings_for(dense.embed.device, settings.kv_cache_gb, settings.gpu_memory_utilization,
                                 settings.kv_block_size)
         self.model = MoEDecoder(self.model_config, dense, self.backend, settings.capacity_factor,
@@ -101,20 +120,23 @@ class Router:
 
     def check_token_ids(self, token_ids: list[int], field: str = "token_ids") -> torch.Tensor:
         cfg = self.model_config
-        return torch.tensor(check_token_ids(token_ids, cfg.vocab_size, cfg.max_position_embeddings, field))
+        ids = check_token_ids(token_ids, cfg.vocab_size, cfg.max_position_embeddings, field)
+        return torch.tensor(ids, device=self.device)
 
     def check_budget(self, prompt_len: int, max_tokens: int) -> None:
         check_budget(prompt_len, max_tokens, self.model_config.max_position_embeddings)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [S, V] (float32) for every position of `token_ids`."""
+        """Logits [S, V] (float32, host memory) for every position of `token_ids`."""
         return self.score_batch([token_ids])[0]
 
     def score_batch(self, batch: list[list[int]]) -> list[torch.Tensor]:
-        """Several sequences in one forward: every expert call of a layer serves all of them."""
+        """Several sequences in one forward: every expert call of a layer serves all of them. -> per sequence
+        logits [S_i, V], float32 in host memory (whatever the router's device and dtype)."""
         tokens = [self.check_token_ids(ids) for ids in batch]
         with self.observer.step_span([None] * len(tokens), sum(int(t.numel()) for t in tokens)):
-            return self.model.forward(tokens)
+            logits = self.model.forward(tokens)
+        return [out.to("cpu", torch.float32) for out in logits]
 
     def generate(
         self, token_ids: list[int] | None = None, prompt: str | None = None, max_tokens: int = 32,
@@ -167,5 +189,5 @@ class Router:
             if eos is not None and next_id == eos:
                 finish = "eos"
                 break
-            step_input = torch.tensor([next_id])
+            step_input = torch.tensor([next_id], device=self.device)
         return out, finish

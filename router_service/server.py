@@ -2,8 +2,9 @@
 front; serve until SIGINT/SIGTERM, then shut everything down in reverse order.
 
 Serve runs with its proxies disabled: clients reach the routers only through the front (localhost by default,
-optional TLS and bearer token). Operators who want Serve's own gRPC proxy deploy `deployment.build_app` with a
-Serve config instead; both take the same MeshConfig.
+optional TLS and bearer token), and, with server.http_port, the HTTP front (OpenAI API + cluster page,
+router_service/http_front.py) on the same deployment handle. Operators who want Serve's own gRPC proxy deploy
+`deployment.build_app` with a Serve config instead; both take the same MeshConfig.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..cluster.pool_spec import PoolSpec
 from .config import MeshConfig
 from .deployment import RouterDeployment, router_options
 from .grpc_front import start_front
+from .http_front import start_http_front
 from .startup import MeshRuntime, start_mesh
 
 log = logging.getLogger(__name__)
@@ -33,13 +35,18 @@ async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
     config.validate()
     config.server.check_can_listen()  # a port in use fails here, in a line, not after Ray and every actor started
     runtime: MeshRuntime = start_mesh(config)
-    server = None
+    server = http_runner = None
     try:
         serve.start(proxy_location="Disabled")
         handle = serve.run(RouterDeployment.options(**router_options(config)).bind(
             config.to_dict(), asdict(runtime.spec)), name=APP_NAME, route_prefix=None, blocking=False)
         server, port = await start_front(handle, config.server)
         scheme = "tls" if config.server.tls_cert else "plaintext"
+        if config.server.http_port is not None:
+            http_runner, http_port = await start_http_front(handle, config.server, config.model.served_name)
+            if ready_line:  # before the ready line, so whoever waits for that one knows both ports
+                print(f"expertmesh http on {config.server.host}:{http_port} ({'https' if scheme == 'tls' else 'http'})",
+                      flush=True)
         if ready_line:
             # Tests and scripts wait for this exact line.
             print(f"expertmesh serving {config.model.served_name} on {config.server.host}:{port} ({scheme})",
@@ -55,6 +62,8 @@ async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
             supervisor.cancel()
         print("expertmesh: shutting down", file=sys.stderr, flush=True)
     finally:
+        if http_runner is not None:
+            await http_runner.cleanup()
         if server is not None:
             await server.stop(grace=5)
         if ray.is_initialized():

@@ -22,11 +22,14 @@ from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import read_table
 from ..experts.checkpoint import CheckpointReader
+from ..experts.model_source import dense_tensors, open_checkpoint
 from ..experts.transport_secret import transport_secret
 from ..experts.weights import check_checkpoint
 from .config import MeshConfig, RayConfig
 from .expert_pool import ExpertPool
+from .gpu_fit import fit_gpu_memory
 from .pool_layout import pool_layout
+from .ray_join import prepare_join
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ def connect_ray(config: RayConfig) -> bool:
             ray.init(address="local", namespace=NAMESPACE, num_cpus=config.num_cpus, include_dashboard=False,
                      logging_level=logging.WARNING)
     else:
+        prepare_join(config.address)  # token authentication, or one line saying why the cluster cannot be joined
         ray.init(address=config.address, namespace=NAMESPACE, logging_level=logging.WARNING)
     return True
 
@@ -106,7 +110,8 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
     the controller. detached/reuse: for a Serve-config deployment, whose builder process exits (actors and
     controller outlive it; a redeploy adopts the running ones)."""
     config.validate()
-    reader = CheckpointReader(config.model.resolved_path)
+    # Fetch only the dense files of a Hub repo here: the experts' files are fetched by the nodes that host them.
+    reader = open_checkpoint(config.model.source, config.model.revision, dense_tensors)
     check_checkpoint(reader)  # fail here, naming file and key, before any actor starts
     owns_ray = connect_ray(config.ray)
     runtime = MeshRuntime(config, reader, owns_ray)
@@ -115,9 +120,12 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
         elastic = config.controller.elastic
         groups, slots = pool_layout(reader.config, config.experts.replicas_per_expert,
                                     config.experts.num_cpus_per_actor, config.experts.placement, elastic)
+        # On GPU nodes: the pool fits by bytes, or the autoscaler adds GPUs, or one line says what is missing.
+        slots = fit_gpu_memory(config, reader, groups, slots)
         tracing = config.tracing
-        runtime.spec = PoolSpec(str(config.model.resolved_path), config.model.dtype, groups,
-                                tracing=tracing.as_dict() if tracing.enabled else None)
+        runtime.spec = PoolSpec(config.model.source, config.model.dtype, groups,
+                                tracing=tracing.as_dict() if tracing.enabled else None,
+                                revision=config.model.revision)
         runtime.pool = ExpertPool(runtime.spec, config.experts.num_cpus_per_actor, config.experts.start_timeout_s,
                                   detached=detached, reuse=reuse, slots=slots)
         if config.controller.enabled:

@@ -6,10 +6,10 @@ logic against exact in-process expert math. Test modules import from here (never
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from expertmesh.cluster.routing_table import RoutingTable
+from expertmesh.experts.arrays import HostTensor, pack, to_tensor
 from expertmesh.experts.ffn import GatedMLPWeights, activation, gated_mlp
 
 # Hidden and intermediate sizes of the weights `expert_weights` builds (small: the math, not the size, is tested).
@@ -33,7 +33,8 @@ def expert_weights(layers: int, experts: int, seed: int = 0) -> dict[tuple[int, 
 class FakeTransport:
     """Runs each call in process, only on shards the addressed actor hosts; records every call.
 
-    Checks what a real transport would get: a float array [sum(counts), HIDDEN], distinct experts, one count each.
+    Checks what a real transport would get: host rows [sum(counts), HIDDEN] as a HostTensor (raw bytes + dtype tag),
+    distinct experts, one count each.
     """
 
     def __init__(self, table: RoutingTable, shards: dict[tuple[int, int], GatedMLPWeights], hidden_act: str = "silu"):
@@ -43,19 +44,19 @@ class FakeTransport:
         self.submitted: list[tuple[str, int, list[int], list[int], tuple[int, ...]]] = []
         self.gathers = 0
 
-    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray):
-        assert isinstance(x, np.ndarray) and x.shape == (sum(counts), HIDDEN)
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor):
+        assert isinstance(x, HostTensor) and x.shape == (sum(counts), HIDDEN)
         assert len(experts) == len(counts) == len(set(experts))
         self.submitted.append((actor, layer, list(experts), list(counts), x.shape))
         outs = []
-        for expert, rows in zip(experts, torch.from_numpy(x).split(counts)):
+        for expert, rows in zip(experts, to_tensor(x).split(counts)):
             assert (layer, expert) in self.table.actors[actor], f"{actor} does not host {(layer, expert)}"
             outs.append(gated_mlp(rows, self.shards[(layer, expert)], self.act))
-        return torch.cat(outs).numpy()
+        return pack(torch.cat(outs))
 
     def gather_settled(self, handles, timeout):
         self.gathers += 1
-        return [h if isinstance(h, BaseException) else torch.from_numpy(h) for h in handles]
+        return [h if isinstance(h, BaseException) else to_tensor(h) for h in handles]
 
 
 class NamedFakeTransport(FakeTransport):
@@ -82,7 +83,7 @@ class FailingInProcessTransport:
         if actor in self.fail:
             self.fail.discard(actor)
             return RuntimeError(f"{actor} failed")
-        rows = torch.from_numpy(x).split(counts)
+        rows = to_tensor(x).split(counts)
         return torch.cat([gated_mlp(r, self.shards[(layer, e)], self.act) for e, r in zip(experts, rows)])
 
     def gather_settled(self, handles, timeout):
@@ -114,7 +115,7 @@ class FakeExperts:
         self.seen.append((layer, experts, counts, x.shape, trace))
         if layer < 0:
             raise KeyError((layer, experts[0]))
-        return np.asarray(x) * 2 + layer
+        return pack(to_tensor(x) * 2 + layer)
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""Tiny MoE checkpoints for tests, in the three supported families, written the way users get them.
+"""Tiny MoE checkpoints for tests, in every supported family, written the way users get them.
 
 `transformers` writes them with `save_pretrained` (one file or sharded); `write_direct_mixtral` writes one with
 `safetensors` alone, so the format test does not depend on a `transformers` version. Weights are drawn with a larger
@@ -16,7 +16,7 @@ VOCAB = 96
 
 
 def hf_config(family: str, **overrides):
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig
+    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=128, initializer_range=0.15, eos_token_id=None, bos_token_id=None,
@@ -32,19 +32,68 @@ def hf_config(family: str, **overrides):
     elif family == "olmoe":
         cfg = OlmoeConfig(**(common | dict(intermediate_size=24, num_key_value_heads=4, num_experts=8,
                                            num_experts_per_tok=3, norm_topk_prob=False) | overrides))
+    elif family == "qwen3_moe":  # head_dim 16 != hidden/heads, a dense layer, per-head q/k norm
+        cfg = Qwen3MoeConfig(**(common | dict(num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=24,
+                                              head_dim=16, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                              norm_topk_prob=True, mlp_only_layers=[1]) | overrides))
+    elif family == "gpt_oss":  # sizes multiples of 32 (MXFP4 blocks); layers alternate sliding (window 4) / full
+        cfg = GptOssConfig(**(common | dict(hidden_size=64, intermediate_size=32, head_dim=16, num_key_value_heads=2,
+                                            num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                            max_position_embeddings=131072)
+                              | overrides))
     else:
         raise ValueError(family)
     return cfg
 
 
-def write_hf_checkpoint(family: str, out: Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
-    """save_pretrained a randomly initialised model of `family` into `out`; returns `out`."""
+def write_hf_checkpoint(family: str, out: Path, seed: int = 0, max_shard_size: str | None = None,
+                        fused: bool = False, **overrides) -> Path:
+    """save_pretrained a randomly initialised model of `family` into `out`; returns `out`.
+
+    fused=True saves transformers 5's stacked expert tensors (`save_original_format=False`: `mlp.experts.gate_up_proj`
+    [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) instead of per-expert names. gpt-oss is always stacked."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(family, **overrides))
+    if family == "gpt_oss":
+        with torch.no_grad():  # transformers initialises the sinks and biases at 0; give them signal
+            for name, param in model.named_parameters():
+                if name.endswith(("sinks", "bias")):
+                    param.normal_(0.0, 0.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    if fused:
+        kwargs["save_original_format"] = False
     model.save_pretrained(out, **kwargs)
+    return out
+
+
+def write_mxfp4_gpt_oss(source: Path, out: Path) -> Path:
+    """The gpt-oss checkpoint in `source` with its experts quantised to MXFP4 in the published layout:
+    `gate_up_proj_blocks` [E, 2I, H/32, 16] + `_scales` [E, 2I, H/32] (from gate_up_proj [E, H, 2I] transposed),
+    `down_proj_blocks` [E, H, I/32, 16] + `_scales`, biases kept; config.json gains the published
+    `quantization_config`."""
+    from safetensors.torch import load_file, save_file
+
+    from expertmesh.experts.mxfp4 import quantize
+
+    tensors = load_file(str(source / "model.safetensors"))
+    packed: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize(tensor.transpose(1, 2))  # [E, out, in]: blocks run along the input axis
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        else:
+            packed[name] = tensor
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(packed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

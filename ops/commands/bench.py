@@ -19,12 +19,20 @@ def add_parser(sub) -> None:
     dispatch = bench_sub.add_parser("dispatch", help="distributed forward vs transformers in one process")
     dispatch.add_argument("--workload", choices=["prefill", "decode", "both"], default="both")
     dispatch.add_argument("--repeats", type=int, default=5)
+    dispatch.add_argument("--shape", choices=["mixtral", "qwen3-30b-a3b", "deepseek-v3"], default="mixtral",
+                          help="benchmark model: Mixtral-like (8 experts, top-2) or a many-expert one (top-8)")
     dispatch.add_argument("--context", type=int, metavar="N", help="decode at N tokens of context over the paged KV "
                           "cache, against transformers with a static cache (ops/bench_context.py)")
     dispatch.add_argument("--streams", type=int, default=8, help="with --context: sequences decoding together")
     # The mesh's settings (transport, overlap, failover, ...); the benchmark supplies its own checkpoint.
-    add_mesh_flags(dispatch, ("ray", "experts", "router", "failover", "controller", "tracing"))
+    add_mesh_flags(dispatch, ("ray", "experts", "router", "failover", "controller", "tracing"), extra=("model.dtype",))
     _output_flags(dispatch)
+    overhead = bench_sub.add_parser("dispatch-overhead",
+                                    help="the router's own per-layer cost (plan, marshal, combine), before/after")
+    overhead.add_argument("--tokens", type=int, default=64)
+    overhead.add_argument("--hidden", type=int, default=1024)
+    overhead.add_argument("--repeats", type=int, default=300)
+    _output_flags(overhead)
     serve_bench = bench_sub.add_parser("serve", help="concurrent gRPC streams: tokens/s and inter-token latency")
     serve_bench.add_argument("--target", help="a running server (default: start one on the embedded model)")
     serve_bench.add_argument("--model", metavar="DIR", help="checkpoint for the self-started server")
@@ -65,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
         from ..bench_dispatch import run_dispatch_bench
 
         result = run_dispatch_bench(args.workload, repeats=args.repeats, verbose=not args.json,
-                                    config=mesh_config_from_args(args))
+                                    config=mesh_config_from_args(args), shape=args.shape)
+    elif args.bench == "dispatch-overhead":
+        from ..bench_dispatch_overhead import run_overhead_bench
+
+        result = run_overhead_bench(tokens=args.tokens, hidden_size=args.hidden, repeats=args.repeats)
     elif args.bench == "serve":
         from ..bench_serve import run_serve_bench
 

@@ -36,18 +36,29 @@ class Flag:
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("--model", "model.path", "model", "checkpoint folder (default: the embedded model)", {"metavar": "DIR"}),
+    Flag("--model", "model.path", "model", "checkpoint folder or Hugging Face repo id org/name (default: the embedded "
+         "model)", {"metavar": "DIR|REPO"}),
+    Flag("--revision", "model.revision", "model", "with a repo id: branch, tag or commit"),
     Flag("--model-name", "model.name", "model", "name clients use (default: folder name; expertmesh-demo if "
          "embedded)"),
-    Flag("--dtype", "model.dtype", "model", "weights and activations", {"choices": DTYPES}),
+    Flag("--dtype", "model.dtype", "model", "weights and activations; auto: the checkpoint's dtype on a GPU, "
+         "float32 on a CPU (README: Data types)", {"choices": DTYPES}),
     Flag("--address", "ray.address", "ray", "Ray cluster to join (default: start an embedded one)"),
     Flag("--ray-cpus", "ray.num_cpus", "ray", "CPUs of the embedded Ray (default: the machine's)", {"type": int}),
     Flag("--replicas-per-expert", "experts.replicas_per_expert", "experts", "replicas of each expert actor",
          {"type": int}),
     Flag("--cpus-per-actor", "experts.num_cpus_per_actor", "experts", "CPUs per expert actor (default: a share "
          "of each node's)", {"type": float}),
-    Flag("--actor-start-timeout", "experts.start_timeout_s", "experts", "seconds for every expert actor to load",
-         {"type": float}),
+    Flag("--actor-start-timeout", "experts.start_timeout_s", "experts", "seconds for every expert actor to load "
+         "(default 1800)", {"type": float}),
+    Flag("--gpu-memory-gb", "experts.gpu_memory_gb", "experts", "memory of each GPU in GiB (default: nvidia-smi on "
+         "each GPU node); the expert pool is checked against it by bytes before any actor loads", {"type": float}),
+    Flag("--expert-gpu-memory-utilization", "experts.gpu_memory_utilization", "experts", "fraction of each expert "
+         "GPU the pool may fill (default 0.9)", {"type": float}),
+    Flag("--gpu-wait", "experts.gpu_wait_s", "experts", "seconds to wait for the autoscaler to add GPUs the pool is "
+         "missing (default 600; 0: stop at once)", {"type": float}),
+    Flag("--restore-timeout", "controller.restore_timeout_s", "controller", "seconds a restored actor may take to "
+         "load (default 1800)", {"type": float}),
     Flag("--placement", "experts.placement", "experts", "start from a PLACEMENT.json (`expertmesh plan`): one "
          "expert actor per GPU hosting that GPU's shards", {"metavar": "FILE"}),
     Flag("--transport", "router.transport", "router", "how routers reach expert actors (README: Transports)",
@@ -56,7 +67,10 @@ FLAGS: tuple[Flag, ...] = (
          "overlap the other's dense compute (README: Transports / Overlap)", {"action": "store_const", "const": True}),
     Flag("--capacity-factor", "router.capacity_factor", "router", "cap tokens per expert per step (default: no "
          "cap, no token is ever dropped)", {"type": float}),
-    Flag("--router-threads", "router.threads", "router", "torch threads per router", {"type": int}),
+    Flag("--router-threads", "router.threads", "router", "torch threads per router; a Serve replica also reserves "
+         "that many CPUs (default: the CPUs it was given, at least 1)", {"type": int}),
+    Flag("--router-gpus", "router.gpus", "router", "GPUs per router (fractions share one): its dense weights, KV "
+         "cache and sampling run on cuda:0 (default: 0, on CPU)", {"type": float}),
     Flag("--kv-cache-gb", "router.kv_cache_gb", "router", "size of the paged KV cache in GiB, preallocated on the "
          "router's device (default: 2 on CPU, at most 64 full contexts; on a GPU see --gpu-memory-utilization)",
          {"type": float}),
@@ -117,6 +131,8 @@ FLAGS: tuple[Flag, ...] = (
          "sending `x-expertmesh-admin-token: TOKEN` (default: $EXPERTMESH_ADMIN_TOKEN, else they are refused)"),
     Flag("--max-message-bytes", "server.max_message_bytes", "server", "largest request or response",
          {"type": int}),
+    Flag("--http-port", "server.http_port", "server", "also serve the OpenAI-compatible HTTP API and the live "
+         "cluster page here (same host, token and TLS; 0 picks a free port; default off)", {"type": int}),
 )
 GROUPS = tuple(dict.fromkeys(f.group for f in FLAGS))
 # What runs in a process of its own without Serve (generate/score --local, bench dispatch).
@@ -136,14 +152,15 @@ def _default(path: str) -> Any:
 
 
 def add_mesh_flags(parser: argparse.ArgumentParser, groups: tuple[str, ...] = GROUPS,
-                   config_file: bool = True) -> None:
-    """The flags of `groups`, and `--config FILE`, on `parser`."""
+                   config_file: bool = True, extra: tuple[str, ...] = ()) -> None:
+    """The flags of `groups`, and `--config FILE`, on `parser`; extra: dotted paths of single flags from other
+    groups (e.g. bench dispatch takes --dtype but not --model)."""
     if config_file:
         parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
                             help="a YAML or JSON file holding the configuration tree (README: Configuration); "
                                  "flags override it")
     for flag in FLAGS:
-        if flag.group not in groups:
+        if flag.group not in groups and flag.path not in extra:
             continue
         default = _default(flag.path)
         shown = f" (default: {default})" if default not in (None, {}, False, True) else ""

@@ -46,15 +46,26 @@ def status_lines(state) -> list[str]:
         f"router {r.replica}: {r.active_sequences} active, {r.waiting_requests} waiting, {r.live_kv_caches} KV "
         f"caches, {r.steps} steps, largest batch {r.max_batch_seen}, {r.retried_calls} retried calls, "
         f"{r.degraded_slots} degraded slots",
+        f"router compute: {r.dtype or '?'} on {r.device or '?'}, {r.threads} threads",
     ]
     lines += load_lines(json.loads(state.load_json) if state.load_json else None)
     lines += control_lines(json.loads(state.control_json) if state.control_json else [], state.requested_gpus)
-    lines.append(f"{'actor':<16}{'node':<14}{'gpu':<6}{'device':<8}{'state':<10}{'gen':>4}  {'breaker':<10}"
-                 f"{'calls':>8}{'tokens':>10}")
+    lines.append(f"{'actor':<16}{'node':<14}{'gpu':<6}{'device':<8}{'dtype':<10}{'state':<10}{'gen':>4}  "
+                 f"{'breaker':<10}{'calls':>8}{'tokens':>10}")
     for rep in state.replicas:
         alive = "drained" if rep.drained else "restoring" if rep.restoring else "up" if rep.alive else "DOWN"
         lines.append(f"{rep.actor:<16}{rep.node_id[:12]:<14}{','.join(rep.gpu_ids) or '-':<6}{rep.device or '-':<8}"
-                     f"{alive:<10}{rep.generation:>4}  {rep.breaker:<10}{rep.calls:>8}{rep.tokens:>10}")
+                     f"{rep.dtype or '-':<10}{alive:<10}{rep.generation:>4}  {rep.breaker:<10}{rep.calls:>8}"
+                     f"{rep.tokens:>10}{load_note(rep)}")
     for event in state.events[-10:]:
         lines.append(f"event {event.time:.1f} {event.kind:<15} {event.actor} {event.detail_json}")
     return lines
+
+
+def load_note(rep) -> str:
+    """'  loading 3.2/10.5 GiB' while an actor reads its weights, its load error if the last load failed."""
+    if rep.load_error:
+        return f"  load failed: {rep.load_error}"
+    if rep.load_total_bytes and rep.load_bytes < rep.load_total_bytes:
+        return f"  loading {rep.load_bytes / 2**30:.1f}/{rep.load_total_bytes / 2**30:.1f} GiB"
+    return ""

@@ -33,6 +33,7 @@ from ...cluster.naming import CONTROLLER_NAME, NAMESPACE, is_expert_actor_name
 from ...protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from ...protos import inference_pb2 as pb
 from ...router_service.admin_auth import admin_metadata
+from ...router_service.ray_join import prepare_join
 from ..server_process import ServerProcess, start_server
 from .config import DrillConfig, serve_args
 from .record import DrillRecord, KillRecord, PollRecord, RequestRecord
@@ -491,6 +492,7 @@ def record_drill(config: DrillConfig, verbose: bool = True) -> DrillRecord:
         else:
             target = config.target
             if config.address is not None:
+                prepare_join(config.address, field="address")
                 ray.init(address=config.address, namespace=NAMESPACE, logging_level=logging.WARNING,
                          log_to_driver=False)
                 ray_connected = True

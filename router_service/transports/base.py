@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # annotations only
-    import numpy as np
     import torch
+
+    from ...experts.arrays import HostTensor
 
 TRANSPORTS = ("refs", "grpc", "compiled")
 
@@ -31,10 +32,11 @@ class Transport(Protocol):
 
     actors: dict[str, Any]
 
-    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
                trace: dict[str, str] | None = None) -> Any:
-        """Start one call; returns a handle for `gather`. trace: a W3C carrier dict (opentelemetry.propagate
-        .inject) naming the dispatch span as parent, handed to ExpertActor.forward(..., trace=); None when off."""
+        """Start one call with rows x ([n, H] as raw bytes + dtype tag, in host memory); returns a handle for
+        `gather`. trace: a W3C carrier dict (opentelemetry.propagate.inject) naming the dispatch span as parent,
+        handed to ExpertActor.forward(..., trace=); None when off."""
         ...
 
     def gather_settled(self, handles: list[Any], timeout: float) -> list[torch.Tensor | BaseException]:

@@ -19,8 +19,9 @@ The graph is built for one set of actor incarnations (name -> actor id). It is n
 Expert actors keep taking normal calls while a graph runs (its loop runs in Ray's `_ray_system` concurrency group),
 so `ready`/`info` pings from the reviver and the controller still work.
 
-GPU tensors: the router hands the graph numpy arrays on the CPU, so every edge here is driver <-> actor, which Ray
-serves with shared memory (or RPC across nodes); NCCL channels only apply between actors and are not used.
+GPU tensors: the router hands the graph host rows (HostTensor: raw bytes + dtype tag, staged off its device by
+dispatch), so every edge here is driver <-> actor, which Ray serves with shared memory (or RPC across nodes); NCCL
+channels only apply between actors and are not used.
 Tracing: the W3C carrier rides in the input tuple and reaches `ExpertActor.forward(..., trace=)`.
 """
 
@@ -32,10 +33,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 
+from ...experts.arrays import HostTensor, to_tensor
 from .refs import RayRefTransport
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class _Pending:
     layer: int
     experts: list[int]
     counts: list[int]
-    x: np.ndarray
+    x: HostTensor
     trace: dict[str, str] | None = None
 
 
@@ -99,7 +100,7 @@ class CompiledGraphTransport:
 
     # ---- Transport -----------------------------------------------------------------------------------------
 
-    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
                trace: dict[str, str] | None = None) -> _Pending:
         return _Pending(actor, layer, experts, counts, x, trace)
 
@@ -134,7 +135,7 @@ class CompiledGraphTransport:
         self.compiled_rounds += 1
         # Copy out of the channel buffers, which the next round overwrites (dispatch may hold outputs across
         # retry rounds).
-        return [torch.from_numpy(np.array(outputs[graph.index[h.actor]])) for h in handles]
+        return [to_tensor(outputs[graph.index[h.actor]]).clone() for h in handles]
 
     def _run_fallback(self, handles: list[_Pending], timeout: float) -> list[torch.Tensor | BaseException]:
         self.fallback_rounds += 1

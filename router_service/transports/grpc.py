@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import numpy as np
 import ray
 import torch
 
 from ...experts import wire
-from ...experts.arrays import readonly_tensor
+from ...experts.arrays import HostTensor
 from ...experts.grpc_server import MESSAGE_OPTIONS, call_metadata
 from ...experts.transport_secret import transport_secret
 from ...protos import expert_transport_pb2_grpc as pb_grpc
@@ -88,7 +87,7 @@ class GrpcTransport:
             return self._dial(name, address)
         return self.connections[name]
 
-    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
                trace: dict[str, str] | None = None) -> _Call:
         try:
             conn = self._connection(actor)
@@ -108,7 +107,7 @@ class GrpcTransport:
                 continue
             try:
                 reply = call.future.result(timeout=max(0.0, deadline - time.monotonic()))
-                results.append(readonly_tensor(wire.decode(reply.y)))
+                results.append(wire.decode(reply.y))
             except grpc.FutureTimeoutError:
                 call.future.cancel()
                 results.append(TimeoutError(f"expert call to {call.actor} did not finish within {timeout}s"))

@@ -5,11 +5,10 @@ transport (they all keep their handles in the same `actors` dict).
 
 from __future__ import annotations
 
-import numpy as np
 import ray
 import torch
 
-from ...experts.arrays import readonly_tensor
+from ...experts.arrays import HostTensor, to_tensor
 from .base import Transport
 
 
@@ -17,7 +16,7 @@ class RayRefTransport:
     def __init__(self, actors: dict[str, ray.actor.ActorHandle]):
         self.actors = actors
 
-    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: np.ndarray,
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
                trace: dict[str, str] | None = None) -> ray.ObjectRef:
         if trace is None:
             return self.actors[actor].forward.remote(layer, experts, counts, x)
@@ -28,7 +27,7 @@ class RayRefTransport:
         if len(ready) == len(handles):
             try:
                 # One get for the whole layer when nothing failed (the common case): cheaper than one per call.
-                return [readonly_tensor(value) for value in ray.get(handles)]
+                return [to_tensor(value) for value in ray.get(handles)]
             except Exception:  # some call failed: sort out which, one by one
                 pass
         finished = set(ready)
@@ -38,7 +37,7 @@ class RayRefTransport:
                 results.append(TimeoutError(f"expert call did not finish within {timeout}s"))
                 continue
             try:
-                results.append(readonly_tensor(ray.get(ref)))
+                results.append(to_tensor(ray.get(ref)))
             except Exception as exc:  # the actor died, its node went away, or its code raised
                 results.append(exc)
         return results

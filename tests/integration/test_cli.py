@@ -131,6 +131,7 @@ def test_status_lists_every_actor(server, checkpoints, capsys):
     state = json.loads(proc.stdout)
     assert {r["actor"] for r in state["replicas"]} == actors
     assert all(r.get("alive") for r in state["replicas"]), state["replicas"]
+    assert {r.get("dtype") for r in state["replicas"]} == {"float32"}  # model.dtype auto, resolved on a CPU actor
     assert state["controller_alive"] is True
     # Every shard (layer, expert) has its one replica, on the actor named for its expert.
     shards = {(s.get("layer", 0), s.get("expert", 0)): s["replicas"] for s in state["shards"]}
@@ -140,5 +141,6 @@ def test_status_lists_every_actor(server, checkpoints, capsys):
     # The table the human-readable form prints has a row per actor.
     text = cli_main(capsys, "status", "--target", server.target, "--timeout", "120")
     assert text.returncode == 0, text.stderr[-2000:]
+    assert "router compute: float32 on cpu" in text.stdout
     rows = [line.split()[0] for line in text.stdout.splitlines() if line.startswith("expert-")]
     assert sorted(rows) == sorted(actors)

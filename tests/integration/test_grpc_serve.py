@@ -48,6 +48,12 @@ def router_stats(chan) -> admin_pb2.RouterStats:
     return admin_pb2_grpc.AdminStub(chan).GetRouterStats(admin_pb2.RouterStatsRequest(), metadata=AUTH, timeout=10)
 
 
+def test_router_stats_report_the_resolved_dtype_device_and_threads(channel):
+    """model.dtype auto on a CPU router resolves to float32; a replica that reserved no CPU runs one thread."""
+    stats = router_stats(channel)
+    assert (stats.dtype, stats.device, stats.threads) == ("float32", "cpu", 1)
+
+
 def test_health_reports_serving(channel):
     resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING

@@ -41,7 +41,10 @@ def deployed(checkpoints, tmp_path_factory):
     config["grpc_options"]["port"] = port
     config["http_options"]["port"] = free_port()
     app = config["applications"][0]["args"]
+    # The shipped config serves a Hub model in bf16 with a GPU per router; here: a tiny folder, on CPU.
     app["model"]["path"] = str(checkpoints["mixtral"])
+    app["model"]["dtype"] = "auto"
+    app["router"]["gpus"] = 0
     # Non-default settings that must reach the builder and the routers through Serve's args (one config tree).
     app["model"]["name"] = "yaml-mixtral"
     app["failover"]["no_replica_policy"] = "degrade"

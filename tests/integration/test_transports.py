@@ -5,13 +5,13 @@ is killed under a running compiled graph, a gRPC reconnect after a restore, and 
 from __future__ import annotations
 
 import grpc
-import numpy as np
 import pytest
 import ray
 import torch
 
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts import wire
+from expertmesh.experts.arrays import pack, to_tensor
 from expertmesh.experts.grpc_server import call_metadata
 from expertmesh.experts.transport_secret import transport_secret
 from expertmesh.protos import expert_transport_pb2_grpc as pb_grpc
@@ -101,7 +101,7 @@ def test_expert_grpc_servers_listen_on_the_node_ip_and_want_the_cluster_secret(r
             stub = pb_grpc.ExpertTransportStub(channel)
             for metadata in (None, call_metadata("not-the-secret")):
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.Forward(wire.encode_batch(0, [0], [1], np.zeros((1, 4), np.float32)), metadata=metadata,
+                    stub.Forward(wire.encode_batch(0, [0], [1], pack(torch.zeros(1, 4))), metadata=metadata,
                                  timeout=10)
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, conn.address
 
@@ -216,10 +216,10 @@ def test_an_idle_compiled_graph_is_torn_down_and_rebuilt_on_demand(mesh):
         assert not running
         name = sorted(actors)[0]
         layer, expert = mesh.pool.spec.actor_shards[name][0]
-        x = torch.randn(3, mesh.model_config.hidden_size).numpy()
+        x = pack(torch.randn(3, mesh.model_config.hidden_size))
         want = ray.get(actors[name].forward.remote(layer, [expert], [3], x))
         got = transport.gather_settled([transport.submit(name, layer, [expert], [3], x)], 30)[0]
-        assert torch.equal(got, torch.from_numpy(want))  # served by plain calls while it rebuilds
+        assert torch.equal(got, to_tensor(want))  # served by plain calls while it rebuilds
         assert transport.wait_built(60) and transport.builds == 2
     finally:
         transport.close()

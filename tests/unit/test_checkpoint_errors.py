@@ -249,9 +249,9 @@ def test_load_expert_shards_reads_only_that_shard(checkpoints, monkeypatch, name
     requested: list[list[str]] = []
     real_read_many = CheckpointReader.read_many
 
-    def read_many(self, wanted, progress=None):
+    def read_many(self, wanted, progress=None, **options):
         requested.append(list(wanted))
-        return real_read_many(self, wanted, progress=progress)
+        return real_read_many(self, wanted, progress=progress, **options)
 
     monkeypatch.setattr(CheckpointReader, "read_many", read_many)
     shards = load_expert_shards(reader, [(0, 1)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,60 @@ def test_kuberay_manifest_embeds_the_serve_config():
     workers = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     limits = workers[0]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert int(limits["nvidia.com/gpu"]) >= 1
+
+
+PLACEHOLDER = re.compile(r"your[-_ ]|<[^<>\n]*>|\bTODO\b|CHANGEME|example\.com|\bxxx+\b|\bREPLACE", re.IGNORECASE)
+DOCKERFILE = CONFIGS.parent / "docker" / "Dockerfile"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")) + [DOCKERFILE], ids=lambda p: p.name)
+def test_no_placeholders(path):
+    text = path.read_text()
+    found = [m.group(0) for m in PLACEHOLDER.finditer(text)]
+    assert not found, f"{path.name}: placeholder text {found}"
+
+
+def test_the_placeholder_check_catches_placeholders():
+    for text in ("git+https://github.com/your-org/x", "image: <registry>/x", "project_id: CHANGEME"):
+        assert PLACEHOLDER.search(text), text
+
+
+def _dockerfile() -> tuple[str, str]:
+    """(base image, torch install line) of the Dockerfile."""
+    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    base = next(line.split()[1] for line in lines if line.startswith("FROM "))
+    torch = next(line for line in lines if "torch==" in line)
+    return base, torch
+
+
+@pytest.mark.parametrize("name", ["aws-gpu.yaml", "gcp-gpu.yaml"])
+def test_launcher_yaml_runs_the_dockerfile_s_image_and_installs_this_checkout(name):
+    config = load(name)
+    base, torch_line = _dockerfile()
+    assert config["docker"]["image"] == base
+    pin = re.search(r"torch==\S+ --index-url \S+", torch_line).group(0)
+    setup = config["setup_commands"]
+    assert any(pin in command for command in setup), f"{name}: install {pin} as the Dockerfile does"
+    # Every path a setup command installs from is mounted on every node.
+    mounted = set(config["file_mounts"])
+    for command in setup:
+        for path in re.findall(r"(/home/\S+)", command):
+            assert any(path == m or path.startswith(m + "/") for m in mounted), f"{name}: {path} is not mounted"
+    assert config["file_mounts"]["/home/ray/expertmesh"] == "."
+    # The nodes' OS image is pinned to an NVIDIA-driver image (not Ray's default AMI).
+    for node in config["available_node_types"].values():
+        image = node["node_config"].get("ImageId") or node["node_config"]["disks"][0]["initializeParams"]["sourceImage"]
+        assert "nvidia" in image
+
+
+def test_kuberay_runs_the_dockerfile_s_image_and_serves_a_hub_model():
+    manifest = load("kuberay-rayservice.yaml")
+    cluster = manifest["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    images = {c["image"] for pod in pods for c in pod["template"]["spec"]["containers"]}
+    assert images == {"expertmesh:0.1.0"}
+    assert "-t expertmesh:0.1.0" in DOCKERFILE.read_text()
+    args = load("serve_config.yaml")["applications"][0]["args"]
+    from expertmesh.experts.model_source import is_repo_id
+
+    assert is_repo_id(args["model"]["path"]) and args["model"]["dtype"] == "bfloat16" and args["router"]["gpus"] == 1

@@ -113,8 +113,8 @@ def test_combine_pinned():
     hidden = torch.zeros(3, 2)
     routing = _routing([[0, 1], [1, 0], [0, DROPPED]], [[0.75, 0.25], [0.5, 0.5], [1.0, 0.0]])
     calls = [
-        ActorCall("b", experts=[1], token_idx=[torch.tensor([0, 1])], slot_idx=[torch.tensor([1, 0])]),
-        ActorCall("a", experts=[0], token_idx=[torch.tensor([0, 1, 2])], slot_idx=[torch.tensor([0, 1, 0])]),
+        ActorCall.of("b", experts=[1], token_idx=[torch.tensor([0, 1])], slot_idx=[torch.tensor([1, 0])]),
+        ActorCall.of("a", experts=[0], token_idx=[torch.tensor([0, 1, 2])], slot_idx=[torch.tensor([0, 1, 0])]),
     ]
     outputs = [
         torch.tensor([[10.0, 20.0], [30.0, 40.0]]),  # expert 1 at tokens 0, 1

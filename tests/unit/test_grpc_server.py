@@ -6,10 +6,11 @@ the forward never runs for them (issue 18 item 13)."""
 from __future__ import annotations
 
 import grpc
-import numpy as np
 import pytest
+import torch
 
 from expertmesh.experts import wire
+from expertmesh.experts.arrays import pack
 from expertmesh.experts.grpc_server import MESSAGE_OPTIONS, SECRET_METADATA_KEY, ExpertGrpcServer, call_metadata
 from expertmesh.protos import expert_transport_pb2_grpc as pb_grpc
 from tests.fakes import FakeExperts
@@ -40,27 +41,29 @@ def served(server_and_stub):
     return experts, _WithSecret(stub)
 
 
-def test_forward_round_trip_with_trace(served):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_round_trip_with_trace(served, dtype):
     experts, stub = served
-    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    x = (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)) * 10).to(dtype)
     carrier = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
-    reply = stub.Forward(wire.encode_batch(1, [2, 5], [1, 2], x, carrier), timeout=10)
-    assert np.array_equal(wire.decode(reply.y), x * 2 + 1)
+    reply = stub.Forward(wire.encode_batch(1, [2, 5], [1, 2], pack(x), carrier), timeout=10)
+    got = wire.decode(reply.y)
+    assert got.dtype == dtype and torch.equal(got, x * 2 + 1)  # the dtype crosses both ways, bit for bit
     assert experts.seen == [(1, [2, 5], [1, 2], (3, 4), carrier)]
-    stub.Forward(wire.encode_batch(0, [0], [3], x), timeout=10)
+    stub.Forward(wire.encode_batch(0, [0], [3], pack(x)), timeout=10)
     assert experts.seen[-1][-1] is None  # untraced calls reach forward without a carrier
 
 
 def test_a_large_batch_passes_the_default_message_limit(served):
     _, stub = served
-    x = np.ones((2048, 1024), np.float32)  # 8 MiB, twice gRPC's default limit
+    x = pack(torch.ones(2048, 1024))  # 8 MiB, twice gRPC's default limit
     assert wire.decode(stub.Forward(wire.encode_batch(0, [0], [2048], x), timeout=30).y).shape == (2048, 1024)
 
 
 def test_a_failing_forward_is_internal(served):
     _, stub = served
     with pytest.raises(grpc.RpcError) as err:
-        stub.Forward(wire.encode_batch(-1, [7], [1], np.zeros((1, 4), np.float32)), timeout=10)
+        stub.Forward(wire.encode_batch(-1, [7], [1], pack(torch.zeros(1, 4))), timeout=10)
     assert err.value.code() == grpc.StatusCode.INTERNAL and "KeyError" in err.value.details()
 
 
@@ -70,13 +73,13 @@ def test_a_failing_forward_is_internal(served):
                          ids=["none", "wrong", "prefix", "longer", "empty", "other-key"])
 def test_a_call_without_the_cluster_secret_is_unauthenticated(server_and_stub, metadata):
     experts, stub, _ = server_and_stub
-    x = np.ones((1, 4), np.float32)
+    x = torch.ones(1, 4)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Forward(wire.encode_batch(1, [0], [1], x), metadata=metadata, timeout=10)
+        stub.Forward(wire.encode_batch(1, [0], [1], pack(x)), metadata=metadata, timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert experts.seen == []  # refused before the forward ran
-    reply = stub.Forward(wire.encode_batch(1, [0], [1], x), metadata=call_metadata(SECRET), timeout=10)
-    assert np.array_equal(wire.decode(reply.y), x * 2 + 1)  # the right secret is served
+    reply = stub.Forward(wire.encode_batch(1, [0], [1], pack(x)), metadata=call_metadata(SECRET), timeout=10)
+    assert torch.equal(wire.decode(reply.y), x * 2 + 1)  # the right secret is served
 
 
 def test_an_unknown_method_without_the_secret_is_unauthenticated_too(server_and_stub):

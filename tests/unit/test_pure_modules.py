@@ -26,23 +26,35 @@ PURE_MODULES = (
     "expertmesh.experts.block_allocator",  # which KV-cache blocks are free (no tensors)
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
+    "expertmesh.experts.config_deepseek",
+    "expertmesh.experts.dtypes",  # model.dtype resolution ("auto" against the checkpoint and the device)
     "expertmesh.experts.embedded_model",
     "expertmesh.experts.errors",
     "expertmesh.experts.ffn",
+    "expertmesh.experts.fp8",
     "expertmesh.experts.gating",
+    "expertmesh.experts.grouped_ffn",  # a call's experts in grouped matmuls (actors and reference)
     "expertmesh.experts.kv_cache",
+    "expertmesh.experts.load_progress",  # actors' load progress records (the KV store passed in)
+    "expertmesh.experts.mla_attention",
+    "expertmesh.experts.model_source",  # folders and Hub repo ids (huggingface_hub imported on use)
     "expertmesh.experts.modeling",
+    "expertmesh.experts.mxfp4",
     "expertmesh.experts.norms",
     "expertmesh.experts.reference",
     "expertmesh.experts.rope",
+    "expertmesh.experts.rope_yarn",
+    "expertmesh.experts.routed_rows",  # rows sorted by expert, and the one combine order
     "expertmesh.experts.tokenizer",
     "expertmesh.experts.tracing_config",
     "expertmesh.experts.weights",
+    "expertmesh.experts.weights_deepseek",
     "expertmesh.experts.wire",  # the expert call's wire format (protobuf messages, no gRPC)
     # router: dispatch planning/combine, the dispatcher, sampling, batching, request handling, the transport interface
     "expertmesh.router_service.proto_mapping",
     "expertmesh.router_service.admin_auth",  # who may call the destructive Admin RPCs
     "expertmesh.router_service.batching",
+    "expertmesh.router_service.chat_template",  # chat templates (jinja2), as transformers renders them
     "expertmesh.router_service.continuation",  # what the gRPC front re-sends when a router replica dies
     "expertmesh.router_service.config",  # the configuration tree: the CLI checks it before anything starts
     "expertmesh.router_service.config_tree",
@@ -52,11 +64,14 @@ PURE_MODULES = (
     "expertmesh.router_service.errors",
     "expertmesh.router_service.log_limit",
     "expertmesh.router_service.observability_config",
+    "expertmesh.router_service.openai_api",  # OpenAI HTTP bodies, responses, stream chunks, errors
+    "expertmesh.router_service.openai_requests",  # OpenAI jobs -> GenerationRequests, batcher events -> dicts
     "expertmesh.router_service.sampling",
     "expertmesh.router_service.server_checks",  # TLS pair, host, port: checked before anything starts
     "expertmesh.router_service.transports",
     "expertmesh.router_service.transports.base",
     # cluster policies and plans
+    "expertmesh.cluster.memory_plan",  # GPU memory accounting for placement and plan-cluster
     "expertmesh.cluster.actor_slots",
     "expertmesh.cluster.autoscale",
     "expertmesh.cluster.breaker",

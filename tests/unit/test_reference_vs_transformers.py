@@ -312,7 +312,7 @@ def test_rope_theta_sources():
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6, "factor": 4.0}},  # (yarn is supported)
         {"rope_parameters": _DROP, "rope_scaling": {"type": "linear", "factor": 2.0}},
         {"rope_parameters": _DROP, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
     ],

@@ -1,0 +1,140 @@
+"""Does a model fit a cluster, and how many GPUs of what memory does it need? Pure arithmetic over the checkpoint's
+tensor shapes (experts/weights.py's name map, so every family and its quantised formats count as served: weights
+are dequantised to the serving dtype on load), no Ray.
+
+Accounting (the same as the planned layout's, cluster/shard_placement.py `Topology.from_memory`):
+  - A shard = one (layer, expert): its gate/up/down at the serving dtype. An expert GPU hosts one actor holding
+    `slots` shards of *every* MoE layer (the planned layout), so it needs slots x layers x shard bytes.
+  - Usable GPU memory = memory x gpu_memory_utilization, minus a runtime reserve (CUDA context, allocator slack,
+    activations of one call), minus — for live remap — one layer-slot of headroom so a shard set can load beside the
+    one it replaces before that one drains.
+  - Replicas of a shard sit on different GPUs: at least `replicas` expert GPUs.
+  - Each router replica gets a GPU of its own: dense weights + its KV cache budget + the runtime reserve.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..experts.config import MoEModelConfig
+from ..experts.weights import dense_tensor_names, expert_shard_names
+
+GIB = 1 << 30
+RUNTIME_RESERVE_BYTES = 2 * GIB  # CUDA context + allocator slack + one call's activations, per GPU
+
+# nvidia-smi's memory of each GPU (MiB, as the driver reports it; "24 GB" cards have a little less).
+GPU_MEMORY_MIB = {
+    "A10G": 23_028, "L4": 23_034, "L40S": 46_068, "A100-40GB": 40_960, "A100-80GB": 81_920,
+    "H100": 81_559, "H200": 143_771, "B200": 183_359,
+}
+# Cloud instance types: (GPU type, GPUs per node).
+NODE_TYPES = {
+    "aws:g5.12xlarge": ("A10G", 4), "aws:g5.48xlarge": ("A10G", 8), "aws:g6e.xlarge": ("L40S", 1),
+    "aws:g6e.12xlarge": ("L40S", 4), "aws:g6e.48xlarge": ("L40S", 8), "aws:p4d.24xlarge": ("A100-40GB", 8),
+    "aws:p4de.24xlarge": ("A100-80GB", 8), "aws:p5.48xlarge": ("H100", 8), "aws:p5en.48xlarge": ("H200", 8),
+    "gcp:g2-standard-12": ("L4", 1), "gcp:g2-standard-48": ("L4", 4), "gcp:g2-standard-96": ("L4", 8),
+    "gcp:a2-highgpu-8g": ("A100-40GB", 8), "gcp:a2-ultragpu-8g": ("A100-80GB", 8),
+    "gcp:a3-highgpu-8g": ("H100", 8), "gcp:a3-ultragpu-8g": ("H200", 8),
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What a model takes at the serving dtype."""
+
+    dense_bytes: int  # everything the router holds (embeddings, attention, norms, gates, shared experts, lm_head)
+    shard_bytes: int  # one (layer, expert)
+    moe_layers: int
+    experts: int
+    kv_bytes_per_token: int  # all layers
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.shard_bytes * self.moe_layers * self.experts
+
+    @property
+    def total_bytes(self) -> int:
+        return self.dense_bytes + self.expert_bytes
+
+
+def model_memory(cfg: MoEModelConfig, dtype: str) -> ModelMemory:
+    """Bytes of the model at `dtype`, from the tensor shapes its config implies."""
+    size = DTYPE_BYTES[dtype]
+    numel = lambda shape: math.prod(shape)  # noqa: E731
+    dense = sum(numel(shape) for shape in dense_tensor_names(cfg).values())
+    shard = sum(numel(shape) for shape in expert_shard_names(cfg, [(cfg.moe_layers[0], 0)]).values())
+    return ModelMemory(dense * size, shard * size, len(cfg.moe_layers), cfg.num_experts,
+                       kv_bytes_per_token(cfg, dtype))
+
+
+def kv_bytes_per_token(cfg: MoEModelConfig, dtype: str) -> int:
+    """What one token stores in the KV cache over all layers: keys and values (GQA), or MLA's latent + rope key."""
+    size = DTYPE_BYTES[dtype]
+    if cfg.attention_kind == "mla":
+        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    else:
+        per_layer = 2 * cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * per_layer * size
+
+
+@dataclass(frozen=True)
+class ClusterFit:
+    gpu_type: str
+    gpu_memory_gib: float
+    usable_gib: float  # per expert GPU, for shards (after utilization, reserve and transition headroom)
+    slots_per_gpu: int  # shards of every MoE layer per expert GPU
+    expert_gpus: int  # GPUs the experts need at this replica count
+    router_gpus: int
+    gpus_per_node: int
+    nodes: int  # nodes of this type needed (routers included)
+    expert_gib_per_gpu: float
+    router_gib: float  # dense weights + KV budget + reserve, per router GPU
+    router_fits: bool
+    fits_available: bool | None  # against `available_gpus`, when given
+    transition_room: bool  # False: no layer-slot of headroom is left; live remap must move fewer shards at once
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_fit(mem: ModelMemory, gpu_type: str, gpus_per_node: int, replicas: int = 1, routers: int = 1,
+             utilization: float = 0.9, kv_cache_gib: float = 4.0, gpu_memory_gib: float | None = None,
+             available_gpus: int | None = None) -> ClusterFit:
+    """How `mem` packs onto GPUs of `gpu_type` (memory from GPU_MEMORY_MIB unless gpu_memory_gib is given)."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization}")
+    if replicas < 1 or routers < 0:
+        raise ValueError("replicas must be >= 1 and routers >= 0")
+    memory = gpu_memory_gib * GIB if gpu_memory_gib is not None else GPU_MEMORY_MIB[gpu_type] * (1 << 20)
+    budget = memory * utilization - RUNTIME_RESERVE_BYTES
+    layer_slot = mem.shard_bytes * mem.moe_layers  # one expert of every MoE layer
+    slots = int((budget - layer_slot) // layer_slot) if layer_slot else 0
+    transition_room = slots >= 1
+    if slots < 1:  # no headroom left: fill the GPU (remaps then load beside fewer shards at once)
+        slots = int(budget // layer_slot) if layer_slot else 0
+    if slots < 1:
+        raise ValueError(f"one expert of every layer ({layer_slot / GIB:.1f} GiB) does not fit a {gpu_type} "
+                         f"({memory / GIB:.1f} GiB at utilization {utilization})")
+    slots = min(slots, mem.experts)
+    expert_gpus = max(replicas, math.ceil(mem.experts * replicas / slots))
+    router_bytes = mem.dense_bytes + kv_cache_gib * GIB + RUNTIME_RESERVE_BYTES
+    total = expert_gpus + routers
+    return ClusterFit(
+        gpu_type=gpu_type, gpu_memory_gib=round(memory / GIB, 1), usable_gib=round((budget - layer_slot) / GIB, 1),
+        slots_per_gpu=slots, expert_gpus=expert_gpus, router_gpus=routers, gpus_per_node=gpus_per_node,
+        nodes=math.ceil(total / gpus_per_node),
+        expert_gib_per_gpu=round(min(slots, math.ceil(mem.experts * replicas / expert_gpus)) * layer_slot / GIB, 1),
+        router_gib=round(router_bytes / GIB, 1), router_fits=router_bytes <= memory * utilization,
+        fits_available=None if available_gpus is None else total <= available_gpus,
+        transition_room=transition_room,
+    )
+
+
+def missing_gpus_line(fit: ClusterFit, available_gpus: int) -> str:
+    """The one line a start-up prints when the model does not fit the cluster it found."""
+    need = fit.expert_gpus + fit.router_gpus
+    return (f"the model needs {need} GPUs of {fit.gpu_memory_gib:.0f} GiB ({fit.expert_gpus} for experts at "
+            f"{fit.expert_gib_per_gpu:.1f} GiB each, {fit.router_gpus} for routers at {fit.router_gib:.1f} GiB); the "
+            f"cluster has {available_gpus}: {need - available_gpus} missing")

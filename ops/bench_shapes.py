@@ -1,0 +1,70 @@
+"""Model shapes for `expertmesh bench dispatch --shape ...`: synthetic checkpoints shaped like the MoE layers people
+serve in 2026, at a small hidden size so they run on a CPU box.
+
+  mixtral        the original benchmark model (ops/bench_dispatch.py MODEL): 8 experts, top-2, hidden 1024
+  qwen3-30b-a3b  Qwen3-30B-A3B's MoE: 128 experts, top-8, normalised top-k; hidden 256 with the model's ratio of
+                 expert width to hidden size (768 / 2048)
+  deepseek-v3    DeepSeek-V3's MoE: 256 experts, top-8; hidden 256, expert width ratio 2048 / 7168
+
+Both many-expert shapes are written in the OLMoE format (per-expert names, `mlp.gate.weight`, q/k norm, no shared
+expert), a family expertmesh and `transformers` both read, so η compares like with like.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SHAPES: dict[str, dict] = {
+    "qwen3-30b-a3b": dict(hidden=256, inter=96, experts=128, top_k=8, layers=4, heads=8, kv_heads=4, vocab=4096,
+                          norm_topk_prob=True),
+    # LEAD: switch to the DeepSeek-V3 family once it is merged (DeepseekV3ForCausalLM: sigmoid scores with
+    # e_score_correction_bias, n_group=8 / topk_group=4 group-limited top-8, routed_scaling_factor 2.5, one shared
+    # expert, first_k_dense_replace) - write it with write_deepseek_v3_checkpoint there and set "format" here. Until
+    # then: the same expert count, top-k and widths in the OLMoE format (softmax top-8, no groups, no shared expert).
+    "deepseek-v3": dict(hidden=256, inter=72, experts=256, top_k=8, layers=4, heads=8, kv_heads=4, vocab=4096,
+                        norm_topk_prob=True, format="olmoe"),
+}
+
+
+def write_olmoe_checkpoint(out: Path, m: dict, seed: int = 0) -> Path:
+    """Random OLMoE-format weights of shape `m` (a SHAPES entry), one safetensors file + config.json."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = m["hidden"] // m["heads"]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    h, q_dim, kv_dim = m["hidden"], m["heads"] * head_dim, m["kv_heads"] * head_dim
+    tensors = {"model.embed_tokens.weight": rand(m["vocab"], h), "model.norm.weight": torch.ones(h),
+               "lm_head.weight": rand(m["vocab"], h)}
+    for i in range(m["layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": rand(q_dim, h), p + "self_attn.k_proj.weight": rand(kv_dim, h),
+            p + "self_attn.v_proj.weight": rand(kv_dim, h), p + "self_attn.o_proj.weight": rand(h, q_dim),
+            p + "self_attn.q_norm.weight": torch.ones(q_dim), p + "self_attn.k_norm.weight": torch.ones(kv_dim),
+            p + "mlp.gate.weight": rand(m["experts"], h) * 5,  # visibly uneven routing
+        }
+        for e in range(m["experts"]):
+            q = f"{p}mlp.experts.{e}."
+            tensors |= {q + "gate_proj.weight": rand(m["inter"], h), q + "up_proj.weight": rand(m["inter"], h),
+                        q + "down_proj.weight": rand(h, m["inter"])}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = {
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": m["vocab"], "hidden_size": h,
+        "intermediate_size": m["inter"], "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
+        "num_key_value_heads": m["kv_heads"], "num_experts": m["experts"], "num_experts_per_tok": m["top_k"],
+        "norm_topk_prob": m["norm_topk_prob"], "rms_norm_eps": 1e-5, "rope_theta": 1e4,
+        "max_position_embeddings": 1024, "hidden_act": "silu", "tie_word_embeddings": False, "clip_qkv": None,
+        "attention_bias": False, "output_router_logits": False, "torch_dtype": "float32", "bos_token_id": 1,
+        "eos_token_id": 2, "pad_token_id": 0,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -1,0 +1,81 @@
+"""`expertmesh plan-cluster`: does a model fit a cluster of a GPU type, and how many GPUs/nodes does it need?
+
+From the checkpoint's config.json alone (a folder or a Hub repo id: only config, tokenizer and index are fetched),
+so it answers before anyone pays for a cluster. The arithmetic is cluster/memory_plan.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+COMMAND = "plan-cluster"
+
+
+def add_parser(sub) -> None:
+    from ...cluster.memory_plan import DTYPE_BYTES, GPU_MEMORY_MIB, NODE_TYPES
+
+    p = sub.add_parser(COMMAND, help="does a model fit: GPUs, nodes and memory per GPU for a GPU or node type")
+    p.add_argument("--model", required=True, metavar="DIR|REPO", help="checkpoint folder or Hugging Face repo id")
+    p.add_argument("--revision", help="with a repo id: branch, tag or commit")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="serving dtype")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--node-type", action="append", choices=sorted(NODE_TYPES),
+                       help="cloud node type (repeat for several; default: every known one)")
+    where.add_argument("--gpu-type", choices=sorted(GPU_MEMORY_MIB), help="a GPU type, with --gpus-per-node")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="with --gpu-type")
+    p.add_argument("--gpu-memory-gb", type=float, help="override the GPU's memory (GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of each GPU to use")
+    p.add_argument("--replicas", type=int, default=1, help="replicas of every expert")
+    p.add_argument("--routers", type=int, default=1, help="router replicas (one GPU each)")
+    p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache per router (GiB)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ...cluster.memory_plan import GIB, NODE_TYPES, model_memory, plan_fit
+    from ...experts.checkpoint import CheckpointReader
+    from ...experts.model_source import fetch_checkpoint
+
+    folder = fetch_checkpoint(args.model, args.revision, tensors=lambda cfg, keys: ())
+    cfg = CheckpointReader.config_only(folder)
+    mem = model_memory(cfg, args.dtype)
+    if args.gpu_type:
+        targets = [(f"{args.gpus_per_node} x {args.gpu_type}", args.gpu_type, args.gpus_per_node)]
+    else:
+        names = args.node_type or sorted(NODE_TYPES)
+        targets = [(name, *NODE_TYPES[name]) for name in names]
+    rows = []
+    for name, gpu, per_node in targets:
+        try:
+            fit = plan_fit(mem, gpu, per_node, args.replicas, args.routers, args.gpu_memory_utilization,
+                           args.kv_cache_gb, args.gpu_memory_gb)
+            rows.append({"node_type": name, **fit.as_dict()})
+        except ValueError as exc:
+            rows.append({"node_type": name, "gpu_type": gpu, "error": str(exc)})
+    summary = {"model": args.model, "family": cfg.family, "dtype": args.dtype, "replicas": args.replicas,
+               "dense_gib": round(mem.dense_bytes / GIB, 2), "experts_gib": round(mem.expert_bytes / GIB, 2),
+               "shard_mib": round(mem.shard_bytes / (1 << 20), 2), "moe_layers": mem.moe_layers,
+               "experts": mem.experts, "kv_kib_per_token": round(mem.kv_bytes_per_token / 1024, 1), "fits": rows}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    out = sys.stdout
+    print(f"{args.model} ({cfg.family}) in {args.dtype}: {summary['dense_gib'] + summary['experts_gib']:.1f} GiB = "
+          f"dense {summary['dense_gib']:.1f} GiB + experts {summary['experts_gib']:.1f} GiB ({mem.moe_layers} MoE "
+          f"layers x {mem.experts} experts x {summary['shard_mib']:.1f} MiB); KV cache "
+          f"{summary['kv_kib_per_token']:.0f} KiB/token; {args.replicas} replica(s) per expert, {args.routers} "
+          f"router(s)", file=out)
+    header = f"{'node type':<22}{'GPU':>12}{'GiB':>7}{'slots':>7}{'expert GPUs':>13}{'nodes':>7}" \
+             f"{'GiB/expert GPU':>16}{'router GiB':>12}  remap room"
+    print(header, file=out)
+    for row in rows:
+        if "error" in row:
+            print(f"{row['node_type']:<22}{row['gpu_type']:>12}  does not fit: {row['error']}", file=out)
+            continue
+        print(f"{row['node_type']:<22}{row['gpus_per_node']:>4} x {row['gpu_type']:<7}{row['gpu_memory_gib']:>7.1f}"
+              f"{row['slots_per_gpu']:>7}{row['expert_gpus']:>13}{row['nodes']:>7}{row['expert_gib_per_gpu']:>16.1f}"
+              f"{row['router_gib']:>12.1f}  {'yes' if row['transition_room'] else 'no'}"
+              f"{'' if row['router_fits'] else '  (router does not fit one GPU)'}", file=out)
+    return 0

@@ -1,0 +1,244 @@
+"""expertmesh's HTTP ingress: the OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) and the
+live cluster page (/ and /api/state), on an aiohttp server in the `expertmesh serve` process, beside the gRPC front.
+
+Why our own front rather than Ray Serve's HTTP proxy: Serve's proxy is one more listener per node, on its own host
+and port settings, without our bearer token or the TLS material the gRPC front uses; this front shares exactly what
+the gRPC front has — the same router deployment handle (so the same continuous batcher and KV caches), the same
+`server` settings (host, auth_token, tls_cert/tls_key, max_message_bytes), the same error mapping — and is off
+unless `server.http_port` is set. Request and response mapping is pure, in router_service/openai_api.py.
+
+A client that disconnects cancels its handler (aiohttp handler_cancellation), which cancels the Serve call, which
+closes the batcher stream on the replica and frees the sequence's KV cache: the same path as a gRPC cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import ssl
+import time
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+from google.protobuf.json_format import MessageToDict
+from ray import serve
+
+from ..protos import admin_pb2
+from . import openai_api
+from .config import ConfigError, ServerConfig
+from .grpc_front import _api_error
+from .log_limit import LogRateLimit
+from .openai_api import OpenAIError
+
+log = logging.getLogger(__name__)
+STATIC = Path(__file__).resolve().parent / "static"
+PAGE_FILES = {"cluster.js": "text/javascript", "cluster.css": "text/css"}
+STATE_TIMEOUT_S = 10.0
+# handler_cancellation: a client that goes away cancels its handler even while no byte is being written (a request
+# still queued for a batch slot), so the Serve call is cancelled at once, not at the next write.
+RUNNER_OPTIONS = {"handler_cancellation": True, "access_log": None}
+_warnings = LogRateLimit()
+
+
+def json_response(body: dict, status: int = 200) -> web.Response:
+    """JSON ending in a newline, so `curl` output reads line by line."""
+    return web.json_response(body, status=status, dumps=lambda obj: json.dumps(obj) + "\n")
+
+
+def error_response(error: OpenAIError) -> web.Response:
+    return json_response(error.body(), status=error.status)
+
+
+def _as_openai_error(exc: BaseException) -> OpenAIError:
+    """A failed Serve call as an OpenAI error: the deployment's ApiError by its code, anything else 503."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    known = _api_error(exc)
+    if known is not None:
+        return openai_api.from_status(known.code, known.message)
+    dropped = _warnings.admit(type(exc).__name__)
+    if dropped is not None:
+        log.warning("router call failed: %s", repr(exc)[:1024])
+    return OpenAIError(503, f"router unavailable ({type(exc).__name__}); retry", code="service_unavailable")
+
+
+class HttpFront:
+    def __init__(self, handle: serve.handle.DeploymentHandle, settings: ServerConfig, model_name: str):
+        # By value, as the gRPC front streams Generate (one Ray object per token cost as much as the expert round).
+        self.stream_handle = handle.options(_by_reference=False, stream=True)
+        self.unary_handle = handle.options(_by_reference=True)
+        self.settings = settings
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    # ---- plumbing ----------------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler):
+        """Bearer token on the API and the state (the page itself holds no data); every error in OpenAI's shape."""
+        try:
+            if request.path.startswith(("/v1/", "/api/")) and self.settings.auth_token is not None:
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {self.settings.auth_token}".encode()):
+                    raise OpenAIError(401, "authorization: missing or wrong bearer token (send `Authorization: "
+                                           "Bearer <token>`)", code="invalid_api_key")
+            return await handler(request)
+        except OpenAIError as exc:
+            return error_response(exc)
+        except web.HTTPException as exc:
+            if exc.status == 413:
+                return error_response(self._too_large(request.content_length))
+            if exc.status < 400:
+                raise
+            return error_response(OpenAIError(exc.status, exc.reason or "request refused"))
+
+    def _too_large(self, size: int | None) -> OpenAIError:
+        got = f"{size} bytes" if size is not None else "the body"
+        return OpenAIError(413, f"{got} exceeds the server's limit of {self.settings.max_message_bytes} bytes "
+                                "(server.max_message_bytes)", code="request_too_large")
+
+    async def _body(self, request: web.Request) -> dict:
+        size = request.content_length
+        if size is not None and size > self.settings.max_message_bytes:
+            raise self._too_large(size)
+        return openai_api.parse_body(await request.read())
+
+    # ---- the OpenAI API ----------------------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response(openai_api.models_list(self.model_name, self.created))
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model_name:
+            raise OpenAIError(404, f"model: the model {request.match_info['model'][:64]!r} does not exist",
+                              param="model", code="model_not_found")
+        return json_response(openai_api.models_list(self.model_name, self.created)["data"][0])
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        job = openai_api.parse_completion(await self._body(request), self.model_name)
+        return await self._generate(request, job, f"cmpl-{uuid.uuid4().hex}")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        job = openai_api.parse_chat(await self._body(request), self.model_name)
+        return await self._generate(request, job, f"chatcmpl-{uuid.uuid4().hex}")
+
+    async def _generate(self, request: web.Request, job: openai_api.OpenAIJob, request_id: str):
+        created = int(time.time())
+        call = self.stream_handle.OpenAIGenerate.remote(job)
+        finished = False
+        try:
+            events = call.__aiter__()
+            try:
+                # The first event before any header: a refused request (bad prompt, queue full, no replica) gets
+                # its own HTTP status, not a 200 stream with an error inside.
+                first = await events.__anext__()
+            except StopAsyncIteration:
+                raise OpenAIError(500, "the router ended the stream without a result") from None
+            except Exception as exc:
+                raise _as_openai_error(exc) from None
+            if not job.stream:
+                got = openai_api.Accumulated()
+                got.add(first)
+                try:
+                    async for event in events:
+                        got.add(event)
+                except Exception as exc:
+                    raise _as_openai_error(exc) from None
+                finished = True
+                return json_response(openai_api.response(job, request_id, created, got))
+            return await self._stream(request, job, request_id, created, first, events, call)
+        finally:
+            if not finished:
+                call.cancel()  # disconnect, error, or a stream that ended: idempotent, frees the sequence
+
+    async def _stream(self, request, job, request_id, created, first, events, call) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        writer = openai_api.ChunkWriter(job, request_id, created)
+        for chunk in writer.first() + writer.event(first):
+            await response.write(openai_api.sse(chunk))
+        try:
+            async for event in events:
+                for chunk in writer.event(event):
+                    await response.write(openai_api.sse(chunk))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # headers are out: the error travels as an event, as OpenAI's streams do
+            await response.write(openai_api.sse(_as_openai_error(exc).body()))
+        await response.write(openai_api.SSE_DONE)
+        await response.write_eof()
+        return response
+
+    # ---- the cluster page --------------------------------------------------------------------------------------
+
+    async def state(self, request: web.Request) -> web.Response:
+        """The Admin GetClusterState reply as JSON (its embedded JSON strings parsed), for the page."""
+        try:
+            reply = await asyncio.wait_for(
+                self.unary_handle.GetClusterState.remote(admin_pb2.ClusterStateRequest()), STATE_TIMEOUT_S)
+        except Exception as exc:
+            raise _as_openai_error(exc) from None
+        return json_response(cluster_state_json(reply))
+
+    async def page(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC / "cluster.html", headers={"Cache-Control": "no-cache"})
+
+    async def asset(self, request: web.Request) -> web.FileResponse:
+        name = request.match_info["name"]
+        if name not in PAGE_FILES:
+            raise OpenAIError(404, f"no such file: {name[:64]!r}", code="not_found")
+        return web.FileResponse(STATIC / name, headers={"Content-Type": PAGE_FILES[name],
+                                                        "Cache-Control": "no-cache"})
+
+    def app(self) -> web.Application:
+        # The body limit is enforced in _body (and by aiohttp beyond it, as a backstop).
+        app = web.Application(middlewares=[self.guard], client_max_size=self.settings.max_message_bytes)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/api/state", self.state)
+        app.router.add_get("/", self.page)
+        app.router.add_get("/static/{name}", self.asset)
+        return app
+
+
+def cluster_state_json(reply: admin_pb2.ClusterState) -> dict:
+    state = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    state["load"] = json.loads(state.pop("load_json") or "null")
+    state["control"] = json.loads(state.pop("control_json") or "[]")
+    router = state.get("router") or {}
+    router.pop("load_json", None)
+    for event in state.get("events", []):
+        event["detail"] = json.loads(event.pop("detail_json") or "{}")
+    return state
+
+
+def tls_context(settings: ServerConfig) -> ssl.SSLContext | None:
+    if not settings.tls_cert:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    return context
+
+
+async def start_http_front(handle: serve.handle.DeploymentHandle, settings: ServerConfig,
+                           model_name: str) -> tuple[web.AppRunner, int]:
+    """Serve the HTTP API on settings.host:settings.http_port; returns the runner (cleanup() stops it) and the
+    port it bound (useful with port 0)."""
+    runner = web.AppRunner(HttpFront(handle, settings, model_name).app(), **RUNNER_OPTIONS)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.http_port, ssl_context=tls_context(settings),
+                       reuse_port=False)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError("server.http_port", f"cannot listen on {settings.host}:{settings.http_port}: "
+                                              f"{exc.strerror or exc}") from None
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, port
