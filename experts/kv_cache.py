@@ -1,44 +1,226 @@
-"""The KV cache of one sequence: per layer, what the layer's attention stores per token (its `cache_spec`:
-keys and values for GQA, one latent for MLA), appended step by step.
+"""The paged KV cache: preallocated blocks of `block_size` tokens, a block table per sequence.
 
-The decoder talks to the cache only through `append` / `history` / `length`, so the storage behind it can change
-(a paged pool) without touching the attention layers.
+What a layer stores per token is its attention layer's `cache_spec` (name -> per-token shape): GQA stores
+{"k": (kvh, D), "v": (kvh, D)}, DeepSeek's MLA one latent {"latent": (r + d_rope,)}. The pool holds, per layer and
+per entry name, one tensor [num_blocks, block_size, *shape] allocated once on the device of the dense weights (a
+block is zeroed when handed out); a sequence (`KVCache`) owns a list of block ids, the same for every layer, and its
+length. Writing a step's new tokens is one `index_copy_` per layer and entry into the flat slots
+(block * block_size + offset) of the step's tokens; reading is one gather of the blocks of the step's sequences
+(`gather`), padded to the longest, with the lengths.
+
+Cost of the read (README: Paged KV cache): on CPU the gather copies each attending sequence's history once per
+layer per step (L × bytes-per-token-per-layer), where the old per-sequence cache copied it twice (`torch.cat` to
+grow it, `pad_sequence` to batch it) and reallocated every step. A kernel that reads the blocks in place
+(PagedAttention, flex attention with a block mask) would avoid the copy; torch's SDPA needs dense keys.
+
+Sliding-window layers keep their full history (no block is freed early): a window only masks keys out.
+
+Sizing: `PagedKVPool.plan(...)` turns a byte budget into a number of blocks; the pool never holds more than
+`max_tokens` tokens (so tiny models do not reserve gigabytes). On CPU, `torch.empty` of a large pool reserves address
+space and the OS backs pages as blocks are first written, so resident memory grows with use up to the budget.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from .block_allocator import BlockAllocator, OutOfBlocks, blocks_for
 
-@dataclass
-class KVCache:
-    """layers[i]: entry name -> [L, *shape] (sequence-major, so a batch pads along L), or None before the first step."""
+__all__ = ["KVCache", "PagedKVPool", "KVCacheSettings", "OutOfBlocks", "DEFAULT_CPU_KV_BYTES", "blocks_for",
+           "settings_for"]
 
-    layers: list[dict[str, torch.Tensor] | None]
-    length: int = 0
+DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB: the pool on CPU when no budget is given (README: Paged KV cache)
+DEFAULT_MAX_SEQUENCES = 64  # with no explicit token cap, the pool holds at most this many full-context sequences
+
+CacheSpec = dict[str, tuple[int, ...]]  # entry name -> per-token shape
+
+
+@dataclass(frozen=True)
+class KVCacheSettings:
+    """How big the pool is. budget_bytes None: DEFAULT_CPU_KV_BYTES; max_tokens None: DEFAULT_MAX_SEQUENCES ×
+    the model's context."""
+
+    block_size: int = 16
+    budget_bytes: int | None = None
+    max_tokens: int | None = None
+
+
+def settings_for(device: torch.device | str, kv_cache_gb: float | None, gpu_memory_utilization: float,
+                 block_size: int = 16) -> KVCacheSettings:
+    """The pool's size on `device` (README: Paged KV cache): kv_cache_gb when given (exactly, no token cap); else on
+    CUDA what keeps the process within gpu_memory_utilization of the GPU's memory (call it after the weights are
+    loaded: free now - (1 - utilization) × total); else DEFAULT_CPU_KV_BYTES capped at DEFAULT_MAX_SEQUENCES full
+    contexts."""
+    device = torch.device(device)
+    if kv_cache_gb is not None:
+        return KVCacheSettings(block_size, int(kv_cache_gb * (1 << 30)), max_tokens=1 << 62)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - (1.0 - gpu_memory_utilization) * total)
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization: {gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves "
+                             f"nothing for the KV cache ({free / 2**30:.1f} GiB free after the weights)")
+        return KVCacheSettings(block_size, budget, max_tokens=1 << 62)
+    return KVCacheSettings(block_size)
+
+
+class PagedKVPool:
+    def __init__(self, specs: list[CacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        """specs: per layer, what one token stores. Allocates [num_blocks, block_size, *shape] per layer and entry."""
+        assert block_size >= 1 and num_blocks >= 1, (block_size, num_blocks)
+        self.specs = specs
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.allocator = BlockAllocator(num_blocks)
+        self._scratch: dict[tuple[str, str], torch.Tensor] = {}  # gather buffers, reused (see gather)
+        self.storage: list[dict[str, torch.Tensor]] = [
+            {name: torch.empty((num_blocks, block_size, *shape), dtype=dtype, device=self.device)
+             for name, shape in spec.items()}
+            for spec in specs
+        ]
+
+    @staticmethod
+    def bytes_per_token(specs: list[CacheSpec], dtype: torch.dtype) -> int:
+        """KV bytes one token takes over every layer (GQA: layers × 2 × kvh × D × dtype bytes)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        return sum(math.prod(shape) * item for spec in specs for shape in spec.values())
 
     @classmethod
-    def empty(cls, num_layers: int) -> KVCache:
-        return cls(layers=[None] * num_layers)
+    def plan(cls, specs: list[CacheSpec], dtype: torch.dtype, device: torch.device | str, context: int,
+             settings: KVCacheSettings = KVCacheSettings()) -> PagedKVPool:
+        """A pool within settings.budget_bytes (default DEFAULT_CPU_KV_BYTES) and settings.max_tokens (default
+        DEFAULT_MAX_SEQUENCES full contexts); at least one block."""
+        per_token = cls.bytes_per_token(specs, dtype)
+        budget = DEFAULT_CPU_KV_BYTES if settings.budget_bytes is None else settings.budget_bytes
+        cap = DEFAULT_MAX_SEQUENCES * context if settings.max_tokens is None else settings.max_tokens
+        by_budget = budget // max(1, per_token * settings.block_size)
+        num_blocks = max(1, min(by_budget, blocks_for(cap, settings.block_size)))
+        return cls(specs, num_blocks, settings.block_size, dtype, device)
 
-    def append(self, layer: int, entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Add this step's entries ({name: [S, *shape]}) to the layer's history; returns the whole history."""
-        held = self.layers[layer]
-        if held is not None:
-            entries = {name: torch.cat([held[name], new]) for name, new in entries.items()}
-        self.layers[layer] = entries
-        return entries
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
 
-    def history(self, layer: int) -> dict[str, torch.Tensor]:
-        held = self.layers[layer]
-        assert held is not None, f"layer {layer} has no cached history yet"
-        return held
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
-    def history_length(self, layer: int) -> int:
-        held = self.layers[layer]
-        return 0 if held is None else int(next(iter(held.values())).shape[0])
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token(self.specs, self.dtype) * self.block_size
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for held in self.layers if held for t in held.values())
+        """Bytes the pool reserves (every block, used or not)."""
+        return sum(t.numel() * t.element_size() for layer in self.storage for t in layer.values())
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks, zeroed: a gather reads whole blocks, and the unwritten tail of a block must be finite
+        (uninitialised memory may hold NaN, and 0 × NaN is NaN even where attention masks it out)."""
+        ids = self.allocator.allocate(n)
+        if ids:
+            index = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            for layer in self.storage:
+                for pool in layer.values():
+                    pool.index_fill_(0, index, 0)
+        return ids
+
+    def new_sequence(self) -> KVCache:
+        return KVCache(self)
+
+    # ---- a step's writes and reads (every sequence of the step at once) -------------------------------------
+
+    def slots(self, caches: list[KVCache], lengths: list[int]) -> torch.Tensor:
+        """Flat slot ids [T] of the step's new tokens: sequence i's tokens go at positions length_i ..
+        length_i + lengths[i] - 1 of its block table. Every cache must have reserved them."""
+        out = []
+        bs = self.block_size
+        for cache, n in zip(caches, lengths):
+            pos = torch.arange(cache.length, cache.length + n)  # [n]
+            table = torch.tensor(cache.blocks, dtype=torch.int64)
+            out.append(table[pos // bs] * bs + pos % bs)
+        return torch.cat(out).to(self.device)  # [T]
+
+    def write(self, layer: int, slots: torch.Tensor, entries: dict[str, torch.Tensor]) -> None:
+        """entries: name -> [T, *shape] for the step's new tokens, stored at `slots` [T]."""
+        for name, new in entries.items():
+            pool = self.storage[layer][name]
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, new.to(pool.dtype))
+
+    def block_table(self, caches: list[KVCache], upto: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table [B, nb] of block ids padded with block 0, lengths [B]) covering `upto[i]` tokens of each."""
+        nb = max(blocks_for(n, self.block_size) for n in upto)
+        rows = [c.blocks[:blocks_for(n, self.block_size)] for c, n in zip(caches, upto)]
+        # Pad with the row's own first block: allocated, so zeroed or written (finite; the caller masks it).
+        table = torch.tensor([r + r[:1] * (nb - len(r)) for r in rows], dtype=torch.int64, device=self.device)
+        return table, torch.tensor(upto, dtype=torch.int64, device=self.device)
+
+    def gather(self, layer: int, table: torch.Tensor, scratch: str = "") -> dict[str, torch.Tensor]:
+        """name -> [B, nb * block_size, *shape]: the blocks of `table` [B, nb] side by side (one copy); positions
+        past a sequence's length are padding (stale or another sequence's data) for the caller to mask.
+
+        The copy lands in a buffer the pool keeps per (scratch, name) and reuses at the next gather with the same
+        `scratch` tag (growing it when needed): a fresh tensor per layer and step would pay page faults on every
+        copy (measured on CPU: 8 × 4096 tokens of one entry, 36 ms into a new tensor, 15 ms into a reused one). So
+        the result is valid until the next gather with the same tag; the attention core uses it at once."""
+        b, nb = table.shape
+        out = {}
+        for name, pool in self.storage[layer].items():
+            buf = self._scratch.get((scratch, name))
+            if buf is None or buf.dtype != pool.dtype:
+                buf = self._scratch[(scratch, name)] = pool.new_empty(0)
+            # resize_(0) keeps the storage; index_select then grows the buffer only past its largest size so far.
+            rows = torch.index_select(pool, 0, table.reshape(-1), out=buf.resize_(0))  # [B*nb, bs, *shape]
+            out[name] = rows.view(b, nb * self.block_size, *pool.shape[2:])
+        return out
+
+
+class KVCache:
+    """One sequence's view of the pool: its block table (ids, the same for every layer) and how many tokens it has.
+    `reserve` before a step, `free` when the sequence ends (or is preempted)."""
+
+    def __init__(self, pool: PagedKVPool):
+        self.pool = pool
+        self.blocks: list[int] = []  # changed in place only: the finalizer below holds this list
+        self.length = 0  # tokens written (and attended) so far
+        # A cache dropped without free() (a caller's loop that just lets go of it) still returns its blocks.
+        weakref.finalize(self, _release, pool.allocator, self.blocks)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.pool.block_size
+
+    def blocks_needed(self, new_tokens: int) -> int:
+        """Blocks to allocate before `new_tokens` more tokens fit."""
+        return max(0, blocks_for(self.length + new_tokens, self.pool.block_size) - len(self.blocks))
+
+    def reserve(self, new_tokens: int) -> None:
+        """Make room for `new_tokens` more tokens (OutOfBlocks, allocating nothing, when the pool cannot)."""
+        need = self.blocks_needed(new_tokens)
+        if need:
+            self.blocks.extend(self.pool.allocate(need))
+
+    def free(self) -> None:
+        """Return every block to the pool; the cache is empty (length 0) and reusable."""
+        _release(self.pool.allocator, self.blocks)
+        self.length = 0
+
+    def nbytes(self) -> int:
+        """Bytes of the blocks this sequence holds."""
+        return len(self.blocks) * self.pool.block_bytes
+
+    def read(self, layer: int) -> dict[str, torch.Tensor]:
+        """name -> [length, *shape]: this sequence's history at `layer` (a copy; for tests and debugging)."""
+        table, _ = self.pool.block_table([self], [max(1, self.length)])
+        return {name: t[0, :self.length].clone() for name, t in self.pool.gather(layer, table, "read").items()}
+
+
+def _release(allocator: BlockAllocator, blocks: list[int]) -> None:
+    if blocks:
+        allocator.free(blocks)
+        blocks.clear()

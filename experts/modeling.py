@@ -1,12 +1,14 @@
 """The decoder of the supported MoE families, in one readable file, with the routed experts behind an interface.
 
-`MoEDecoder` runs embeddings, attention (RoPE, GQA, optional q/k norm, sliding window) with a per-sequence KV cache,
-norms, gates and the dense/shared MLPs. The routed experts of each MoE layer are an `ExpertBackend`: in process for
-the reference model, Ray actors for the router. Same dense code on both paths, so a difference between them can
-only come from the experts' dispatch.
+`MoEDecoder` runs embeddings, attention (per-family layers, experts/attention.py) over a paged KV cache
+(experts/kv_cache.py; the math in experts/attention_core.py), norms, gates and the dense/shared MLPs. The routed
+experts of each MoE layer are an `ExpertBackend`: in process for the reference model, Ray actors for the router.
+Same dense code on both paths, so a difference between them can only come from the experts' dispatch.
 
 Sequences are flattened into one token axis ([T, H]) for every matmul and every expert call; only the attention core
-runs per sequence, so sequences of different lengths (and positions) share a step without padding.
+pads (decode rows together, prefill rows together, one call each), so sequences of different lengths (and positions)
+share a step. `forward(..., logits=)` says which rows need the lm_head: every position (Score), the last (generation),
+or none (a prompt chunk that is not the prompt's end).
 
 Overlap (`overlap=True`, README: Transports / Overlap): a step of ≥ 2 sequences is split into two micro-batches
 (contiguous halves by sequence, balanced by tokens) that take turns, so one's expert round is in flight while the
@@ -22,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionLayer, build_attention
-from .attention_core import attend_decode, attend_prefill
+from .attention_core import StepLayout, attend
 from .config import MoEModelConfig
 from .ffn import activation, gated_mlp
 from .gating import Routing, concat_routings, route_for_model
-from .kv_cache import KVCache
+from .kv_cache import KVCache, KVCacheSettings, PagedKVPool
 from .norms import rms_norm
 from .rope import build_rope
 from .weights import DenseWeights
@@ -65,14 +67,22 @@ class _Group:
     sin: torch.Tensor  # [T_g, R]
     lengths: list[int]
     starts: list[int]
-    caches: list[KVCache]
+    caches: list[KVCache] | None  # None: a cacheless forward (each sequence is a whole prompt)
     pending: tuple | None = None  # (layer, h [T_g, H], routing, backend handle) of a submitted expert round
+    _layout: StepLayout | None = None
+
+    @property
+    def layout(self) -> StepLayout:
+        """What every layer's attention shares (block tables, slots, masks): built at the group's first layer."""
+        if self._layout is None:
+            self._layout = StepLayout.build(self.lengths, self.starts, self.caches, self.x.device)
+        return self._layout
 
     def part(self, first: int, last: int) -> _Group:
         """Sequences first..last-1 of this group."""
         lo, hi = sum(self.lengths[:first]), sum(self.lengths[:last])
         return _Group(self.x[lo:hi], self.cos[lo:hi], self.sin[lo:hi], self.lengths[first:last],
-                      self.starts[first:last], self.caches[first:last])
+                      self.starts[first:last], None if self.caches is None else self.caches[first:last])
 
 
 class MoEDecoder:
@@ -83,7 +93,9 @@ class MoEDecoder:
         experts: ExpertBackend,
         capacity_factor: float | None = None,
         overlap: bool = False,
+        kv_cache: KVCacheSettings | None = None,
     ):
+        """kv_cache: block size and budget of the paged KV cache, allocated here on the device of the weights."""
         if overlap and capacity_factor is not None:
             # Capacity is per expert call: splitting a step into micro-batches would change which tokens overflow.
             raise ValueError("overlap: cannot be combined with capacity_factor (capacity is per step)")
@@ -101,6 +113,8 @@ class MoEDecoder:
         self.last_trace = StepTrace()
         # Called as step_observer(trace, lengths, caches) after every forward (load statistics); None = off.
         self.step_observer = None
+        self.kv_pool = PagedKVPool.plan(self.cache_specs(), self.dtype, self.device, cfg.max_position_embeddings,
+                                        kv_cache or KVCacheSettings())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -110,18 +124,30 @@ class MoEDecoder:
     def device(self) -> torch.device:
         return self.w.embed.device
 
+    def cache_specs(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per layer, what one token stores in the KV cache (its attention layer's cache_spec)."""
+        return [dict(attn.cache_spec) for attn in self.attention]
+
     def new_cache(self) -> KVCache:
-        return KVCache.empty(self.cfg.num_layers)
+        """An empty sequence in the paged pool; it takes blocks as tokens arrive and gives them back on `free()`
+        (or when dropped)."""
+        return self.kv_pool.new_sequence()
 
     @torch.inference_mode()
-    def forward(self, tokens: list[torch.Tensor], caches: list[KVCache] | None = None) -> list[torch.Tensor]:
-        """tokens: per sequence, its new token ids [S_i]; caches (updated in place) hold what came before.
-        Returns per sequence logits [S_i, V] (float32)."""
-        cfg = self.cfg
-        if caches is None:
-            caches = [self.new_cache() for _ in tokens]
+    def forward(self, tokens: list[torch.Tensor], caches: list[KVCache] | None = None,
+                logits: str | list[str] = "all") -> list[torch.Tensor]:
+        """tokens: per sequence, its new token ids [S_i]; caches (updated in place) hold what came before, and
+        take the blocks the new tokens need (OutOfBlocks when the pool has none: the batcher reserves first).
+        None: each sequence is a whole prompt attended within this call, nothing is kept.
+        logits: per sequence (or one for all) which rows to run the lm_head on: "all" -> [S_i, V], "last" ->
+        [1, V], "none" -> [0, V]. Float32."""
+        wanted = [logits] * len(tokens) if isinstance(logits, str) else list(logits)
+        assert len(wanted) == len(tokens) and set(wanted) <= {"all", "last", "none"}, wanted
         lengths = [int(t.numel()) for t in tokens]
-        starts = [c.length for c in caches]
+        starts = [c.length for c in caches] if caches is not None else [0] * len(tokens)
+        if caches is not None:
+            for cache, n in zip(caches, lengths):
+                cache.reserve(n)
         device = self.device
         ids = torch.cat([t.reshape(-1) for t in tokens]).to(device)  # [T]
         positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)])  # [T]
@@ -144,14 +170,29 @@ class MoEDecoder:
         finally:
             if end is not None:
                 end()
-        for cache, n in zip(caches, lengths):
-            cache.length += n
+        if caches is not None:
+            for cache, n in zip(caches, lengths):
+                cache.length += n
         self.last_trace = trace
         if self.step_observer is not None:
-            self.step_observer(trace, lengths, caches)
-        x = rms_norm(x, self.w.final_norm, cfg.rms_norm_eps)
-        logits = F.linear(x, self.w.lm_head).float()  # [T, V]
-        return list(logits.split(lengths))
+            self.step_observer(trace, lengths, caches if caches is not None else [_Fresh(n) for n in lengths])
+        return self._logits(x, lengths, wanted)
+
+    def _logits(self, x: torch.Tensor, lengths: list[int], wanted: list[str]) -> list[torch.Tensor]:
+        """Final norm and lm_head on the rows `wanted` asks for only (x [T, H]); per sequence [rows_i, V]."""
+        if all(w == "all" for w in wanted):
+            counts = lengths
+        else:
+            picked, counts, offset = [], [], 0
+            for n, w in zip(lengths, wanted):
+                take = range(offset, offset + n) if w == "all" else [offset + n - 1] if w == "last" else []
+                picked.extend(take)
+                counts.append(len(take))
+                offset += n
+            x = x[torch.tensor(picked, dtype=torch.int64, device=x.device)]  # [R, H]
+        x = rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps)
+        out = F.linear(x, self.w.lm_head).float()  # [R, V]
+        return list(out.split(counts))
 
     # ---- layer schedules ---------------------------------------------------------------------------------------
 
@@ -238,36 +279,17 @@ class MoEDecoder:
         return mlp + gate * gated_mlp(h, layer.shared_expert, self.act)
 
     def _attention(self, layer: int, h: torch.Tensor, g: _Group) -> torch.Tensor:
-        """Layer `layer`'s attention for group g: project, append to each sequence's cache, attend. h: [T_g, H].
-        Sequences adding one token (decode) attend together in one call; a prefilling one attends on its own."""
+        """Layer `layer`'s attention for group g: project, write the new tokens to the paged cache, attend (decode
+        rows in one call, prefill rows in another; attention_core.attend). h: [T_g, H]."""
         attn = self.attention[layer]
         q, new = attn.project(h, g.cos, g.sin)  # [T_g, nh, Dqk], {name: [T_g, *shape]}
-        outs: list[torch.Tensor | None] = [None] * len(g.lengths)
-        decode_rows: list[int] = []
-        offset = 0
-        for i, (n, start, cache) in enumerate(zip(g.lengths, g.starts, g.caches)):
-            history = cache.append(layer, {name: t[offset:offset + n] for name, t in new.items()})
-            if n == 1:
-                decode_rows.append(i)
-            else:
-                k, v = attn.keys_values(history)  # [L, kvh, Dqk], [L, kvh, Dv]
-                outs[i] = attend_prefill(q[offset:offset + n], k, v, start, attn.scale, attn.window, attn.sinks)
-            offset += n
-        if decode_rows:
-            for i, out in zip(decode_rows, self._decode_attention(layer, attn, q, g, decode_rows).unbind(0)):
-                outs[i] = out[None, :]
-        return attn.output(torch.cat(outs))  # [T_g, H]
+        out = attend(g.layout, layer, q, new, attn.keys_values, attn.scale, attn.window, attn.sinks)  # [T_g, nh*Dv]
+        return attn.output(out)  # [T_g, H]
 
-    def _decode_attention(self, layer: int, attn: AttentionLayer, q: torch.Tensor, g: _Group, rows: list[int]
-                          ) -> torch.Tensor:
-        """One attention call for every sequence of the group that adds a single token: pad their histories to the
-        longest and mask the padding. Per-sequence calls cost ~0.2 ms each in Python and dominate decode steps at
-        batch 32. -> [B, nh*Dv]."""
-        offsets = torch.tensor([0, *g.lengths]).cumsum(0)
-        q_rows = q[offsets[rows].to(q.device)]  # [B, nh, Dqk]: each row's only query
-        histories = [g.caches[i].history(layer) for i in rows]
-        padded = {name: torch.nn.utils.rnn.pad_sequence([h[name] for h in histories], batch_first=True)
-                  for name in attn.cache_spec}  # {name: [B, L, *shape]}
-        k, v = attn.keys_values(padded)  # [B, L, kvh, Dqk], [B, L, kvh, Dv]
-        lengths = torch.tensor([g.caches[i].history_length(layer) for i in rows], device=q.device)  # [B]
-        return attend_decode(q_rows, k, v, lengths, attn.scale, attn.window, attn.sinks)
+
+class _Fresh:
+    """Stands for a sequence's cache in the step observer's call when the forward kept none (each sequence is a
+    whole prompt, started this step)."""
+
+    def __init__(self, length: int):
+        self.length = length

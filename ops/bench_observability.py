@@ -26,7 +26,8 @@ def run_observability_bench(layers: int = 4, experts: int = 8, top_k: int = 2, s
 
     from ..cluster.routing_table import RoutingTable
     from ..experts.gating import route
-    from ..experts.modeling import KVCache, StepTrace
+    from ..experts.kv_cache import PagedKVPool
+    from ..experts.modeling import StepTrace
     from ..experts.telemetry import build_tracer
     from ..router_service.dispatch import RemoteExperts
     from ..router_service.dispatch_plan import plan_calls
@@ -66,7 +67,8 @@ def run_observability_bench(layers: int = 4, experts: int = 8, top_k: int = 2, s
     calls = plan_calls(0, routing, table)
     result["observer_us_per_layer"] = best(lambda: observer.on_layer(0, routing, calls, 0.001), 2000)
     step = StepTrace(routings={layer: routing for layer in range(layers)})
-    caches = [KVCache.empty(layers) for _ in range(sequences)]
+    pool = PagedKVPool([{"k": (1,)}], num_blocks=sequences, block_size=8, dtype=torch.float32)
+    caches = [pool.new_sequence() for _ in range(sequences)]
     for cache in caches:
         cache.length = 8  # decode: every sequence has history
     result["observer_us_per_step"] = best(lambda: observer.on_step(step, [1] * sequences, caches), 500)

@@ -1,9 +1,18 @@
 """Continuous batching: concurrent generations share every forward step.
 
-Each step runs one forward over every active sequence (new ones prefill in the same step), so one expert call per
-layer serves all of them; each sequence keeps its own KV cache. Requests join between steps; a finished, cancelled
-or timed-out stream frees its cache at the next step boundary. Forwards run one at a time on a worker thread so
-the event loop keeps accepting requests and cancellations while experts compute.
+A step is one forward over the decode tokens of every running sequence plus chunks of prompts being prefilled, at
+most `max_prefill_tokens` prompt tokens in all (chunked prefill: a long prompt is split over several steps, so
+running streams keep getting a token every step meanwhile). One expert call per layer serves the whole step.
+
+Memory is the paged KV cache (experts/kv_cache.py): a waiting request is admitted when its prompt's blocks are free
+(and reserves them); a finished, cancelled or timed-out stream frees its blocks at the next step boundary. When a
+decode step needs a block and none is free, the youngest running sequence is preempted: its blocks are freed and it
+goes back to the head of the queue, to be recomputed later from its prompt + the tokens it already generated (same
+tokens: the recompute's logits are the ones its next decode step would have had). A request that could never fit
+the cache is refused (RequestError naming the field and the limit).
+
+Forwards run one at a time on a worker thread so the event loop keeps accepting requests and cancellations while
+experts compute.
 """
 
 from __future__ import annotations
@@ -17,7 +26,9 @@ from typing import Any
 
 import torch
 
-from ..experts.modeling import KVCache, MoEDecoder
+from ..experts.kv_cache import KVCache, blocks_for
+from ..experts.modeling import MoEDecoder
+from .errors import RequestError
 from .sampling import SamplingParams, sample_next, skip_draws
 
 
@@ -29,7 +40,7 @@ class QueueFullError(RuntimeError):
 class BatcherConfig:
     max_active: int = 64  # sequences decoding together
     max_waiting: int = 256  # queued requests beyond that; more get QueueFullError
-    max_prefill_tokens: int = 2048  # prompt tokens admitted into one step
+    max_prefill_tokens: int = 2048  # prompt tokens computed in one step; a longer prompt is prefilled in chunks
 
     def validate(self) -> BatcherConfig:
         for name in ("max_active", "max_waiting", "max_prefill_tokens"):
@@ -78,7 +89,7 @@ class _Sequence:
     request: GenerationRequest
     events: asyncio.Queue
     cache: KVCache | None
-    next_input: torch.Tensor
+    next_input: torch.Tensor  # tokens not yet fed to the model: (the rest of) the prompt, or the last sampled token
     generator: torch.Generator | None
     generated: list[int] = field(default_factory=list)
     emitted_text: str = ""
@@ -88,6 +99,8 @@ class _Sequence:
     degraded: int = 0
     cancelled: bool = False
     replaying: bool = False  # the first step re-derives the last resumed token instead of sampling a new one
+    admitted: int = -1  # admission order (the youngest is preempted first)
+    routed: int = 0  # positions whose routing is counted (a recompute after preemption does not count them twice)
     span: Any = None  # the request's OpenTelemetry span (tracing on), parent or link of its steps
 
 
@@ -114,6 +127,8 @@ class ContinuousBatcher:
         self._task: asyncio.Task | None = None
         self.steps = 0
         self.max_batch_seen = 0
+        self.preemptions = 0
+        self._admissions = 0
         self.observer = None  # RouterObserver (router_service/observability.py): step spans; None = no tracing
 
     # ---- observability ---------------------------------------------------------------------------------------
@@ -128,11 +143,14 @@ class ContinuousBatcher:
         return len(self._waiting)
 
     def kv_cache_bytes(self) -> int:
+        """Bytes of the KV-cache blocks sequences hold now."""
         return sum(s.cache.nbytes() for s in (*self._active, *self._waiting) if s.cache is not None)
 
     def stats(self) -> dict:
+        pool = self.model.kv_pool
         return {"live_caches": self.live_caches, "active": len(self._active), "waiting": len(self._waiting),
-                "steps": self.steps, "max_batch_seen": self.max_batch_seen}
+                "steps": self.steps, "max_batch_seen": self.max_batch_seen, "preemptions": self.preemptions,
+                "kv_blocks_free": pool.allocator.num_free, "kv_blocks_total": pool.num_blocks}
 
     # ---- requests --------------------------------------------------------------------------------------------
 
@@ -144,6 +162,7 @@ class ContinuousBatcher:
         free_slots = max(0, self.config.max_active - len(self._active))
         if len(self._waiting) >= self.config.max_waiting + free_slots:
             raise QueueFullError(f"{len(self._waiting)} requests already waiting (max_waiting)")
+        self._check_fits(request)
         seq = _Sequence(request=request, events=asyncio.Queue(), cache=self.model.new_cache(),
                         next_input=torch.tensor(request.prompt_ids, dtype=torch.int64),
                         generator=request.sampling.generator(), span=span)
@@ -164,7 +183,19 @@ class ContinuousBatcher:
             seq.cancelled = True  # no-op when it finished; otherwise the loop frees it at the next boundary
             if seq in self._waiting:
                 self._waiting.remove(seq)
-                seq.cache = None
+                seq.cache = None  # a waiting sequence holds no blocks
+
+    def _check_fits(self, request: GenerationRequest) -> None:
+        """Refuse a request the KV cache could never hold, even alone: its prompt, or prompt + max_tokens."""
+        pool = self.model.kv_pool
+        limit = (f"the KV cache holds at most {pool.capacity_tokens} tokens ({pool.num_blocks} blocks of "
+                 f"{pool.block_size}; router.kv_cache_gb)")
+        prompt_len = len(request.prompt_ids)
+        if blocks_for(prompt_len + 1, pool.block_size) > pool.num_blocks:
+            raise RequestError("prompt", f"{prompt_len} tokens do not fit: {limit}")
+        if blocks_for(prompt_len + request.max_tokens, pool.block_size) > pool.num_blocks:
+            raise RequestError("max_tokens", f"prompt ({prompt_len} tokens) + max_tokens ({request.max_tokens}) do "
+                                             f"not fit: {limit}")
 
     def _resume(self, seq: _Sequence) -> None:
         """Set up a resumed sequence as the uninterrupted one stood just before its last delivered token.
@@ -202,9 +233,12 @@ class ContinuousBatcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            batch = list(self._active)
+            plan = self._plan_step()
+            if not plan:
+                continue  # every running sequence was preempted (cannot happen while _check_fits holds)
+            batch = [seq for seq, _ in plan]
             try:
-                logits, routing = await loop.run_in_executor(self._executor, self._forward, batch)
+                logits, routing = await loop.run_in_executor(self._executor, self._forward, plan)
             except Exception as exc:  # an expert failure fails this step's sequences, not the server
                 for seq in batch:
                     seq.events.put_nowait(exc)
@@ -212,11 +246,14 @@ class ContinuousBatcher:
                 continue
             self.steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
-            for seq, seq_logits, seq_routing in zip(batch, logits, routing):
+            for (seq, n), seq_logits, seq_routing in zip(plan, logits, routing):
                 if seq.cancelled:
                     continue
                 try:
-                    self._advance(seq, seq_logits, seq_routing)
+                    self._count_routing(seq, seq_routing)
+                    seq.next_input = seq.next_input[n:]
+                    if seq_logits is not None:  # the step fed its last pending token: sample the next one
+                        self._advance(seq, seq_logits)
                 except Exception as exc:  # e.g. a failing detokenizer: fail this sequence, keep the loop alive
                     seq.events.put_nowait(exc)
                     self._finish(seq)
@@ -226,42 +263,96 @@ class ContinuousBatcher:
             self._finish(seq)
 
     def _admit(self) -> None:
-        budget = self.config.max_prefill_tokens
+        """Move waiting requests (in order) to the running set while a slot and their prompt's blocks are free. The
+        blocks are reserved now, so a prompt never runs out of them half-way through its chunks. Blocks that running
+        sequences will need next step (their last block is full) are kept back, so an admission does not force an
+        immediate preemption."""
+        pool = self.model.kv_pool
         while self._waiting and len(self._active) < self.config.max_active:
-            need = self._waiting[0].next_input.numel()
-            if need > budget and budget < self.config.max_prefill_tokens:
-                break  # the step already has prompt tokens; this one waits for the next step
-            budget -= need
+            seq = self._waiting[0]
+            need = seq.cache.blocks_needed(seq.next_input.numel())
+            headroom = sum(s.cache.blocks_needed(1) for s in self._active if s.next_input.numel() == 1)
+            if need + headroom > pool.allocator.num_free:
+                break
+            seq.cache.reserve(seq.next_input.numel())
+            seq.admitted, self._admissions = self._admissions, self._admissions + 1
             self._active.append(self._waiting.popleft())
 
-    def _forward(self, batch: list[_Sequence]) -> tuple[list[torch.Tensor], list[_StepRouting]]:
-        lengths = [s.next_input.numel() for s in batch]
+    def _plan_step(self) -> list[tuple[_Sequence, int]]:
+        """(sequence, tokens it feeds this step): every decoding sequence one token, then prompt chunks in admission
+        order within max_prefill_tokens. Reserves the decode tokens' blocks, preempting the youngest running
+        sequence while none is free."""
+        budget = self.config.max_prefill_tokens
+        plan: list[tuple[_Sequence, int]] = []
+        for seq in sorted(self._active, key=lambda s: s.admitted):
+            pending = seq.next_input.numel()
+            decoding = pending == 1 and seq.cache.length > 0
+            if decoding or budget > 0:
+                n = 1 if decoding else min(pending, budget)
+                budget -= 0 if decoding else n
+                plan.append((seq, n))
+        for seq, n in list(plan):
+            if seq not in self._active:
+                continue  # preempted below for an older sequence
+            while not seq.cache.pool.allocator.can_allocate(seq.cache.blocks_needed(n)):
+                self._preempt(max(self._active, key=lambda s: s.admitted))
+                if seq not in self._active:
+                    break
+            if seq in self._active:
+                seq.cache.reserve(n)
+        return [(seq, n) for seq, n in plan if seq in self._active]
+
+    def _preempt(self, seq: _Sequence) -> None:
+        """Free a running sequence's blocks and queue it first, to recompute prompt + generated tokens later."""
+        self.preemptions += 1
+        seq.cache.free()
+        seq.next_input = torch.tensor(list(seq.request.prompt_ids) + seq.generated, dtype=torch.int64)
+        self._active.remove(seq)
+        self._waiting.appendleft(seq)
+
+    def _forward(self, plan: list[tuple[_Sequence, int]]) -> tuple[list[torch.Tensor | None], list[_StepRouting]]:
+        """One forward over the step; per sequence, its next-token logits [V] (None: a prompt chunk that is not the
+        prompt's last) and what the step routed for its tokens that were not counted before."""
+        batch = [seq for seq, _ in plan]
+        lengths = [n for _, n in plan]
+        inputs = [seq.next_input[:n] for seq, n in plan]
+        wanted = ["last" if n == seq.next_input.numel() else "none" for seq, n in plan]
+        starts = [seq.cache.length for seq in batch]
         if self.observer is not None and self.observer.tracer is not None:
             with self.observer.step_span([s.span for s in batch], sum(lengths)):
-                logits = self.model.forward([s.next_input for s in batch], [s.cache for s in batch])
+                logits = self.model.forward(inputs, [s.cache for s in batch], logits=wanted)
         else:
-            logits = self.model.forward([s.next_input for s in batch], [s.cache for s in batch])
+            logits = self.model.forward(inputs, [s.cache for s in batch], logits=wanted)
         per_seq = [_StepRouting() for _ in batch]
         num_experts = self.model.cfg.num_experts
+        # Tokens recomputed after a preemption were counted when first routed: skip them.
+        skip = [max(0, seq.routed - start) for seq, start in zip(batch, starts)]
+        for seq, start, n in zip(batch, starts, lengths):
+            seq.routed = max(seq.routed, start + n)
         for layer, routing in self.model.last_trace.routings.items():
             rerouted = routing.rerouted_per_token.split(lengths) if routing.rerouted_per_token is not None else None
             degraded = routing.degraded_per_token.split(lengths) if routing.degraded_per_token is not None else None
             for i, experts in enumerate(routing.experts.split(lengths)):
+                fresh = slice(skip[i], None)
+                experts = experts[fresh]
                 if degraded is not None:
-                    per_seq[i].degraded += int(degraded[i].sum())
+                    per_seq[i].degraded += int(degraded[i][fresh].sum())
                 per_seq[i].tokens_per_expert[layer] = torch.bincount(experts[experts >= 0], minlength=num_experts)
                 per_seq[i].dropped += int((experts < 0).sum())
                 if rerouted is not None:
-                    per_seq[i].rerouted += int(rerouted[i].sum())
-        return [x[-1] for x in logits], per_seq
+                    per_seq[i].rerouted += int(rerouted[i][fresh].sum())
+        return [x[-1] if w == "last" else None for x, w in zip(logits, wanted)], per_seq
 
-    def _advance(self, seq: _Sequence, logits: torch.Tensor, routing: _StepRouting) -> None:
-        req = seq.request
+    @staticmethod
+    def _count_routing(seq: _Sequence, routing: _StepRouting) -> None:
         for layer, counts in routing.tokens_per_expert.items():
             seq.tokens_per_expert[layer] = seq.tokens_per_expert.get(layer, 0) + counts
         seq.rerouted += routing.rerouted
         seq.dropped += routing.dropped
         seq.degraded += routing.degraded
+
+    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        req = seq.request
         replayed = seq.replaying
         if replayed:
             seq.replaying = False
@@ -323,7 +414,9 @@ class ContinuousBatcher:
         return rest
 
     def _finish(self, seq: _Sequence) -> None:
-        seq.cache = None  # free the KV cache now, not when the client lets go of the stream
+        if seq.cache is not None:
+            seq.cache.free()  # free the KV-cache blocks now, not when the client lets go of the stream
+        seq.cache = None
         if seq in self._active:
             self._active.remove(seq)
 

@@ -165,6 +165,11 @@ class RouterConfig:
     replicas: int = 1  # Serve replicas of the router deployment
     autoscale: tuple[int, int] | None = None  # (min, max) Serve replicas, scaled on ongoing requests; None: fixed
     batcher: BatcherConfig = field(default_factory=BatcherConfig)  # continuous batching (Serve replicas)
+    # The paged KV cache (README: Paged KV cache): its size in GiB; None: 2 GiB on CPU (at most 64 full contexts),
+    # on a GPU what keeps the router within gpu_memory_utilization of the GPU's memory after its weights.
+    kv_cache_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_block_size: int = 16  # tokens per KV-cache block
 
     def validate(self) -> RouterConfig:
         if self.transport not in TRANSPORTS:
@@ -184,6 +189,12 @@ class RouterConfig:
             raise ValueError(f"replicas: must be ≥ 1, got {self.replicas}")
         if self.autoscale is not None and not 1 <= self.autoscale[0] <= self.autoscale[1]:
             raise ValueError(f"autoscale: need 1 ≤ min ≤ max, got {self.autoscale[0]}:{self.autoscale[1]}")
+        if self.kv_cache_gb is not None and not (self.kv_cache_gb > 0 and math.isfinite(self.kv_cache_gb)):
+            raise ValueError(f"kv_cache_gb: must be a positive finite number, got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size: must be ≥ 1, got {self.kv_block_size}")
         return self
 
     def deployment_options(self) -> dict:

@@ -17,8 +17,9 @@ from ..cluster.pool_spec import PoolSpec
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
 from ..experts.dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
+from ..experts.kv_cache import blocks_for, settings_for
 from ..experts.model_source import dense_tensors, open_checkpoint
-from ..experts.modeling import KVCache, MoEDecoder
+from ..experts.modeling import MoEDecoder
 from ..experts.telemetry import build_tracer
 from ..experts.tokenizer import load_tokenizer
 from ..experts.weights import load_dense_weights
@@ -72,8 +73,10 @@ class Router:
                                    device=self.device)
         log.info("router: %s weights on %s, %d torch threads (model.dtype %s)", self.dtype_name, self.device,
                  torch.get_num_threads(), spec.dtype)
+        kv_cache = settings_for(dense.embed.device, settings.kv_cache_gb, settings.gpu_memory_utilization,
+                                settings.kv_block_size)
         self.model = MoEDecoder(self.model_config, dense, self.backend, settings.capacity_factor,
-                                overlap=settings.overlap)
+                                overlap=settings.overlap, kv_cache=kv_cache)
         # Load statistics, metrics, traces (router_service/observability.py).
         self.observer = RouterObserver(self.model_config, self.backend, router_id or default_router_id(),
                                        config.observability, build_tracer(config.tracing, "router"))
@@ -154,15 +157,30 @@ class Router:
         ids = self.encode(prompt) if prompt is not None else list(token_ids)
         tokens = self.check_token_ids(ids, "prompt" if prompt is not None else "token_ids")
         self.check_budget(len(ids), max_tokens)
-        cache: KVCache = self.model.new_cache()
+        pool = self.model.kv_pool
+        if blocks_for(len(ids) + max_tokens, pool.block_size) > pool.num_blocks:
+            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) do not fit: "
+                                             f"the KV cache holds at most {pool.capacity_tokens} tokens "
+                                             "(router.kv_cache_gb)")
+        cache = self.model.new_cache()
         eos = self.model_config.eos_token_id if stop_at_eos else None
         routed: dict[int, torch.Tensor] = {}
+        try:
+            out, finish = self._greedy(cache, tokens, max_tokens, eos, span, routed)
+        finally:
+            cache.free()  # the blocks go back to the pool whatever happened
+        return Generation(
+            token_ids=out, text=self.decode(out), finish_reason=finish,
+            tokens_per_expert={layer: counts.tolist() for layer, counts in routed.items()},
+        )
+
+    def _greedy(self, cache, step_input, max_tokens, eos, span, routed) -> tuple[list[int], str]:
+        """The decode loop of `generate`: lm_head on the last position only; routed slots added to `routed`."""
         out: list[int] = []
-        step_input = tokens
         finish = "length"
         for _ in range(max_tokens):
             with self.observer.step_span([span], int(step_input.numel())):
-                logits = self.model.forward([step_input], [cache])[0]  # [S, V]
+                logits = self.model.forward([step_input], [cache], logits="last")[0]  # [1, V]
             for layer, routing in self.model.last_trace.routings.items():
                 counts = routing.tokens_per_expert(self.model_config.num_experts)
                 routed[layer] = routed.get(layer, 0) + counts
@@ -172,7 +190,4 @@ class Router:
                 finish = "eos"
                 break
             step_input = torch.tensor([next_id], device=self.device)
-        return Generation(
-            token_ids=out, text=self.decode(out), finish_reason=finish,
-            tokens_per_expert={layer: counts.tolist() for layer, counts in routed.items()},
-        )
+        return out, finish

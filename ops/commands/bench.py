@@ -1,4 +1,4 @@
-"""`expertmesh bench dispatch|serve|placement|observability`: benchmarks, each printing one JSON object."""
+"""`expertmesh bench dispatch|serve|placement|observability|chunked`: benchmarks, each printing one JSON object."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ def add_parser(sub) -> None:
     dispatch.add_argument("--repeats", type=int, default=5)
     dispatch.add_argument("--shape", choices=["mixtral", "qwen3-30b-a3b", "deepseek-v3"], default="mixtral",
                           help="benchmark model: Mixtral-like (8 experts, top-2) or a many-expert one (top-8)")
+    dispatch.add_argument("--context", type=int, metavar="N", help="decode at N tokens of context over the paged KV "
+                          "cache, against transformers with a static cache (ops/bench_context.py)")
+    dispatch.add_argument("--streams", type=int, default=8, help="with --context: sequences decoding together")
     # The mesh's settings (transport, overlap, failover, ...); the benchmark supplies its own checkpoint.
     add_mesh_flags(dispatch, ("ray", "experts", "router", "failover", "controller", "tracing"), extra=("model.dtype",))
     _output_flags(dispatch)
@@ -44,13 +47,29 @@ def add_parser(sub) -> None:
                                  help="also report drift moves at this slack (0 is always reported)")
     placement_bench.add_argument("--quick", action="store_true", help="8 layers instead of 58")
     _output_flags(placement_bench)
+    chunked = bench_sub.add_parser("chunked", help="inter-token latency of running streams while a long prompt "
+                                   "is prefilled, chunked and not (in process)")
+    chunked.add_argument("--prompt-tokens", type=int, default=4096)
+    chunked.add_argument("--streams", type=int, default=8)
+    chunked.add_argument("--chunks", default="64,256", help="comma-separated max_prefill_tokens to try")
+    _output_flags(chunked)
     obs_bench = bench_sub.add_parser("observability", help="cost of load statistics and tracing per layer and step")
     obs_bench.add_argument("--sequences", type=int, default=32, help="sequences in the decode step")
     _output_flags(obs_bench)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.bench == "dispatch":
+    if args.bench == "dispatch" and args.context is not None:
+        from ..bench_context import run_context_bench
+
+        result = run_context_bench(args.context, streams=args.streams, repeats=args.repeats, verbose=not args.json,
+                                   config=mesh_config_from_args(args))
+    elif args.bench == "chunked":
+        from ..bench_chunked import run_chunked_bench
+
+        result = run_chunked_bench(args.prompt_tokens, args.streams, tuple(int(c) for c in args.chunks.split(",")),
+                                   verbose=not args.json)
+    elif args.bench == "dispatch":
         from ..bench_dispatch import run_dispatch_bench
 
         result = run_dispatch_bench(args.workload, repeats=args.repeats, verbose=not args.json,

@@ -71,6 +71,13 @@ FLAGS: tuple[Flag, ...] = (
          "that many CPUs (default: the CPUs it was given, at least 1)", {"type": int}),
     Flag("--router-gpus", "router.gpus", "router", "GPUs per router (fractions share one): its dense weights, KV "
          "cache and sampling run on cuda:0 (default: 0, on CPU)", {"type": float}),
+    Flag("--kv-cache-gb", "router.kv_cache_gb", "router", "size of the paged KV cache in GiB, preallocated on the "
+         "router's device (default: 2 on CPU, at most 64 full contexts; on a GPU see --gpu-memory-utilization)",
+         {"type": float}),
+    Flag("--gpu-memory-utilization", "router.gpu_memory_utilization", "router", "on a GPU without --kv-cache-gb: "
+         "the KV cache takes what keeps the router within this fraction of the GPU's memory after its weights",
+         {"type": float}),
+    Flag("--kv-block-size", "router.kv_block_size", "router", "tokens per KV-cache block", {"type": int}),
     Flag("--router-replicas", "router.replicas", "serve", "Serve replicas of the router", {"type": int}),
     Flag("--router-autoscale", "router.autoscale", "serve", "autoscale router replicas",
          {"type": _autoscale_range, "metavar": "MIN:MAX"}),
@@ -78,8 +85,8 @@ FLAGS: tuple[Flag, ...] = (
          {"type": int}),
     Flag("--max-waiting", "router.batcher.max_waiting", "serve", "queued requests per router before "
          "RESOURCE_EXHAUSTED", {"type": int}),
-    Flag("--max-prefill-tokens", "router.batcher.max_prefill_tokens", "serve", "prompt tokens admitted into one "
-         "step", {"type": int}),
+    Flag("--max-prefill-tokens", "router.batcher.max_prefill_tokens", "serve", "prompt tokens computed in one "
+         "step: a longer prompt is prefilled in chunks while running streams keep decoding", {"type": int}),
     Flag("--no-replica-policy", "failover.no_replica_policy", "failover", "when every replica of an expert is "
          "down: hold its tokens until one is back (up to --wait-timeout, then UNAVAILABLE), or send them to the "
          "next-best expert and count them", {"choices": ("wait", "degrade")}),

@@ -149,8 +149,10 @@ def test_single_greedy_stream_equals_plain_greedy_loop(model):
     assert done.tokens_per_expert == expected_per_expert
     assert batcher.steps == max_tokens and batcher.max_batch_seen == 1
     assert batcher.live_caches == 0
+    pool = model.kv_pool
     assert batcher.stats() == {"live_caches": 0, "active": 0, "waiting": 0, "steps": max_tokens,
-                               "max_batch_seen": 1}
+                               "max_batch_seen": 1, "preemptions": 0, "kv_blocks_free": pool.num_blocks,
+                               "kv_blocks_total": pool.num_blocks}
 
 
 def test_max_tokens_one_is_prefill_only(model):
@@ -522,9 +524,9 @@ def test_max_active_caps_the_batch(model, monkeypatch):
     batch_sizes: list[int] = []
     forward = model.forward
 
-    def recording_forward(tokens, caches=None):
+    def recording_forward(tokens, caches=None, logits="all"):
         batch_sizes.append(len(tokens))
-        return forward(tokens, caches)
+        return forward(tokens, caches, logits=logits)
 
     monkeypatch.setattr(model, "forward", recording_forward)
 
@@ -540,17 +542,31 @@ def test_max_active_caps_the_batch(model, monkeypatch):
     assert sum(batch_sizes) == 5 * 4  # every sequence took part in exactly max_tokens steps
 
 
-def test_max_prefill_tokens_bounds_the_prompt_tokens_of_a_step(model, monkeypatch):
+def test_max_prefill_tokens_chunks_prompts_while_running_streams_decode(model, monkeypatch):
+    """Chunked prefill: no step computes more than max_prefill_tokens prompt tokens; a longer prompt is split over
+    steps (each prompt token fed exactly once, in order) while running sequences keep decoding in the same steps;
+    every stream still equals its solo greedy run."""
     budget = 8
-    lengths = [5, 6, 5, 11, 6, 5]  # 11 > budget: still admitted, alone
+    lengths = [5, 6, 5, 11, 6, 5]  # 11 > budget: prefilled in chunks
     prompts = [prompt(n, seed=630 + i) for i, n in enumerate(lengths)]
-    steps: list[list[int]] = []  # per forward: the lengths of the prompts it prefilled
+    steps: list[list[tuple[int, int, int]]] = []  # per forward: (prompt index, start, tokens) of its prompt chunks
+    decode_rows: list[int] = []  # per forward: rows feeding a generated token
+    step_tokens: list[int] = []
     layer0_tokens: list[int] = []
+    owner: dict[int, int] = {}  # id(cache) -> prompt index
     forward, run_experts = model.forward, model.experts.run
 
-    def recording_forward(tokens, caches=None):
-        steps.append([t.numel() for t, c in zip(tokens, caches) if c.length == 0])
-        return forward(tokens, caches)
+    def recording_forward(tokens, caches=None, logits="all"):
+        chunks = []
+        for t, c in zip(tokens, caches):
+            if c.length == 0:
+                owner[id(c)] = next(i for i, p in enumerate(prompts) if p[:t.numel()] == t.tolist())
+            if c.length < lengths[owner[id(c)]]:
+                chunks.append((owner[id(c)], c.length, t.numel()))
+        steps.append(chunks)
+        decode_rows.append(len(tokens) - len(chunks))
+        step_tokens.append(sum(t.numel() for t in tokens))
+        return forward(tokens, caches, logits=logits)
 
     def recording_run(layer, hidden, routing):
         if layer == model.cfg.moe_layers[0]:
@@ -566,15 +582,16 @@ def test_max_prefill_tokens_bounds_the_prompt_tokens_of_a_step(model, monkeypatc
 
     results = run(main())
     monkeypatch.undo()
-    assert sorted(n for step in steps for n in step) == sorted(lengths)  # every prompt prefilled once
-    for step in steps:
-        assert sum(step) <= budget or step == [11], steps
-    assert [11] in steps
-    assert len(steps) > 2  # the budget did split the prompts over several steps
-    assert len(layer0_tokens) == len(steps)
-    for j, (step, tokens) in enumerate(zip(steps, layer0_tokens)):
-        # this step's prompt tokens, plus one token per sequence prefilled in the 2 steps before (max_tokens 3)
-        assert tokens == sum(step) + sum(len(earlier) for earlier in steps[max(0, j - 2):j])
+    for chunks in steps:
+        assert sum(n for _, _, n in chunks) <= budget, steps
+    for i, n in enumerate(lengths):  # each prompt's chunks cover it exactly once, in order
+        spans = [(start, k) for chunks in steps for j, start, k in chunks if j == i]
+        assert [start for start, _ in spans] == [sum(k for _, k in spans[:m]) for m in range(len(spans))]
+        assert sum(k for _, k in spans) == n
+    long_chunks = [(j, chunks) for j, chunks in enumerate(steps) for c in chunks if c[0] == 3]
+    assert len(long_chunks) >= 2  # the 11-token prompt was split
+    assert all(decode_rows[j] > 0 for j, _ in long_chunks)  # running streams decoded in those steps
+    assert layer0_tokens == step_tokens  # one expert round per step over every row's tokens
     assert [r[0] for r in results] == [solo_greedy(model, p, 3)[0] for p in prompts]
 
 

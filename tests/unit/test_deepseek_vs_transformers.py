@@ -152,8 +152,9 @@ def test_fixture_configs_and_what_they_exercise(models):
     cache = v3.new_cache()
     v3.forward([_ids(5, 7)], [cache])
     width = v3.cfg.kv_lora_rank + v3.cfg.qk_rope_head_dim
-    assert set(cache.history(0)) == {"latent"} and cache.history(0)["latent"].shape == (5, width)
-    assert cache.nbytes() == 3 * 5 * width * 4
+    assert set(cache.read(0)) == {"latent"} and cache.read(0)["latent"].shape == (5, width)
+    assert v3.kv_pool.bytes_per_token(v3.cache_specs(), torch.float32) == 3 * width * 4  # per token, every layer
+    assert cache.nbytes() == len(cache.blocks) * v3.kv_pool.block_size * 3 * width * 4  # whole blocks
 
 
 def _record_expert_inputs(model, tokens: list[torch.Tensor]) -> dict[int, torch.Tensor]:

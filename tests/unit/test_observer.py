@@ -10,8 +10,14 @@ import torch
 
 from expertmesh.cluster.routing_table import RoutingTable
 from expertmesh.experts.gating import Routing
-from expertmesh.experts.modeling import KVCache, StepTrace
+from expertmesh.experts.kv_cache import KVCache, PagedKVPool
+from expertmesh.experts.modeling import StepTrace
 from expertmesh.router_service.observability import RouterObserver
+
+
+def new_cache() -> KVCache:
+    """A sequence of a tiny paged pool (the observer reads only its identity and length)."""
+    return PagedKVPool([{"k": (1,)}], num_blocks=4, block_size=4, dtype=torch.float32).new_sequence()
 
 
 class Cfg:
@@ -37,7 +43,7 @@ def step(observer: RouterObserver, caches: list[KVCache], top1: list[list[int]])
 def test_switches_follow_each_sequence_across_steps():
     obs = RouterObserver(Cfg, Backend(), "test")
     assert obs.metrics is None and obs.tracer is None  # no Ray, no tracing: nothing to record into
-    a, b = KVCache.empty(1), KVCache.empty(1)
+    a, b = new_cache(), new_cache()
     step(obs, [a, b], [[0, 0, 1], [2]])  # prefill: a has pairs (0,0) (0,1)
     step(obs, [a, b], [[1], [3]])  # decode: a (1,1), b (2,3)
     counts = obs.window.counts()
@@ -46,13 +52,13 @@ def test_switches_follow_each_sequence_across_steps():
 
 def test_a_new_sequence_starts_without_history():
     obs = RouterObserver(Cfg, Backend(), "test")
-    a = KVCache.empty(1)
+    a = new_cache()
     step(obs, [a], [[0, 3]])
     a.length = 0  # the same object (same id) now holds a fresh prompt
     step(obs, [a], [[1]])
     assert obs.window.counts()["pairs"] == [1.0]  # only (0,3); the fresh prompt's first token pairs with nothing
     del a
-    step(obs, [KVCache.empty(1)], [[2]])
+    step(obs, [new_cache()], [[2]])
     assert obs.window.tracked_sequences == 1  # the dead cache's state was dropped
 
 

@@ -23,6 +23,7 @@ PURE_MODULES = (
     "expertmesh.experts.arrays",
     "expertmesh.experts.attention",
     "expertmesh.experts.attention_core",
+    "expertmesh.experts.block_allocator",  # which KV-cache blocks are free (no tensors)
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
     "expertmesh.experts.config_deepseek",
