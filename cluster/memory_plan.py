@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from ..experts.config import MoEModelConfig
-from ..experts.weights import dense_tensor_names, expert_shard_names
+if TYPE_CHECKING:
+    from ..experts.config import MoEModelConfig
 
 GIB = 1 << 30
 RUNTIME_RESERVE_BYTES = 2 * GIB  # CUDA context + allocator slack + one call's activations, per GPU
@@ -61,6 +62,8 @@ class ModelMemory:
 
 def model_memory(cfg: MoEModelConfig, dtype: str) -> ModelMemory:
     """Bytes of the model at `dtype`, from the tensor shapes its config implies."""
+    from ..experts.weights import dense_tensor_names, expert_shard_names  # torch: only where a model is read
+
     size = DTYPE_BYTES[dtype]
     numel = lambda shape: math.prod(shape)  # noqa: E731
     dense = sum(numel(shape) for shape in dense_tensor_names(cfg).values())
@@ -77,6 +80,21 @@ def kv_bytes_per_token(cfg: MoEModelConfig, dtype: str) -> int:
     else:
         per_layer = 2 * cfg.num_kv_heads * cfg.head_dim
     return cfg.num_layers * per_layer * size
+
+
+def slots_per_gpu(gpu_bytes: int, shard_bytes: int, layers: int, utilization: float = 0.9,
+                  reserve_bytes: int = RUNTIME_RESERVE_BYTES, remap_headroom: bool = True) -> tuple[int, bool]:
+    """(shards of every MoE layer one expert GPU holds, whether one such set is left free for live remap). Without
+    room for the headroom the GPU is filled (transition False). The planner's Topology.from_memory uses this too."""
+    layer_slot = shard_bytes * layers
+    budget = gpu_bytes * utilization - reserve_bytes
+    if layer_slot <= 0:
+        return 0, False
+    if remap_headroom:
+        slots = int((budget - layer_slot) // layer_slot)
+        if slots >= 1:
+            return slots, True
+    return max(0, int(budget // layer_slot)), False
 
 
 @dataclass(frozen=True)
@@ -110,10 +128,7 @@ def plan_fit(mem: ModelMemory, gpu_type: str, gpus_per_node: int, replicas: int 
     memory = gpu_memory_gib * GIB if gpu_memory_gib is not None else GPU_MEMORY_MIB[gpu_type] * (1 << 20)
     budget = memory * utilization - RUNTIME_RESERVE_BYTES
     layer_slot = mem.shard_bytes * mem.moe_layers  # one expert of every MoE layer
-    slots = int((budget - layer_slot) // layer_slot) if layer_slot else 0
-    transition_room = slots >= 1
-    if slots < 1:  # no headroom left: fill the GPU (remaps then load beside fewer shards at once)
-        slots = int(budget // layer_slot) if layer_slot else 0
+    slots, transition_room = slots_per_gpu(int(memory), mem.shard_bytes, mem.moe_layers, utilization)
     if slots < 1:
         raise ValueError(f"one expert of every layer ({layer_slot / GIB:.1f} GiB) does not fit a {gpu_type} "
                          f"({memory / GIB:.1f} GiB at utilization {utilization})")

@@ -46,11 +46,16 @@ class Topology:
 
     @classmethod
     def from_memory(cls, nodes: int, gpus_per_node: int, gpu_bytes: int, shard_bytes: int, layers: int,
-                    failed_gpus: frozenset[int] = frozenset()) -> Topology:
+                    failed_gpus: frozenset[int] = frozenset(), utilization: float = 1.0, reserve_bytes: int = 0,
+                    remap_headroom: bool = False) -> Topology:
         """Slots from a per-GPU memory budget for expert weights: each GPU holds the same number of shards in every
-        layer, so slots_per_gpu = gpu_bytes // (shard_bytes * layers)."""
+        layer. The accounting is cluster/memory_plan.py's `slots_per_gpu` (the start-up check's and plan-cluster's):
+        by default the whole of gpu_bytes is the budget (gpu_bytes // (shard_bytes * layers)); pass utilization,
+        reserve_bytes and remap_headroom to plan exactly as a live cluster is checked."""
+        from .memory_plan import slots_per_gpu
+
         assert shard_bytes > 0 and layers > 0
-        slots = gpu_bytes // (shard_bytes * layers)
+        slots, _ = slots_per_gpu(gpu_bytes, shard_bytes, layers, utilization, reserve_bytes, remap_headroom)
         if slots < 1:
             raise ValueError(f"gpu_bytes: {gpu_bytes} cannot hold one shard per layer "
                              f"({layers} layers x {shard_bytes} bytes)")

@@ -56,3 +56,13 @@ def test_plan_cluster_cli_prints_json(checkpoints, capsys):
     assert out["family"] == "mixtral" and out["experts"] == 4 and out["fits"][0]["expert_gpus"] == 2
     assert main(["plan-cluster", "--model", str(checkpoints["olmoe"]), "--node-type", "aws:g5.12xlarge"]) == 0
     assert "aws:g5.12xlarge" in capsys.readouterr().out
+
+
+def test_the_planner_s_topology_uses_the_same_accounting():
+    from expertmesh.cluster.memory_plan import slots_per_gpu
+    from expertmesh.cluster.shard_placement import Topology
+
+    gpu, shard, layers = 80 * GIB, GIB // 4, 58
+    live = Topology.from_memory(1, 8, gpu, shard, layers, utilization=0.9, reserve_bytes=2 * GIB, remap_headroom=True)
+    assert live.slots_per_gpu == slots_per_gpu(gpu, shard, layers)[0] == 3  # (72 - 2 - 14.5) // 14.5
+    assert Topology.from_memory(1, 8, gpu, shard, layers).slots_per_gpu == 5  # the whole GPU, no headroom
