@@ -102,6 +102,10 @@ class BreakerBoard:
     def get(self, actor: str) -> BreakerState:
         return self.states.get(actor, BreakerState())
 
+    def all_closed(self) -> bool:
+        """Every breaker closed: asking for usable replicas then changes nothing and returns the table's."""
+        return all(st.state == CLOSED for st in self.states.values())
+
     def record(self, actor: str, now: float, ok: bool) -> None:
         self.states[actor] = record(self.cfg, self.get(actor), now, ok)
 

@@ -20,7 +20,7 @@ from ..cluster.breaker import BreakerBoard
 from ..cluster.routing_table import RoutingTable, Shard, split_tokens
 from ..experts.arrays import HostStager, pack
 from ..experts.gating import Routing, degrade
-from .dispatch_plan import ActorCall, add_rows, combine, plan_calls
+from .dispatch_plan import ActorCall, add_rows, all_served, combine, plan_calls
 from .transports.base import Transport
 
 NO_REPLICA_POLICIES = ("wait", "degrade")
@@ -255,7 +255,7 @@ class RemoteExperts:
             # up (e.g. restores pending on a full cluster) end in NoReplicaError (UNAVAILABLE), not a hang.
             give_up = self.clock() + max(self.failover.call_timeout_s, self.failover.wait_timeout_s)
             served = self._apply_policy(layer, routing, deadline)
-            calls = plan_calls(layer, served, self.table, self.live_replicas)
+            calls = plan_calls(layer, served, self.table, self._replicas_of())
             handles = self._send(layer, hidden, calls, range(len(calls)), carrier)
         except BaseException:
             if span is not None:
@@ -283,7 +283,7 @@ class RemoteExperts:
                     # the actors that failed.
                     self._apply_staged_while_held()
                     served = self._apply_policy(p.layer, p.routing, p.deadline)
-                    calls = plan_calls(p.layer, served, self.table, self.live_replicas)
+                    calls = plan_calls(p.layer, served, self.table, self._replicas_of())
                 outputs = self._execute(p.layer, p.hidden, calls, p.give_up, p.carrier,
                                         p.handles if attempt == 0 else None)
                 if outputs is not None:
@@ -311,8 +311,16 @@ class RemoteExperts:
             if not self._steps_running:
                 self._last_active = time.monotonic()
 
+    def _replicas_of(self) -> Callable[[Shard], list[str]] | None:
+        """How plan_calls picks a shard's replicas: None (the table's, planned without a Python step per expert)
+        while no replica is dead and every breaker is closed - then live_replicas would return exactly those and
+        change no breaker - else live_replicas."""
+        return None if not self.dead and self.breakers.all_closed() else self.live_replicas
+
     def _apply_policy(self, layer: int, routing: Routing, deadline: float) -> Routing:
         """Make sure every routed expert has a live replica: wait for one, or degrade to the next-best expert."""
+        if not self.dead and all_served(self.table, layer, routing.experts):
+            return routing  # nothing is dead and the table serves every routed expert (no Python step per expert)
         while True:
             hit = torch.unique(routing.experts[routing.experts >= 0]).tolist()
             missing = [e for e in hit if not self.has_live_replica((layer, e))]

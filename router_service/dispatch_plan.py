@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
 from ..cluster.routing_table import RoutingTable, Shard, split_tokens
 from ..experts.gating import Routing
-from ..experts.routed_rows import Piece, combine_pieces, sort_rows
+from ..experts.routed_rows import PIECE_LOOP_MAX, Piece, SortedRows, combine_pieces, combine_rows, sort_rows
 
 _NO_ROWS = torch.zeros(0, dtype=torch.int64)
 
@@ -63,6 +64,10 @@ def plan_calls(
     appear by expert id, then replica order). A shard's rows are split over its replicas in contiguous chunks
     (RoutingTable.split). replicas_of picks which replicas of a shard may take calls (default: all in the table)."""
     rows = sort_rows(routing.experts)
+    if replicas_of is None:
+        fast = _single_replica_calls(layer, rows, table)
+        if fast is not None:
+            return fast
     calls: dict[str, ActorCall] = {}
     ranges: dict[str, list[list[int]]] = {}  # per call: [start, end) ranges of the expert-sorted rows
     call_index: dict[str, int] = {}
@@ -111,6 +116,77 @@ def plan_calls(
     return ordered
 
 
+def _single_replica_calls(layer: int, rows: SortedRows, table: RoutingTable) -> list[ActorCall] | None:
+    """plan_calls without a Python step per expert, when every shard of the layer has one replica and each actor's
+    experts are a contiguous run of the hit experts (one expert per actor, or a slice per device): the calls are
+    runs of the expert-sorted rows, found with one look-up tensor. None: use the general path (same result)."""
+    lookup = _actor_lookup(table, layer)
+    if lookup is None:
+        return None
+    names, index = lookup
+    if not rows.experts:
+        return []
+    hit = torch.tensor(rows.experts)  # [n_hit]
+    if int(hit[-1]) >= index.numel():
+        return None
+    ids = index[hit]  # [n_hit] actor of each hit expert
+    if bool((ids < 0).any()):
+        return None  # a shard without a replica: the general path raises naming it
+    run_ids, run_lengths = torch.unique_consecutive(ids, return_counts=True)
+    run_ids, run_lengths = run_ids.tolist(), run_lengths.tolist()
+    if len(set(run_ids)) != len(run_ids):
+        return None  # an actor's experts are not one run
+    row_ends = list(accumulate(rows.counts, initial=0))
+    calls, first = [], 0
+    for actor_id, length in zip(run_ids, run_lengths):
+        last = first + length
+        lo, hi = row_ends[first], row_ends[last]
+        calls.append(ActorCall(names[actor_id], rows.experts[first:last], rows.counts[first:last],
+                               rows.tokens[lo:hi], rows.slots[lo:hi]))
+        first = last
+    return calls
+
+
+def all_served(table: RoutingTable, layer: int, experts: torch.Tensor) -> bool:
+    """Whether the table has a replica for every expert routed in `experts` ([T, k], -1 = dropped) at `layer`,
+    checked with one cached [E] mask."""
+    cache = table.__dict__.setdefault("_served_mask", {})
+    mask = cache.get(layer)
+    if mask is None:
+        served = [expert for (shard_layer, expert), actors in table.replicas.items() if shard_layer == layer and actors]
+        mask = cache[layer] = torch.zeros(max(served, default=-1) + 1, dtype=torch.bool)
+        mask[served] = True
+    ids = experts[experts >= 0]
+    return ids.numel() == 0 or (int(ids.max()) < mask.numel() and bool(mask[ids].all()))
+
+
+def _actor_lookup(table: RoutingTable, layer: int) -> tuple[list[str], torch.Tensor] | None:
+    """(actor names, [E] int64 index of each expert's only replica, -1 for none) of one layer, or None when a shard
+    of the layer has several replicas. Cached on the table (a table never changes; a new epoch is a new table)."""
+    cache = table.__dict__.setdefault("_single_replica_lookup", {})
+    if layer not in cache:
+        names: list[str] = []
+        position: dict[str, int] = {}
+        experts: dict[int, int] = {}
+        single = True
+        for (shard_layer, expert), actors in table.replicas.items():
+            if shard_layer != layer:
+                continue
+            if len(actors) != 1:
+                single = False
+                break
+            experts[expert] = position.setdefault(actors[0], len(position))
+        if single:
+            names = list(position)
+            index = torch.full((max(experts, default=-1) + 1,), -1, dtype=torch.int64)
+            for expert, actor in experts.items():
+                index[expert] = actor
+            cache[layer] = (names, index)
+        else:
+            cache[layer] = None
+    return cache[layer]
+
+
 def add_rows(calls: dict[str, ActorCall], actor: str, expert: int, token_idx: torch.Tensor,
              slot_idx: torch.Tensor) -> None:
     """Add one expert's rows to `actor`'s call (created on first use). For re-planning a failed call's rows, a
@@ -130,6 +206,13 @@ def combine(
     Each token's outputs are added in one fixed order (its experts by ascending id: experts/routed_rows.py), the
     order of the in-process reference, so the floating-point sums match it whichever replicas served the step.
     """
+    if sum(len(call.experts) for call in calls) > PIECE_LOOP_MAX:
+        # Many pieces: the rank passes over all rows at once (the same bits as piece by piece, any row order), with
+        # no per-expert Python objects (at 256 experts these cost more than the arithmetic).
+        if not calls:
+            return torch.zeros_like(hidden)
+        return combine_rows(hidden, routing, torch.cat([c.tokens for c in calls]),
+                            torch.cat([c.slots for c in calls]), torch.cat(list(outputs)))
     pieces = [
         Piece(expert, tokens, slots, y)
         for call, out in zip(calls, outputs)

@@ -158,3 +158,24 @@ def test_an_actors_contiguous_expert_slice_is_one_view_of_the_sorted_rows():
     base = calls[0].tokens.untyped_storage().data_ptr()
     assert all(c.tokens.untyped_storage().data_ptr() == base for c in calls)  # slices, no copies
     _assert_same_plan(calls, loop_plan_calls(0, routing, table))
+
+
+@pytest.mark.parametrize("experts, per_actor, replicas", [(8, 1, 1), (256, 32, 1), (256, 256, 1), (64, 1, 2)])
+def test_the_single_replica_fast_path_equals_the_general_path(experts, per_actor, replicas):
+    from expertmesh.cluster.routing_table import RoutingTable
+    from expertmesh.experts.gating import route
+    from expertmesh.router_service.dispatch_plan import all_served, plan_calls
+
+    gen = torch.Generator().manual_seed(experts + per_actor)
+    routing = route(torch.randn(64, experts, generator=gen), 8 if experts > 8 else 2, renormalize=True)
+    groups = {f"a{g}-r{r}": [(0, e) for e in range(g * per_actor, (g + 1) * per_actor)]
+              for g in range(experts // per_actor) for r in range(replicas)}
+    table = RoutingTable.from_actor_shards(groups)
+    fast = plan_calls(0, routing, table)  # replicas_of None: the look-up path where it applies
+    general = plan_calls(0, routing, table, lambda shard: list(table.replicas[shard]))
+    assert [(c.actor, c.experts, c.counts) for c in fast] == [(c.actor, c.experts, c.counts) for c in general]
+    for a, b in zip(fast, general):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.slots, b.slots)
+    assert all_served(table, 0, routing.experts)
+    partial = RoutingTable.from_actor_shards({"x": [(0, e) for e in range(experts - 1)]})
+    assert all_served(partial, 0, routing.experts) == bool((routing.experts != experts - 1).all())
