@@ -318,13 +318,16 @@ class RouterDeployment:
             retried_calls=backend.retried_calls, degraded_slots=backend.degraded_slots,
             load_json=json.dumps(self.router.load_snapshot()),
             dtype=self.router.dtype_name, device=str(self.router.device), threads=torch.get_num_threads(),
+            preemptions=s.get("preemptions", 0), kv_blocks_free=s.get("kv_blocks_free", 0),
+            kv_blocks_total=s.get("kv_blocks_total", 0),
         )
 
     def _batcher_gauges(self) -> dict:
         s = self.batcher.stats()
         return {"expertmesh_queue_depth": s["waiting"], "expertmesh_active_sequences": s["active"],
                 "expertmesh_kv_cache_sequences": s["live_caches"],
-                "expertmesh_kv_cache_bytes": self.batcher.kv_cache_bytes()}
+                "expertmesh_kv_cache_bytes": self.batcher.kv_cache_bytes(),
+                "expertmesh_kv_blocks_free": s.get("kv_blocks_free", 0)}
 
     async def load_snapshot(self) -> dict:
         """This replica's load statistics (plain dict; README: Load statistics)."""

@@ -71,6 +71,7 @@ METRIC_SPECS: dict[str, MetricSpec] = {s.name: s for s in [
     MetricSpec("expertmesh_active_sequences", "gauge", "Sequences decoding together"),
     MetricSpec("expertmesh_kv_cache_sequences", "gauge", "Sequences holding a KV cache"),
     MetricSpec("expertmesh_kv_cache_bytes", "gauge", "Bytes held by KV caches"),
+    MetricSpec("expertmesh_kv_blocks_free", "gauge", "Paged KV cache blocks free"),
     MetricSpec("expertmesh_load_std", "gauge", "Std-dev of shard load across a layer's experts (window)", ("layer",)),
     MetricSpec("expertmesh_load_imbalance", "gauge", "max/mean shard load across a layer's experts (window)",
                ("layer",)),

@@ -46,7 +46,8 @@ def status_lines(state) -> list[str]:
         f"router {r.replica}: {r.active_sequences} active, {r.waiting_requests} waiting, {r.live_kv_caches} KV "
         f"caches, {r.steps} steps, largest batch {r.max_batch_seen}, {r.retried_calls} retried calls, "
         f"{r.degraded_slots} degraded slots",
-        f"router compute: {r.dtype or '?'} on {r.device or '?'}, {r.threads} threads",
+        f"router compute: {r.dtype or '?'} on {r.device or '?'}, {r.threads} threads; KV cache "
+        f"{r.kv_blocks_free}/{r.kv_blocks_total} blocks free, {r.preemptions} preemptions",
     ]
     lines += load_lines(json.loads(state.load_json) if state.load_json else None)
     lines += control_lines(json.loads(state.control_json) if state.control_json else [], state.requested_gpus)
