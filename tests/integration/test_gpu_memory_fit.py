@@ -25,8 +25,9 @@ ACTOR_BYTES = 2 * 3 * 32 * 48 * 4
 GPU_GB = (RUNTIME_RESERVE_BYTES + 50_000) / 0.9 / GIB
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def gpu_cluster():
+    """One Cluster for the module (the last test adds a node to it, so it runs last)."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
     cluster.add_node(num_cpus=2, num_gpus=2)
     cluster.wait_for_nodes()
