@@ -24,6 +24,7 @@ import torch
 
 from ..cluster.breaker import BreakerBoard
 from ..cluster.routing_table import RoutingTable
+from ..experts.arrays import pack, to_tensor
 from ..experts.gating import route
 from ..router_service.dispatch import RemoteExperts
 
@@ -40,7 +41,7 @@ class EchoTransport:
         return x
 
     def gather_settled(self, handles, timeout):
-        return [torch.from_numpy(h) for h in handles]
+        return [to_tensor(h) for h in handles]  # HostTensor rows, as the real transports return them
 
 
 def layouts(experts: int, devices: tuple[int, ...] = (1, 8)) -> dict[str, RoutingTable]:
@@ -73,7 +74,7 @@ def pipeline_after(hidden, routing, table):
     from ..router_service.dispatch_plan import combine, plan_calls
 
     calls = plan_calls(0, routing, table)
-    outputs = [torch.from_numpy(hidden[c.tokens].contiguous().numpy()) for c in calls]  # marshal, echo back
+    outputs = [to_tensor(pack(hidden[c.tokens])) for c in calls]  # marshal (as dispatch sends), echo back
     return combine(hidden, routing, calls, outputs)
 
 
