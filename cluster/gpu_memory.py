@@ -44,6 +44,18 @@ def overfull_gpus(slots: list[ActorSlot], actor_bytes: Mapping[str, int], gpu_by
     return out
 
 
+def transition_room(slots: list[ActorSlot], actor_bytes: Mapping[str, int], gpu_bytes: Mapping[str, int],
+                    utilization: float) -> bool:
+    """Whether some GPU can load the largest actor beside what it already holds: what a live remap (a new actor
+    version loading before the old one drains) and a restore onto a survivor need. Unknown memory counts as no."""
+    largest = max(actor_bytes.values(), default=0)
+    loads = gpu_loads(slots, actor_bytes)
+    for (node, _), load in loads.items():
+        if node in gpu_bytes and usable_bytes(gpu_bytes[node], utilization) - load >= largest:
+            return True
+    return False
+
+
 def gpus_needed(actor_bytes: Mapping[str, int], gpu_bytes: int, utilization: float, min_gpus: int = 1) -> int:
     """GPUs of `gpu_bytes` that hold these actors packed by bytes (first-fit decreasing; an actor never spans GPUs).
     Raises ValueError when one actor alone does not fit a GPU."""

@@ -19,6 +19,7 @@ from ..cluster.gpu_memory import (
     min_distinct_gpus,
     overfull_gpus,
     shortfall_line,
+    transition_room,
 )
 from ..cluster.memory_plan import GIB, model_memory
 from ..cluster.routing_table import Shard
@@ -94,6 +95,10 @@ def fit_gpu_memory(config: MeshConfig, reader: CheckpointReader, groups: dict[st
     utilization = settings.gpu_memory_utilization
     overfull = overfull_gpus(planned, actor_bytes, memory, utilization)
     if not overfull:
+        if not transition_room(planned, actor_bytes, memory, utilization):
+            log.warning("the expert pool fits, but no GPU has room to load a replacement actor beside a serving one: "
+                        "live remaps, rebalancing and restores onto survivors will need more GPUs (or fewer shards "
+                        "per actor)")
         return planned
     gpu_bytes = min(memory.values())
     try:

@@ -51,3 +51,13 @@ def test_bytes_per_actor_replicas_and_the_line():
     line = shortfall_line(4, 2, GPU, [(("n1abcdefghijklmn", 0), 24 * GIB, 19 * GIB)])
     assert line.startswith("the expert actors need 4 GPUs of 24 GiB by memory, the cluster has 2: 2 missing")
     assert "GPU 0 of node n1abcdefghij would hold 24.0 GiB of 19.0 usable" in line
+
+
+def test_transition_room_needs_one_gpu_that_can_load_the_largest_actor_beside_its_own():
+    from expertmesh.cluster.gpu_memory import transition_room
+
+    names, slots = _slots(4, 2)  # 2 actors per GPU
+    usable = usable_bytes(GPU, 0.9)
+    assert transition_room(slots, {n: usable // 3 for n in names}, {"n1": GPU}, 0.9)  # 2/3 used: room for a third
+    assert not transition_room(slots, {n: usable // 2 for n in names}, {"n1": GPU}, 0.9)  # full
+    assert not transition_room(slots, {n: 1 for n in names}, {}, 0.9)  # memory unknown: cannot say there is room
