@@ -9,7 +9,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from expertmesh.ops.drill import DrillRecord, build_report
+
+# A drill-length module (minutes of Ray, servers and kills): `pytest -m slow` runs it; CI's default set
+# stays under 30 minutes.
+pytestmark = pytest.mark.slow
 
 DRILL_TIMEOUT_S = 600  # the drill itself takes ~1.5 min on 2 cores; most of it is starting 16 expert actors
 

@@ -21,6 +21,10 @@ from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import MAX_TOKENS, NonStopClient, controller_state, mesh_sender, wait_for
 
+# A drill-length module (minutes of Ray, servers and kills): `pytest -m slow` runs it; CI's default set
+# stays under 30 minutes.
+pytestmark = pytest.mark.slow
+
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 # Typical on an idle 2-core machine: the stand-in serves ~10 s after the node is removed (a process importing torch,
 # loading four shards, warming up); the move back after the node joins takes about as long.

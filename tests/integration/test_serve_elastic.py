@@ -25,6 +25,10 @@ from tests.served import start_server
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import MAX_TOKENS, code_prompts
 
+# A drill-length module (minutes of Ray, servers and kills): `pytest -m slow` runs it; CI's default set
+# stays under 30 minutes.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
