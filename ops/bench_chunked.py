@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -44,11 +43,7 @@ def run_chunked_bench(prompt_tokens: int = 4096, streams: int = 8, chunks: tuple
                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
-        model_dir = write_bench_checkpoint(Path(tmp) / "model")
-        cfg_path = model_dir / "config.json"
-        raw = json.loads(cfg_path.read_text())
-        raw["max_position_embeddings"] = prompt_tokens + 1024
-        cfg_path.write_text(json.dumps(raw))
+        model_dir = write_bench_checkpoint(Path(tmp) / "model", max_positions=prompt_tokens + 1024)
         model = load_reference_model(model_dir)
         scenarios = {}
         say("baseline ...")

@@ -11,7 +11,6 @@ and the process's peak RSS (router and transformers share this process, so it bo
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
@@ -47,11 +46,7 @@ def run_context_bench(context: int, streams: int = 8, repeats: int = 5, verbose:
                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
-        model_dir = write_bench_checkpoint(Path(tmp) / "model")
-        cfg_path = model_dir / "config.json"
-        raw = json.loads(cfg_path.read_text())
-        raw["max_position_embeddings"] = context + repeats + 8
-        cfg_path.write_text(json.dumps(raw))
+        model_dir = write_bench_checkpoint(Path(tmp) / "model", max_positions=context + repeats + 8)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         ids = torch.randint(0, MODEL["vocab"], (streams, context))
         say(f"transformers: prefill {streams} x {context} into a static cache ...")

@@ -31,8 +31,9 @@ PREFILL = dict(sequences=4, tokens=256)
 DECODE = dict(sequences=32, context=64)
 
 
-def write_bench_checkpoint(out: Path, seed: int = 0) -> Path:
-    """Random Mixtral weights at the benchmark's size, written shard-free with safetensors (fast, ~1.1 GB)."""
+def write_bench_checkpoint(out: Path, seed: int = 0, max_positions: int = 1024) -> Path:
+    """Random Mixtral weights at the benchmark's size, written shard-free with safetensors (fast, ~1.1 GB).
+    max_positions: config.json's max_position_embeddings (long-context benchmarks raise it)."""
     from safetensors.torch import save_file
 
     m = MODEL
@@ -65,7 +66,8 @@ def write_bench_checkpoint(out: Path, seed: int = 0) -> Path:
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": m["vocab"],
         "hidden_size": m["hidden"], "intermediate_size": m["inter"], "num_hidden_layers": m["layers"],
         "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"], "num_local_experts": m["experts"],
-        "num_experts_per_tok": m["top_k"], "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 1024,
+        "num_experts_per_tok": m["top_k"], "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+        "max_position_embeddings": max_positions,
         "hidden_act": "silu", "tie_word_embeddings": False, "sliding_window": None, "torch_dtype": "float32",
     }
     (out / "config.json").write_text(json.dumps(config))
