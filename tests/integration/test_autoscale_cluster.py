@@ -10,7 +10,6 @@ import json
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from expertmesh.cluster.controller_config import ControllerConfig
 from expertmesh.cluster.elastic import ElasticConfig
@@ -22,6 +21,7 @@ from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.router_service.config import RayConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability_config import ObservabilityConfig
+from tests.clusters import cluster_with_gpus
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import (
     MAX_TOKENS,
@@ -36,13 +36,8 @@ from tests.traffic import (
 
 @pytest.fixture(scope="module")
 def small_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    cluster.add_node(num_cpus=2, num_gpus=2)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with cluster_with_gpus(2) as cluster:
+        yield cluster
 
 
 def ray_resource_request() -> list[dict] | None:

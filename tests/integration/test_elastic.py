@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from expertmesh.cluster.controller_config import ControllerConfig
 from expertmesh.cluster.elastic import ElasticConfig
@@ -20,20 +19,15 @@ from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.router_service.config import RayConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability_config import ObservabilityConfig
+from tests.clusters import cluster_with_gpus
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import MAX_TOKENS, NonStopClient, code_prompts, control_log, mesh_sender, wait_for
 
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    for _ in range(2):  # two nodes with one GPU each: replicas of a shard go to different nodes
-        cluster.add_node(num_cpus=2, num_gpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with cluster_with_gpus(1, 1) as cluster:  # two nodes with one GPU each: replicas of a shard go to different nodes
+        yield cluster
 
 
 def test_skewed_traffic_rebalances_live_within_target(gpu_cluster):

@@ -8,15 +8,14 @@ import json
 import threading
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from expertmesh.cluster.memory_plan import GIB, RUNTIME_RESERVE_BYTES
-from expertmesh.cluster.naming import NAMESPACE, is_expert_actor_name
+from expertmesh.cluster.naming import is_expert_actor_name
 from expertmesh.experts.errors import ConfigError
 from expertmesh.router_service.config import MeshConfig
 from expertmesh.router_service.gpu_fit import AUTOSCALER_STATUS_KEY
 from expertmesh.router_service.mesh import ExpertMesh
+from tests.clusters import cluster_with_gpus
 from tests.traffic import wait_for
 
 # The tiny Mixtral: 4 experts x 2 layers x (3 x 32 x 48) fp32 = 36,864 bytes per expert actor. A "GPU" whose usable
@@ -28,13 +27,8 @@ GPU_GB = (RUNTIME_RESERVE_BYTES + 50_000) / 0.9 / GIB
 @pytest.fixture(scope="module")
 def gpu_cluster():
     """One Cluster for the module (the last test adds a node to it, so it runs last)."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
-    cluster.add_node(num_cpus=2, num_gpus=2)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with cluster_with_gpus(2) as cluster:
+        yield cluster
 
 
 def _config(cluster, checkpoint, gpu_gb: float, wait_s: float = 0.0) -> MeshConfig:

@@ -1,0 +1,26 @@
+"""A multi-node `ray.cluster_utils.Cluster` whose worker nodes declare GPUs (no real ones), with this driver joined."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import ray
+from ray.cluster_utils import Cluster
+
+from expertmesh.cluster.naming import NAMESPACE
+
+
+@contextmanager
+def cluster_with_gpus(*gpus_per_node: int, cpus_per_node: int = 2) -> Iterator[Cluster]:
+    """A CPU-only head (2 CPUs) and one worker per entry of gpus_per_node; shut down, driver detached, after."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    for gpus in gpus_per_node:
+        cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace=NAMESPACE)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
