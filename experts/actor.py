@@ -27,7 +27,7 @@ from .grouped_ffn import GroupedExperts
 from .load_progress import ProgressReporter
 from .model_source import open_checkpoint, shard_tensors
 from .telemetry import ExpertMetrics, build_tracer, context_of
-from .tier_store import GIB, DiskTier, HostTier, TierStore
+from .tier_store import GIB, DiskTier, HostTier, TierStore, pinned_copy
 from .tracing_config import TracingConfig
 from .weights import Shard, expert_shard_bytes, load_expert_shards
 
@@ -94,7 +94,7 @@ class ExpertActor:
         if self.device.type != "cuda":
             return DiskTier(reader, self.dtype, self.device)
         host = load_expert_shards(reader, shards, self.dtype, "cpu")
-        return HostTier({s: _pinned(w) for s, w in host.items()}, self.device)
+        return HostTier({s: pinned_copy(w) for s, w in host.items()}, self.device)
 
     def _warm_up(self) -> None:
         """One forward per shard before the actor reports ready, so its first real call pays no lazy setup."""
@@ -202,13 +202,3 @@ class ExpertActor:
             return self.forward(layer, experts, counts, x, trace=trace)
         return self.forward(layer, experts, counts, x)
 
-
-def _pinned(weights):
-    """A shard's host copy in page-locked memory, so the copy to the GPU is a DMA that can overlap compute."""
-    import dataclasses
-
-    if not dataclasses.is_dataclass(weights):
-        return weights  # another weights type (e.g. quantised) keeps its own host layout
-    return dataclasses.replace(weights, **{f.name: getattr(weights, f.name).pin_memory()
-                                           for f in dataclasses.fields(weights)
-                                           if isinstance(getattr(weights, f.name), torch.Tensor)})

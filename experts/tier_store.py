@@ -15,6 +15,7 @@ the locking and the counting. No Ray here (the actor wraps it), so it is tested 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -59,12 +60,22 @@ class HostTier:
         return self.host[shard].to(self.device)
 
 
+def pinned_copy(weights):
+    """A shard's host copy in page-locked memory, so its copy to the GPU is a DMA that can overlap compute."""
+    if not dataclasses.is_dataclass(weights):
+        return weights  # another weights type (e.g. quantised) keeps its own host layout
+    return dataclasses.replace(weights, **{f.name: getattr(weights, f.name).pin_memory()
+                                           for f in dataclasses.fields(weights)
+                                           if isinstance(getattr(weights, f.name), torch.Tensor)})
+
+
 class TierStore:
     """The device tier of one actor: `acquire` a call's shards (pinned until `release`), `prefetch` hints.
 
     Counters (`stats()`): hits / misses (shards a call found resident / had to wait for), bytes_moved (lower tier ->
     device), stall_s (time calls waited on loads), prefetch_issued / prefetch_useful (prefetched shards later used
-    by a call, whether the load had finished or not), prefetch_dropped (no room without evicting a pinned shard),
+    by a call, whether the load had finished or not), prefetch_dropped (the budget holds no second shard; a hint
+    that finds the budget full of pinned shards waits for the call to release them instead),
     evictions, over_budget (a call needed more than the budget: loaded anyway, evicted after)."""
 
     def __init__(self, shards: list[Shard], lower, budget_bytes: int, window_s: float = 30.0,
@@ -171,6 +182,8 @@ class TierStore:
                     self._pins.pop(shard, None)
             if self.resident_bytes() > self.budget_bytes:
                 self._make_room(0, demand=False)  # give back what an over-budget call took
+            if self._queue:
+                self._wake.notify()  # a hint waiting for room may fit now
 
     # ---- prefetch ---------------------------------------------------------------------------------------------
 
@@ -198,7 +211,13 @@ class TierStore:
                 if shard in self._resident or shard in self._loading:
                     continue
                 if not self._make_room(self._shard_bytes, demand=False):
-                    self.prefetch_dropped += 1
+                    if self._pins:
+                        # Full of shards a call computes with: load this one as soon as a call releases them (a
+                        # newer hint may replace it meanwhile), still ahead of the layer that needs it.
+                        self._queue.insert(0, shard)
+                        self._wake.wait()
+                    else:
+                        self.prefetch_dropped += 1  # the budget holds less than one more shard
                     continue
                 future: Future = Future()
                 self._loading[shard] = future

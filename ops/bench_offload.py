@@ -2,10 +2,10 @@
 the same run.
 
 One mesh per residency level (100 % = no budget, today's path; 50 % and 25 % = `experts.memory_gb` set to that share
-of each actor's shards), on the `bench dispatch` Mixtral-like model (hidden 1024, ffn 2816, 8 experts top-2; 2 layers
-by default so it runs in minutes). In each offloaded mesh the same workload runs without prefetch and with each
-prefetch mode (the prediction is router-side, so the mesh is reused). Every run feeds the same tokens, and its logits
-are compared with the all-resident run's (bit-identical is the guarantee).
+of each actor's shards), on the `bench dispatch` Mixtral-like model (hidden 1024, ffn 2816, 8 experts top-2; 4
+layers, so each actor hosts 4 shards and 50 % / 25 % are 2 / 1 of them). In each offloaded mesh the same workload
+runs without prefetch and with each prefetch mode (the prediction is router-side, so the mesh is reused). Every run
+feeds the same tokens, and its logits are compared with the all-resident run's (bit-identical is the guarantee).
 
 Per run: prefill and decode tokens/s and their ratio to all-resident, the actors' hit rate, stall share (time their
 calls waited on loads, over their forward time), bytes moved, prefetch issued/useful and the router's prediction
@@ -34,7 +34,7 @@ TIER_KEYS = ("hits", "misses", "bytes_moved", "stall_s", "prefetch_issued", "pre
 
 
 def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch: tuple[str, ...] = ("off", "gate"),
-                      layers: int = 2, quant: tuple[str, ...] = ("none",), verbose: bool = True,
+                      layers: int = 4, quant: tuple[str, ...] = ("none",), verbose: bool = True,
                       config: MeshConfig | None = None) -> dict:
     from ..experts.checkpoint import CheckpointReader
     from ..experts.weights import load_expert_shards

@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
     offload.add_argument("--residency", default="1,0.5,0.25", help="comma-separated shares of each actor's shards "
                          "kept resident (1: no budget, the baseline)")
     offload.add_argument("--prefetch-modes", default="off,gate", help="comma-separated prefetch modes per level")
-    offload.add_argument("--layers", type=int, default=2, help="layers of the benchmark model")
+    offload.add_argument("--layers", type=int, default=4, help="layers of the benchmark model")
     offload.add_argument("--quant", default="none", help="comma-separated expert quantisation modes (experts.quant)")
     add_mesh_flags(offload, ("ray", "router"))
     _output_flags(offload)

@@ -130,18 +130,35 @@ def test_prefetch_loads_in_background_and_makes_the_next_call_a_hit(reader):
     store.close()
 
 
-def test_pinned_shards_survive_prefetch_and_prefetch_without_room_is_dropped(reader):
+def _poll(store, key, value, seconds=5.0):
+    for _ in range(int(seconds / 0.02)):
+        if store.stats()[key] >= value:
+            return True
+        threading.Event().wait(0.02)
+    return False
+
+
+def test_pinned_shards_survive_prefetch_which_waits_for_the_call_to_end(reader):
     tier = CountingTier(reader)
     store = TierStore(_all_shards(), tier, 2 * _shard_bytes(reader))
     store.acquire(0, [0, 1])  # both pinned: the budget is full of pinned shards
     store.prefetch([(1, 0)])
-    deadline = 100
-    while store.stats()["prefetch_dropped"] < 1 and deadline:
-        threading.Event().wait(0.05)
-        deadline -= 1
-    assert store.stats()["prefetch_dropped"] == 1 and (1, 0) not in tier.fetched
-    assert store.resident() == [(0, 0), (0, 1)]
+    assert not _poll(store, "prefetch_issued", 1, seconds=0.3)  # no room: it waits, evicting nothing
+    assert (1, 0) not in tier.fetched and store.resident() == [(0, 0), (0, 1)]
     store.release(0, [0, 1])
+    assert _poll(store, "prefetch_issued", 1)  # the call ended: the hint goes ahead
+    assert _poll(store, "resident_shards", 2) and (1, 0) in tier.fetched
+    assert store.stats()["prefetch_dropped"] == 0
+    store.close()
+
+
+def test_a_hint_is_dropped_when_the_budget_holds_no_second_shard(reader):
+    store = TierStore(_all_shards(), CountingTier(reader), _shard_bytes(reader) // 2)
+    store.acquire(1, [0])  # a call still gets its shard, over the budget, and gives it back after
+    store.release(1, [0])
+    assert store.resident() == [] and store.resident_bytes() == 0
+    store.prefetch([(1, 1)])
+    assert _poll(store, "prefetch_dropped", 1) and store.stats()["prefetch_issued"] == 0
     store.close()
 
 
