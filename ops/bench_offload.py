@@ -7,9 +7,10 @@ layers, so each actor hosts 4 shards and 50 % / 25 % are 2 / 1 of them). In each
 runs without prefetch and with each prefetch mode (the prediction is router-side, so the mesh is reused). Every run
 feeds the same tokens, and its logits are compared with the all-resident run's (bit-identical is the guarantee).
 
-Per run: prefill and decode tokens/s and their ratio to all-resident, the actors' hit rate, stall share (time their
-calls waited on loads, over their forward time), bytes moved, prefetch issued/useful and the router's prediction
-recall; per level, the share of on-demand stall that prefetch removed.
+Per run: prefill and decode tokens/s (best repeat / best step) and their ratio to all-resident (the faster of
+two resident runs, one first and one last), the actors' hit rate, stall share (time their calls waited on loads,
+over their forward time), bytes moved, prefetch issued/useful and the router's prediction recall; per level, the
+share of on-demand stall that prefetch removed.
 
 `quant`: a list of expert quantisation modes; values other than "none" are passed as `experts.quant` (issue 15
 item 3), one set of runs each.
@@ -29,7 +30,7 @@ import torch
 from ..router_service.config import MeshConfig
 
 PREFILL = dict(sequences=2, tokens=128, repeats=3)
-DECODE = dict(sequences=16, context=32, steps=8)
+DECODE = dict(sequences=16, context=32, steps=10)
 TIER_KEYS = ("hits", "misses", "bytes_moved", "stall_s", "prefetch_issued", "prefetch_useful")
 
 
@@ -79,8 +80,25 @@ def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch:
                         if baseline is None:
                             baseline = run
                         result["runs"].append({k: v for k, v in run.items() if not k.startswith("_")})
+        if baseline is not None and baseline["residency"] >= 1.0:
+            # The resident mesh once more at the end: on a shared machine the load drifts over minutes, so the
+            # ratios use the better of the two resident runs (both are reported).
+            say("residency 100 % again ...")
+            with ExpertMesh(config.replace(**{"model.path": str(model_dir)})) as mesh:
+                again = _run(mesh, "off", prefill_ids, context_ids, baseline)
+            result["resident_again"] = {k: v for k, v in again.items() if not k.startswith("_")}
+            _rebase(result["runs"], again)
     result["stall_removed_by_prefetch"] = _stall_removed(result["runs"])
     return result
+
+
+def _rebase(runs: list[dict], again: dict) -> None:
+    """Ratios against the faster of the two all-resident runs, per workload."""
+    first = runs[0]
+    best = {k: max(first[k], again[k]) for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+    for run in runs:
+        run["prefill_vs_resident"] = round(run["prefill_tokens_per_s"] / best["prefill_tokens_per_s"], 3)
+        run["decode_vs_resident"] = round(run["decode_tokens_per_s"] / best["decode_tokens_per_s"], 3)
 
 
 def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, baseline: dict | None) -> dict:
@@ -116,7 +134,7 @@ def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, 
         logits.append(torch.stack([x[-1] for x in out]))
         if baseline is None:
             feed.append(logits[-1].argmax(-1))
-    decode_s = sorted(step_times)[len(step_times) // 2]  # median step
+    decode_s = min(step_times)  # best step: the least disturbed by other work on a shared machine
     decode_tiers = _delta(before, _actor_totals(mesh))
 
     run = {
