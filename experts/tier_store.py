@@ -180,7 +180,7 @@ class TierStore:
                     self._pins[shard] = left
                 else:
                     self._pins.pop(shard, None)
-            if self.resident_bytes() > self.budget_bytes:
+            if self._held_bytes() > self.budget_bytes:
                 self._make_room(0, demand=False)  # give back what an over-budget call took
             if self._queue:
                 self._wake.notify()  # a hint waiting for room may fit now
@@ -275,6 +275,11 @@ class TierStore:
         return True
 
     def resident_bytes(self) -> int:
+        """Device bytes held now (resident and loading shards)."""
+        with self._lock:
+            return self._held_bytes()
+
+    def _held_bytes(self) -> int:  # lock held
         return sum(self._bytes.values())
 
     def resident(self) -> list[Shard]:
@@ -289,7 +294,7 @@ class TierStore:
     def stats(self) -> dict:
         with self._lock:
             return {
-                "tier": self.lower.name, "budget_bytes": self.budget_bytes, "resident_bytes": self.resident_bytes(),
+                "tier": self.lower.name, "budget_bytes": self.budget_bytes, "resident_bytes": self._held_bytes(),
                 "resident_shards": len(self._resident), "hosted_shards": len(self.shards),
                 "hits": self.hits, "misses": self.misses, "bytes_moved": self.bytes_moved, "stall_s": self.stall_s,
                 "prefetch_issued": self.prefetch_issued, "prefetch_useful": self.prefetch_useful,
