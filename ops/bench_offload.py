@@ -47,6 +47,8 @@ def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch:
             print(msg, file=sys.stderr, flush=True)
 
     config = (config or MeshConfig()).replace(**{"controller.enabled": False, "model.dtype": "float32"})
+    if config.router.transport == "compiled":
+        prefetch = tuple(m for m in prefetch if m == "off")  # compiled graphs' actors take no prefetch calls
     torch.set_num_threads(os.cpu_count() or 1)
     model = dict(MODEL, layers=layers)
     result: dict = {"benchmark": "offload", "model": model, "prefill": PREFILL, "decode": DECODE,
