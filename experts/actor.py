@@ -5,6 +5,11 @@ torch thread count from the CPUs Ray gave it, so many actors on one machine do n
 `model.dtype` resolved for its own device (experts/dtypes.py: "auto" is the checkpoint's dtype on a GPU, float32 on
 a CPU); rows arrive and leave as HostTensor (raw bytes + dtype tag, experts/arrays.py), so bf16 crosses bit-exactly.
 On a GPU a call is: host -> device copy, compute, device -> host copy into a pinned buffer, one synchronisation.
+
+With a device budget (`memory_gb`, README: Offload) only part of its shards are resident: experts/tier_store.py keeps
+the rest in host memory (GPU) or in the memory-mapped checkpoint (CPU) and brings them in per call, or ahead of it
+when the router's `prefetch` hints name them. Those calls compute expert by expert (gated_mlp, the grouped path's
+bit-identical fallback), since the resident set changes from call to call and a layer has no fixed stack.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from .grouped_ffn import GroupedExperts
 from .load_progress import ProgressReporter
 from .model_source import open_checkpoint, shard_tensors
 from .telemetry import ExpertMetrics, build_tracer, context_of
+from .tier_store import GIB, DiskTier, HostTier, TierStore, pinned_copy
 from .tracing_config import TracingConfig
 from .weights import Shard, expert_shard_bytes, load_expert_shards
 
@@ -34,10 +40,12 @@ def _kv_put(key: bytes, value: bytes) -> None:
 
 class ExpertActor:
     def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "auto", generation: int = 0,
-                 tracing: dict | None = None, metrics: bool = True, revision: str | None = None):
+                 tracing: dict | None = None, metrics: bool = True, revision: str | None = None,
+                 memory_gb: float | None = None):
         """dtype: model.dtype ("auto" or a name), resolved here for this actor's device; revision: with a Hub repo id
         as model_dir; tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
-        expertmesh_expert_seconds through Ray's metrics API."""
+        expertmesh_expert_seconds (and the tier counters) through Ray's metrics API; memory_gb: device budget for
+        this actor's expert weights (None: every shard resident)."""
         self.name = name
         self.generation = generation  # 0 for the first actor of this name; +1 each time it is restored
         self.started = time.time()
@@ -53,34 +61,58 @@ class ExpertActor:
         self.dtype_name = resolve_dtype(dtype, read_checkpoint_dtype(reader.model_dir), self.device.type == "cuda")
         self.dtype = torch_dtype(self.dtype_name)
         # Progress (bytes read of bytes to read) goes to Ray's KV store while __init__ runs, for `expertmesh status`.
-        reporter = ProgressReporter(name, expert_shard_bytes(reader, shards), _kv_put)
+        total = expert_shard_bytes(reader, shards)
+        if memory_gb is not None:
+            total = min(total, int(memory_gb * GIB))
+        reporter = ProgressReporter(name, total, _kv_put)
+        self.tiers: TierStore | None = None
         try:
-            self.shards = load_expert_shards(reader, shards, self.dtype, self.device, on_bytes=reporter.add)
+            if memory_gb is None:
+                self.shards = load_expert_shards(reader, shards, self.dtype, self.device, on_bytes=reporter.add)
+            else:
+                self.tiers = TierStore(shards, self._lower_tier(reader, shards), int(memory_gb * GIB))
+                self.tiers.preload(on_bytes=reporter.add)
+                self.shards = {}
         except BaseException as exc:
             reporter.finish(error=f"{type(exc).__name__}: {exc}")
             raise
         reporter.finish()
-        self.experts = GroupedExperts(self.shards, self.act)  # a call's experts in grouped matmuls, as the reference
+        self.hosted = sorted(shards)
+        # A call's experts in grouped matmuls, as the reference (with tiers: expert by expert, see the docstring).
+        self.experts = GroupedExperts(self.shards, self.act) if self.tiers is None else None
         self.calls = 0
         self.tokens = 0
         self.tracer = build_tracer(TracingConfig(**tracing), f"expert:{name}") if tracing else None
-        self.metrics = ExpertMetrics(name) if metrics else None
+        self.metrics = ExpertMetrics(name, tiers=self.tiers is not None) if metrics else None
         self.compute_s = 0.0  # time inside forward (benchmarks subtract it from a round to get the transport's cost)
         self.compute_cpu_s = 0.0  # CPU time of this thread inside forward: unlike wall time, not inflated by waiting
         self._grpc = None  # the gRPC transport server, started on first `grpc_address`
         self._warm_up()
 
+    def _lower_tier(self, reader, shards: list[Shard]):
+        """Where shards beyond the budget wait: host memory (pinned) under a GPU, the mapped checkpoint on a CPU."""
+        if self.device.type != "cuda":
+            return DiskTier(reader, self.dtype, self.device)
+        host = load_expert_shards(reader, shards, self.dtype, "cpu")
+        return HostTier({s: pinned_copy(w) for s, w in host.items()}, self.device)
+
     def _warm_up(self) -> None:
         """One forward per shard before the actor reports ready, so its first real call pays no lazy setup."""
+        resident = self.shards.values() if self.tiers is None else [self.tiers.weights(s)
+                                                                     for s in self.tiers.resident()]
         with torch.inference_mode():
-            for weights in self.shards.values():
+            for weights in resident:
                 gated_mlp(torch.zeros(1, weights.gate_up.shape[1], device=self.device, dtype=self.dtype), weights,
                           self.act)
 
     def forward(self, layer: int, experts: list[int], counts: list[int], x: HostTensor,
-                trace: dict[str, str] | None = None) -> HostTensor:
+                trace: dict[str, str] | None = None, prefetch: list[Shard] | None = None) -> HostTensor:
         """x: [sum(counts), H], rows grouped by expert in `experts` order -> unweighted expert outputs, same layout.
-        trace: W3C carrier of the router's dispatch span (None: tracing off, no span is made)."""
+        trace: W3C carrier of the router's dispatch span (None: tracing off, no span is made).
+        prefetch: shards the router predicts for the next layer, loaded in the background while this call computes
+        (ignored without a memory budget)."""
+        if prefetch:
+            self.prefetch(prefetch)
         if trace is not None and self.tracer is not None:
             with self.tracer.start_as_current_span(
                 "expertmesh.expert", context=context_of(trace),
@@ -105,12 +137,24 @@ class ExpertActor:
         self.compute_s += elapsed
         self.compute_cpu_s += time.thread_time() - cpu_started
         if self.metrics is not None:
-            self.metrics.observe(elapsed)
+            self.metrics.observe(elapsed, None if self.tiers is None else self.tiers.stats())
         return out
 
     def _compute(self, layer: int, experts: list[int], counts: list[int], inputs: torch.Tensor) -> torch.Tensor:
         """inputs: [sum(counts), H] on this actor's device, rows grouped by expert -> outputs, same layout."""
-        return self.experts.run(layer, list(experts), list(counts), inputs)
+        if self.tiers is None:
+            return self.experts.run(layer, list(experts), list(counts), inputs)
+        weights = self.tiers.acquire(layer, list(experts))  # resident and pinned for this call
+        try:
+            outs = [gated_mlp(rows, w, self.act) for w, rows in zip(weights, inputs.split(list(counts)))]  # [n_e, H]
+            return torch.cat(outs) if outs else inputs.new_zeros((0, inputs.shape[1]))
+        finally:
+            self.tiers.release(layer, list(experts))
+
+    def prefetch(self, shards: list[Shard]) -> None:
+        """Start loading these shards (the router's prediction for its next layer) in the background."""
+        if self.tiers is not None:
+            self.tiers.prefetch([(int(layer), int(expert)) for layer, expert in shards])
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
@@ -122,13 +166,15 @@ class ExpertActor:
             "dtype": self.dtype_name,
             "threads": self.threads,
             "pid": os.getpid(),
-            "shards": sorted(self.shards),
-            "weight_bytes": sum(w.nbytes() for w in self.shards.values()),
+            "shards": self.hosted,
+            "weight_bytes": (sum(w.nbytes() for w in self.shards.values()) if self.tiers is None
+                             else self.tiers.resident_bytes()),
             "calls": self.calls,
             "tokens": self.tokens,
             "generation": self.generation,
             "compute_s": self.compute_s,
             "compute_cpu_s": self.compute_cpu_s,
+            "tiers": None if self.tiers is None else self.tiers.stats(),
         }
 
     def ready(self) -> bool:
@@ -155,3 +201,4 @@ class ExpertActor:
         if trace:
             return self.forward(layer, experts, counts, x, trace=trace)
         return self.forward(layer, experts, counts, x)
+

@@ -264,10 +264,20 @@ class MoEDecoder:
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
             return None
+        return h, route_for_model(cfg, self._gate_logits(layer, h), layer.router_correction_bias, self.capacity_factor)
+
+    def _gate_logits(self, layer, h: torch.Tensor) -> torch.Tensor:
+        """h [T, H] -> router logits [T, E] of `layer` (LayerWeights)."""
         # DeepSeek/GLM routers score in float32 (their gate weight is kept float32), as transformers does.
-        logits = (F.linear(h, layer.router, layer.router_bias) if cfg.router_kind in ("softmax", "topk_softmax")
-                  else F.linear(h.float(), layer.router.float()))  # [T_g, E]; gpt-oss's router has a bias
-        return h, route_for_model(cfg, logits, layer.router_correction_bias, self.capacity_factor)
+        if self.cfg.router_kind in ("softmax", "topk_softmax"):
+            return F.linear(h, layer.router, layer.router_bias)  # [T, E]; gpt-oss's router has a bias
+        return F.linear(h.float(), layer.router.float())  # [T, E]
+
+    def predict_experts(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """The experts [T, k] layer i's router would pick for hidden states h [T, H] (no capacity cap): pre-gating
+        for prefetch (router_service/prefetch.py), which feeds it the previous layer's h."""
+        layer = self.w.layers[i]
+        return route_for_model(self.cfg, self._gate_logits(layer, h), layer.router_correction_bias).experts
 
     def _with_shared(self, layer, h: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus the (gated) shared expert where the layer has one. h, mlp: [T, H]."""

@@ -132,16 +132,38 @@ def carrier_from_metadata(metadata) -> dict[str, str] | None:
 EXPERT_SECONDS_BOUNDARIES = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+# The tier counters (experts/tier_store.py stats) -> their metric names (router_service/metrics.py METRIC_SPECS).
+TIER_COUNTERS = {"hits": "expertmesh_expert_tier_hits", "misses": "expertmesh_expert_tier_misses",
+                 "bytes_moved": "expertmesh_expert_tier_bytes_moved", "stall_s": "expertmesh_expert_tier_stall_seconds"}
+TIER_GAUGES = {"resident_bytes": "expertmesh_expert_resident_bytes",
+               "budget_bytes": "expertmesh_expert_memory_budget_bytes"}
+
+
 class ExpertMetrics:
     """`expertmesh_expert_seconds{replica}`: compute time of one ExpertActor.forward call, inside the actor
-    (the dispatch histogram on the router side includes the transport; the difference is the overhead)."""
+    (the dispatch histogram on the router side includes the transport; the difference is the overhead).
+    With memory tiers (tiers=True), also the tier counters and gauges of TIER_COUNTERS / TIER_GAUGES."""
 
-    def __init__(self, actor: str):
-        from ray.util.metrics import Histogram
+    def __init__(self, actor: str, tiers: bool = False):
+        from ray.util.metrics import Counter, Gauge, Histogram
 
         self.tags = {"replica": actor}
         self.seconds = Histogram("expertmesh_expert_seconds", "Expert actor compute time per call (seconds)",
                                  boundaries=list(EXPERT_SECONDS_BOUNDARIES), tag_keys=("replica",))
+        self.counters = {key: Counter(name, f"Expert memory tiers: {key} (README: Offload)", tag_keys=("replica",))
+                         for key, name in TIER_COUNTERS.items()} if tiers else {}
+        self.gauges = {key: Gauge(name, f"Expert memory tiers: {key} (README: Offload)", tag_keys=("replica",))
+                       for key, name in TIER_GAUGES.items()} if tiers else {}
+        self._last = dict.fromkeys(TIER_COUNTERS, 0)
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, tier_stats: dict | None = None) -> None:
         self.seconds.observe(seconds, tags=self.tags)
+        if tier_stats is None or not self.counters:
+            return
+        for key, counter in self.counters.items():
+            delta = tier_stats[key] - self._last[key]
+            if delta > 0:
+                counter.inc(delta, tags=self.tags)
+                self._last[key] = tier_stats[key]
+        for key, gauge in self.gauges.items():
+            gauge.set(tier_stats[key], tags=self.tags)

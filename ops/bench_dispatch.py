@@ -31,12 +31,13 @@ PREFILL = dict(sequences=4, tokens=256)
 DECODE = dict(sequences=32, context=64)
 
 
-def write_bench_checkpoint(out: Path, seed: int = 0, max_positions: int = 1024) -> Path:
+def write_bench_checkpoint(out: Path, seed: int = 0, max_positions: int = 1024, layers: int | None = None) -> Path:
     """Random Mixtral weights at the benchmark's size, written shard-free with safetensors (fast, ~1.1 GB).
-    max_positions: config.json's max_position_embeddings (long-context benchmarks raise it)."""
+    max_positions: config.json's max_position_embeddings (long-context benchmarks raise it); layers: fewer (or
+    more) layers than MODEL's."""
     from safetensors.torch import save_file
 
-    m = MODEL
+    m = MODEL if layers is None else dict(MODEL, layers=layers)
     gen = torch.Generator().manual_seed(seed)
     head_dim = m["hidden"] // m["heads"]
 

@@ -49,7 +49,7 @@ class ClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("actor", "expert", "replica", "node_id", "gpu_ids", "device", "alive", "restoring", "generation", "breaker", "calls", "tokens", "drained", "dtype", "load_bytes", "load_total_bytes", "load_error")
+    __slots__ = ("actor", "expert", "replica", "node_id", "gpu_ids", "device", "alive", "restoring", "generation", "breaker", "calls", "tokens", "drained", "dtype", "load_bytes", "load_total_bytes", "load_error", "tiers_json")
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class ReplicaState(_message.Message):
     LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_ERROR_FIELD_NUMBER: _ClassVar[int]
+    TIERS_JSON_FIELD_NUMBER: _ClassVar[int]
     actor: str
     expert: int
     replica: int
@@ -84,7 +85,8 @@ class ReplicaState(_message.Message):
     load_bytes: int
     load_total_bytes: int
     load_error: str
-    def __init__(self, actor: _Optional[str] = ..., expert: _Optional[int] = ..., replica: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., restoring: _Optional[bool] = ..., generation: _Optional[int] = ..., breaker: _Optional[str] = ..., calls: _Optional[int] = ..., tokens: _Optional[int] = ..., drained: _Optional[bool] = ..., dtype: _Optional[str] = ..., load_bytes: _Optional[int] = ..., load_total_bytes: _Optional[int] = ..., load_error: _Optional[str] = ...) -> None: ...
+    tiers_json: str
+    def __init__(self, actor: _Optional[str] = ..., expert: _Optional[int] = ..., replica: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., restoring: _Optional[bool] = ..., generation: _Optional[int] = ..., breaker: _Optional[str] = ..., calls: _Optional[int] = ..., tokens: _Optional[int] = ..., drained: _Optional[bool] = ..., dtype: _Optional[str] = ..., load_bytes: _Optional[int] = ..., load_total_bytes: _Optional[int] = ..., load_error: _Optional[str] = ..., tiers_json: _Optional[str] = ...) -> None: ...
 
 class ShardReplicas(_message.Message):
     __slots__ = ("layer", "expert", "replicas")

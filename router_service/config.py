@@ -41,6 +41,7 @@ from .batching import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
 from .dispatch import FailoverConfig
 from .observability_config import ObservabilityConfig
+from .prefetch import PREFETCH_SETTINGS
 from .server_checks import check_can_listen, check_tls_pair
 from .transports.base import TRANSPORTS
 
@@ -132,6 +133,20 @@ class ExpertsConfig:
     gpu_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     gpu_wait_s: float = 600.0
+    # Memory tiers (README: Offload): each actor's device budget for expert weights in GiB; shards beyond it wait
+    # in host memory (GPU) or the memory-mapped checkpoint (CPU) and are loaded on demand. None: all resident.
+    memory_gb: float | None = None
+    # Loading the next layer's predicted experts while the current one computes: "off", "gate" (the current hidden
+    # state through the next layer's gate), "history" (the experts the next layer used last step); "auto": gate
+    # when memory_gb is set, else off.
+    prefetch: str = "auto"
+
+    def prefetch_mode(self, transport: str = "refs") -> str:
+        """prefetch with "auto" resolved: gate with a memory budget (unless the transport is compiled, whose actors
+        take no side calls), else off."""
+        if self.prefetch == "auto":
+            return "gate" if self.memory_gb is not None and transport != "compiled" else "off"
+        return self.prefetch
 
     def validate(self) -> ExpertsConfig:
         if self.replicas_per_expert < 1:
@@ -148,6 +163,10 @@ class ExpertsConfig:
             raise ValueError(f"gpu_wait_s: must be ≥ 0, got {self.gpu_wait_s}")
         if self.placement is not None and not Path(self.placement).is_file():
             raise ValueError(f"placement: {self.placement} is not a file")
+        if self.memory_gb is not None and not (self.memory_gb > 0 and math.isfinite(self.memory_gb)):
+            raise ValueError(f"memory_gb: must be a positive finite number of GiB, got {self.memory_gb}")
+        if self.prefetch not in PREFETCH_SETTINGS:
+            raise ValueError(f"prefetch: must be one of {PREFETCH_SETTINGS}, got {self.prefetch!r}")
         return self
 
 
@@ -295,6 +314,9 @@ class MeshConfig:
         if planned and self.experts.replicas_per_expert != 1:
             raise ConfigError("experts.replicas_per_expert", "a planned placement (experts.placement or "
                                                              "controller.elastic) sets the replicas; leave it at 1")
+        if self.experts.prefetch not in ("auto", "off") and self.router.transport == "compiled":
+            raise ConfigError("experts.prefetch", "prefetch hints travel as Ray actor calls, which a compiled "
+                                                  "graph's actors do not take; use router.transport refs or grpc")
         return self
 
     @classmethod

@@ -56,7 +56,8 @@ CONTROLLER_ASK_S = 2.0  # the controller's liveness view, or the router's own wi
 def pool_spec_from_dict(pool: dict) -> PoolSpec:
     """A PoolSpec from the plain dict Serve ships to a router replica (shards as lists after a YAML/JSON trip)."""
     return PoolSpec(model_dir=pool["model_dir"], dtype=pool["dtype"], actor_shards={}, revision=pool.get("revision"),
-                    tracing=pool.get("tracing")).with_actor_shards(pool["actor_shards"])
+                    tracing=pool.get("tracing"),
+                    memory_gb=pool.get("memory_gb")).with_actor_shards(pool["actor_shards"])
 
 
 def _set_status(grpc_context, error: ApiError, method: str = "request") -> ApiError:
@@ -432,6 +433,7 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
             replica_state.generation = got["generation"]
             replica_state.calls = got["calls"]
             replica_state.tokens = got["tokens"]
+            replica_state.tiers_json = json.dumps(got["tiers"]) if got.get("tiers") else ""
         state.replicas.append(replica_state)
     for (layer, expert), replicas in sorted(router.table.replicas.items()):
         state.shards.append(admin_pb2.ShardReplicas(layer=layer, expert=expert, replicas=list(replicas)))

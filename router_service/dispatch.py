@@ -108,6 +108,10 @@ class RemoteExperts:
         self._steps_running = 0
         self._last_active = 0.0  # when the last step ended or the last bare `run` finished
         self.on_table_applied: Callable[[int], None] | None = None  # called with the epoch after each switch
+        # Prefetch (README: Offload): predicts the next MoE layer's experts (router_service/prefetch.py); the
+        # prediction rides with this layer's calls to the actors hosting those shards. None = off.
+        self.prefetcher = None
+        self.prefetch_calls = 0  # hints sent as calls of their own (to actors this layer does not call)
 
     # ---- health --------------------------------------------------------------------------------------------
 
@@ -256,7 +260,8 @@ class RemoteExperts:
             give_up = self.clock() + max(self.failover.call_timeout_s, self.failover.wait_timeout_s)
             served = self._apply_policy(layer, routing, deadline)
             calls = plan_calls(layer, served, self.table, self._replicas_of())
-            handles = self._send(layer, hidden, calls, range(len(calls)), carrier)
+            hints = self._prefetch_hints(layer, hidden, served) if self.prefetcher is not None else None
+            handles = self._send(layer, hidden, calls, range(len(calls)), carrier, hints)
         except BaseException:
             if span is not None:
                 span.end()
@@ -338,19 +343,46 @@ class RemoteExperts:
             time.sleep(0.05)
             self._revive(force=True)
 
-    def _send(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall], which, trace: dict[str, str] | None):
+    def _send(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall], which, trace: dict[str, str] | None,
+              hints: dict[str, list[Shard]] | None = None):
         """Submit calls[i] for i in `which` through the transport; -> their handles.
         Every call's rows are gathered on the device and copied to host (non-blocking, into pinned buffers) first,
-        then the one wait for all of them, then the sends: one host synchronisation per layer, not per call."""
+        then the one wait for all of them, then the sends: one host synchronisation per layer, not per call.
+        hints: actor -> shards to prefetch; they ride with the actor's call where the transport takes them
+        (refs), otherwise, and for actors without a call, go as `prefetch` calls of their own after the calls."""
         # `trace` only when tracing is on, so a transport without it still works with tracing off.
         extra = {} if trace is None else {"trace": trace}
         staged = [self.stager.stage(hidden[calls[i].tokens]) for i in which]  # [n_i, H] each
         self.stager.finish()
+        hints = dict(hints or {})
+        rides = getattr(self.transport, "takes_prefetch", False)
         handles = []
         for i, rows in zip(which, staged):
             call = calls[i]
-            handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, pack(rows), **extra))
+            hint = {"prefetch": hints.pop(call.actor)} if rides and call.actor in hints else {}
+            handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, pack(rows), **extra,
+                                                 **hint))
+        for actor, shards in hints.items():
+            handle = self.transport.actors.get(actor)
+            if handle is not None:
+                handle.prefetch.remote(shards)  # fire and forget: a lost hint costs a stall, never a result
+                self.prefetch_calls += 1
         return handles
+
+    def _prefetch_hints(self, layer: int, hidden: torch.Tensor, served: Routing) -> dict[str, list[Shard]]:
+        """Score the prediction made for this layer, predict the next one, and address the predicted shards to
+        the live actors hosting them: actor -> [(layer, expert)]."""
+        self.prefetcher.observe(layer, served.experts)
+        predicted = self.prefetcher.predict(layer, hidden)
+        if predicted is None:
+            return {}
+        nxt, experts = predicted
+        hints: dict[str, list[Shard]] = {}
+        for expert in experts:
+            for actor in self.table.replicas.get((nxt, expert), ()):
+                if actor not in self.dead:
+                    hints.setdefault(actor, []).append((nxt, expert))
+        return hints
 
     def _execute(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall],
                  give_up: float = float("inf"), trace: dict[str, str] | None = None,

@@ -92,6 +92,8 @@ def fit_gpu_memory(config: MeshConfig, reader: CheckpointReader, groups: dict[st
         return planned
     dtype = resolve_dtype(config.model.dtype, read_checkpoint_dtype(reader.model_dir), on_gpu=True)
     actor_bytes = actor_bytes_of(groups, model_memory(reader.config, dtype).shard_bytes)
+    if settings.memory_gb is not None:  # memory tiers: an actor holds at most its budget on its GPU (README: Offload)
+        actor_bytes = {name: min(size, int(settings.memory_gb * GIB)) for name, size in actor_bytes.items()}
     utilization = settings.gpu_memory_utilization
     overfull = overfull_gpus(planned, actor_bytes, memory, utilization)
     if not overfull:

@@ -63,6 +63,18 @@ METRIC_SPECS: dict[str, MetricSpec] = {s.name: s for s in [
                ("layer",), DISPATCH_SECONDS_BOUNDARIES),
     MetricSpec("expertmesh_expert_seconds", "histogram", "Expert actor compute time per call (inside the actor)",
                ("replica",), EXPERT_SECONDS_BOUNDARIES),
+    MetricSpec("expertmesh_expert_tier_hits", "counter", "Shards an expert call found in its actor's device tier",
+               ("replica",)),
+    MetricSpec("expertmesh_expert_tier_misses", "counter", "Shards an expert call had to load (or wait for)",
+               ("replica",)),
+    MetricSpec("expertmesh_expert_tier_bytes_moved", "counter", "Bytes loaded from the lower tier into the device tier",
+               ("replica",)),
+    MetricSpec("expertmesh_expert_tier_stall_seconds", "counter", "Time expert calls waited on shard loads",
+               ("replica",)),
+    MetricSpec("expertmesh_expert_resident_bytes", "gauge", "Expert weight bytes in an actor's device tier",
+               ("replica",)),
+    MetricSpec("expertmesh_expert_memory_budget_bytes", "gauge", "An actor's device budget for expert weights",
+               ("replica",)),
     MetricSpec("expertmesh_breaker_state", "gauge", "Circuit breaker per replica: 0 closed, 1 half-open, 2 open",
                ("replica",)),
     MetricSpec("expertmesh_live_replicas", "gauge", "Live replicas of a shard (per layer: the minimum)", _SHARD),
@@ -84,6 +96,11 @@ METRIC_SPECS: dict[str, MetricSpec] = {s.name: s for s in [
     MetricSpec("expertmesh_expert_coverage", "gauge", "Share of a layer's experts one step hits (window)",
                ("layer",)),
 ]}
+
+# Created inside the expert actors (experts/telemetry.py ExpertMetrics), not by a router.
+ACTOR_METRICS = frozenset({"expertmesh_expert_seconds", "expertmesh_expert_tier_hits", "expertmesh_expert_tier_misses",
+                           "expertmesh_expert_tier_bytes_moved", "expertmesh_expert_tier_stall_seconds",
+                           "expertmesh_expert_resident_bytes", "expertmesh_expert_memory_budget_bytes"})
 
 
 def _make(spec: MetricSpec):
@@ -107,7 +124,7 @@ class RouterMetrics:
         self.num_experts = num_experts
         self.per_shard = self.config.shard_labels(len(self.layers) * num_experts)
         self.clock = clock
-        self.m = {name: _make(spec) for name, spec in METRIC_SPECS.items() if name != "expertmesh_expert_seconds"}
+        self.m = {name: _make(spec) for name, spec in METRIC_SPECS.items() if name not in ACTOR_METRICS}
         self._last_flush = clock()
         # The forward thread records; the forward thread (when due) and the reporter thread (so an idle router's
         # last counts still reach Ray) flush. The lock only guards swapping the accumulators.

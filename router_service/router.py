@@ -27,6 +27,7 @@ from .config import MeshConfig
 from .dispatch import RemoteExperts
 from .errors import RequestError, check_budget, check_token_ids
 from .observability import RouterObserver, default_router_id
+from .prefetch import NextLayerPredictor
 from .table_sync import TableFollower
 from .transports.factory import close_transport, make_transport
 from .transports.refs import NameReviver
@@ -77,6 +78,10 @@ class Router:
                                 settings.kv_block_size)
         self.model = MoEDecoder(self.model_config, dense, self.backend, settings.capacity_factor,
                                 overlap=settings.overlap, kv_cache=kv_cache)
+        prefetch = config.experts.prefetch_mode(settings.transport)
+        if prefetch != "off":  # README: Offload
+            self.backend.prefetcher = NextLayerPredictor(prefetch, self.model_config.moe_layers,
+                                                         self.model.predict_experts)
         # Load statistics, metrics, traces (router_service/observability.py).
         self.observer = RouterObserver(self.model_config, self.backend, router_id or default_router_id(),
                                        config.observability, build_tracer(config.tracing, "router"))

@@ -1,4 +1,4 @@
-"""`expertmesh bench dispatch|serve|placement|observability|chunked`: benchmarks, each printing one JSON object."""
+"""`expertmesh bench dispatch|serve|placement|observability|chunked|offload`: benchmarks, one JSON object each."""
 
 from __future__ import annotations
 
@@ -53,6 +53,15 @@ def add_parser(sub) -> None:
     chunked.add_argument("--streams", type=int, default=8)
     chunked.add_argument("--chunks", default="64,256", help="comma-separated max_prefill_tokens to try")
     _output_flags(chunked)
+    offload = bench_sub.add_parser("offload", help="part of the experts resident (memory tiers), with and without "
+                                   "prefetch, against all-resident in the same run")
+    offload.add_argument("--residency", default="1,0.5,0.25", help="comma-separated shares of each actor's shards "
+                         "kept resident (1: no budget, the baseline)")
+    offload.add_argument("--prefetch-modes", default="off,gate", help="comma-separated prefetch modes per level")
+    offload.add_argument("--layers", type=int, default=4, help="layers of the benchmark model")
+    offload.add_argument("--quant", default="none", help="comma-separated expert quantisation modes (experts.quant)")
+    add_mesh_flags(offload, ("ray", "router"))
+    _output_flags(offload)
     obs_bench = bench_sub.add_parser("observability", help="cost of load statistics and tracing per layer and step")
     obs_bench.add_argument("--sequences", type=int, default=32, help="sequences in the decode step")
     _output_flags(obs_bench)
@@ -85,6 +94,13 @@ def run(args: argparse.Namespace) -> int:
         result = run_serve_bench(target=args.target, concurrencies=levels, max_tokens=args.max_tokens,
                                  requests_per_stream=args.requests_per_stream, model_dir=args.model,
                                  verbose=not args.json)
+    elif args.bench == "offload":
+        from ..bench_offload import run_offload_bench
+
+        result = run_offload_bench(tuple(float(r) for r in args.residency.split(",")),
+                                   tuple(args.prefetch_modes.split(",")), layers=args.layers,
+                                   quant=tuple(args.quant.split(",")), verbose=not args.json,
+                                   config=mesh_config_from_args(args))
     elif args.bench == "observability":
         from ..bench_observability import run_observability_bench
 

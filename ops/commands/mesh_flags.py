@@ -15,6 +15,7 @@ from typing import Any
 from ...experts.errors import ConfigError
 from ...router_service.config import DTYPES, MeshConfig
 from ...router_service.config_tree import replace_path
+from ...router_service.prefetch import PREFETCH_SETTINGS
 from ...router_service.transports.base import TRANSPORTS
 
 
@@ -57,6 +58,12 @@ FLAGS: tuple[Flag, ...] = (
          "GPU the pool may fill (default 0.9)", {"type": float}),
     Flag("--gpu-wait", "experts.gpu_wait_s", "experts", "seconds to wait for the autoscaler to add GPUs the pool is "
          "missing (default 600; 0: stop at once)", {"type": float}),
+    Flag("--expert-memory-gb", "experts.memory_gb", "experts", "device budget per expert actor for expert weights, "
+         "in GiB; shards beyond it wait in host memory / the mapped checkpoint and load on demand (README: Offload; "
+         "default: all resident)", {"type": float}),
+    Flag("--prefetch", "experts.prefetch", "experts", "load the next layer's predicted experts while the current "
+         "one computes: gate | history | off (default auto: gate with --expert-memory-gb)",
+         {"choices": PREFETCH_SETTINGS}),
     Flag("--restore-timeout", "controller.restore_timeout_s", "controller", "seconds a restored actor may take to "
          "load (default 1800)", {"type": float}),
     Flag("--placement", "experts.placement", "experts", "start from a PLACEMENT.json (`expertmesh plan`): one "

@@ -57,10 +57,23 @@ def status_lines(state) -> list[str]:
         alive = "drained" if rep.drained else "restoring" if rep.restoring else "up" if rep.alive else "DOWN"
         lines.append(f"{rep.actor:<16}{rep.node_id[:12]:<14}{','.join(rep.gpu_ids) or '-':<6}{rep.device or '-':<8}"
                      f"{rep.dtype or '-':<10}{alive:<10}{rep.generation:>4}  {rep.breaker:<10}{rep.calls:>8}"
-                     f"{rep.tokens:>10}{load_note(rep)}")
+                     f"{rep.tokens:>10}{load_note(rep)}{tier_note(rep)}")
     for event in state.events[-10:]:
         lines.append(f"event {event.time:.1f} {event.kind:<15} {event.actor} {event.detail_json}")
     return lines
+
+
+def tier_note(rep) -> str:
+    """'  tiers 1.2/2.0 GiB, 93% hits, 0.4 s stall' for an actor with a memory budget (README: Offload)."""
+    if not rep.tiers_json:
+        return ""
+    t = json.loads(rep.tiers_json)
+    asked = t["hits"] + t["misses"]
+    hits = f"{100 * t['hits'] / asked:.0f}% hits" if asked else "no calls"
+    return (f"  tiers {t['resident_bytes'] / 2**30:.2f}/{t['budget_bytes'] / 2**30:.2f} GiB "
+            f"({t['resident_shards']}/{t['hosted_shards']} shards, {t['tier']}), {hits}, "
+            f"{t['bytes_moved'] / 2**30:.2f} GiB moved, {t['stall_s']:.2f} s stall, "
+            f"prefetch {t['prefetch_useful']}/{t['prefetch_issued']} useful")
 
 
 def load_note(rep) -> str:

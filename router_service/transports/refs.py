@@ -13,14 +13,17 @@ from .base import Transport
 
 
 class RayRefTransport:
+    takes_prefetch = True  # prefetch hints ride with a call (ExpertActor.forward's `prefetch=`)
+
     def __init__(self, actors: dict[str, ray.actor.ActorHandle]):
         self.actors = actors
 
     def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
-               trace: dict[str, str] | None = None) -> ray.ObjectRef:
-        if trace is None:
+               trace: dict[str, str] | None = None, prefetch: list | None = None) -> ray.ObjectRef:
+        if trace is None and prefetch is None:
             return self.actors[actor].forward.remote(layer, experts, counts, x)
-        return self.actors[actor].forward.remote(layer, experts, counts, x, trace=trace)
+        extra = {} if prefetch is None else {"prefetch": prefetch}
+        return self.actors[actor].forward.remote(layer, experts, counts, x, trace=trace, **extra)
 
     def gather_settled(self, handles: list[ray.ObjectRef], timeout: float) -> list[torch.Tensor | BaseException]:
         ready, _ = ray.wait(handles, num_returns=len(handles), timeout=timeout)

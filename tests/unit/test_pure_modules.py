@@ -42,9 +42,11 @@ PURE_MODULES = (
     "expertmesh.experts.mxfp4",
     "expertmesh.experts.norms",
     "expertmesh.experts.reference",
+    "expertmesh.experts.residency_policy",  # which expert shards stay in an actor's device tier (fake clock)
     "expertmesh.experts.rope",
     "expertmesh.experts.rope_yarn",
     "expertmesh.experts.routed_rows",  # rows sorted by expert, and the one combine order
+    "expertmesh.experts.tier_store",  # an actor's memory tiers: loads, prefetch thread, counters
     "expertmesh.experts.tokenizer",
     "expertmesh.experts.tracing_config",
     "expertmesh.experts.weights",
@@ -65,6 +67,7 @@ PURE_MODULES = (
     "expertmesh.router_service.log_limit",
     "expertmesh.router_service.observability_config",
     "expertmesh.router_service.openai_api",  # OpenAI HTTP bodies, responses, stream chunks, errors
+    "expertmesh.router_service.prefetch",  # predicting the next MoE layer's experts (pre-gating, history)
     "expertmesh.router_service.openai_requests",  # OpenAI jobs -> GenerationRequests, batcher events -> dicts
     "expertmesh.router_service.sampling",
     "expertmesh.router_service.server_checks",  # TLS pair, host, port: checked before anything starts

@@ -1,0 +1,73 @@
+"""Predicting the next MoE layer's experts while the current layer runs, so expert actors with a memory budget can
+load them ahead of the call (README: Offload). Pure: torch only, no Ray; the dispatcher (dispatch.py) turns a
+prediction into hints for the actors hosting those shards.
+
+Modes:
+- "gate" (pre-gating): the hidden state entering the current layer's experts, put through the NEXT layer's router
+  (its existing weights, no training): adjacent layers' inputs differ by one residual update, so the next layer's
+  gate usually picks the same experts from either. The step's last MoE layer predicts the first one of the next
+  step from history (no gate sees across a step).
+- "history": the experts the next layer used the last time it ran (the previous step): decode steps of the same
+  sequences route alike.
+
+Recall (the share of the shards a layer then used that were predicted) is counted here, against the routing each
+layer actually served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+PREFETCH_MODES = ("off", "gate", "history")
+PREFETCH_SETTINGS = ("auto", *PREFETCH_MODES)  # auto: gate with a memory budget, else off (ExpertsConfig)
+
+
+class NextLayerPredictor:
+    """gate(layer, hidden [T, H]) -> experts [T, k] that `layer`'s router would pick for these hidden states (only
+    used in "gate" mode)."""
+
+    def __init__(self, mode: str, moe_layers: list[int],
+                 gate: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
+        assert mode in PREFETCH_MODES and mode != "off", mode
+        assert mode != "gate" or gate is not None, "gate mode needs the routers"
+        self.mode = mode
+        self.layers = sorted(moe_layers)
+        self.next_of = {a: b for a, b in zip(self.layers, self.layers[1:] + self.layers[:1])}
+        self.gate = gate
+        self.last_used: dict[int, set[int]] = {}  # layer -> experts it served the last time it ran
+        self.pending: dict[int, set[int]] = {}  # layer -> experts predicted for its next run
+        self.predicted = self.actual = self.hits = 0  # shard counts, for recall and precision
+
+    def observe(self, layer: int, experts: torch.Tensor) -> None:
+        """The experts [T, k] `layer` serves now (negative ids: dropped slots): scores the prediction made for it
+        and becomes its history."""
+        used = {int(e) for e in torch.unique(experts).tolist() if e >= 0}
+        guess = self.pending.pop(layer, None)
+        if guess is not None:
+            self.predicted += len(guess)
+            self.actual += len(used)
+            self.hits += len(guess & used)
+        self.last_used[layer] = used
+
+    def predict(self, layer: int, hidden: torch.Tensor) -> tuple[int, list[int]] | None:
+        """While `layer` computes on hidden [T, H]: (the next MoE layer, the experts it is predicted to use), or
+        None when there is nothing to go on yet."""
+        nxt = self.next_of.get(layer)
+        if nxt is None or nxt == layer:
+            return None
+        wraps = nxt <= layer  # the next step's first MoE layer
+        if self.mode == "gate" and not wraps:
+            guess = {int(e) for e in torch.unique(self.gate(nxt, hidden)).tolist() if e >= 0}
+        elif nxt in self.last_used:
+            guess = set(self.last_used[nxt])
+        else:
+            return None
+        self.pending[nxt] = guess
+        return nxt, sorted(guess)
+
+    def stats(self) -> dict:
+        return {"mode": self.mode, "predicted_shards": self.predicted, "actual_shards": self.actual,
+                "hit_shards": self.hits, "recall": self.hits / self.actual if self.actual else None,
+                "precision": self.hits / self.predicted if self.predicted else None}

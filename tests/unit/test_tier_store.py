@@ -1,0 +1,208 @@
+"""The expert memory tiers (experts/tier_store.py) in process: shards loaded from the memory-mapped checkpoint are the
+bits the all-resident actor loads, calls computed over the tiers equal the all-resident grouped compute bit for bit,
+the budget holds, pinned shards stay through a call, prefetch turns misses into hits, and the counters count."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from expertmesh.experts.checkpoint import CheckpointReader
+from expertmesh.experts.ffn import activation, gated_mlp
+from expertmesh.experts.grouped_ffn import GroupedExperts
+from expertmesh.experts.tier_store import DiskTier, TierStore
+from expertmesh.experts.weights import load_expert_shards
+from tests.tiny_checkpoints import write_direct_mixtral
+
+LAYERS, EXPERTS = 3, 4
+SILU = activation("silu")
+
+
+@pytest.fixture(scope="module")
+def reader(tmp_path_factory):
+    return CheckpointReader(write_direct_mixtral(tmp_path_factory.mktemp("tiers"), layers=LAYERS, experts=EXPERTS))
+
+
+def _all_shards():
+    return [(layer, e) for layer in range(LAYERS) for e in range(EXPERTS)]
+
+
+def _shard_bytes(reader) -> int:
+    return load_expert_shards(reader, [(0, 0)])[(0, 0)].nbytes()
+
+
+def _store(reader, shards_resident: int, shards=None, **kw) -> TierStore:
+    shards = shards or _all_shards()
+    return TierStore(shards, DiskTier(reader, torch.float32, torch.device("cpu")),
+                     shards_resident * _shard_bytes(reader), **kw)
+
+
+class CountingTier:
+    """A lower tier that hands out the same weights as the checkpoint and records each fetch; `gate` (an Event)
+    holds fetches until set, to catch a load in flight."""
+
+    name = "fake"
+
+    def __init__(self, reader):
+        self.weights = load_expert_shards(reader, _all_shards())
+        self.fetched: list = []
+        self.gate: threading.Event | None = None
+        self.fail: set = set()
+
+    def fetch(self, shard):
+        if self.gate is not None:
+            self.gate.wait(10)
+        if shard in self.fail:
+            raise OSError(f"cannot read {shard}")
+        self.fetched.append(shard)
+        w = self.weights[shard]
+        return type(w)(w.gate_up.clone(), w.down.clone())
+
+
+def test_disk_tier_loads_the_same_bits_as_the_resident_load(reader):
+    resident = load_expert_shards(reader, _all_shards())
+    tier = DiskTier(reader, torch.float32, torch.device("cpu"))
+    for shard in [(0, 1), (2, 3)]:
+        got = tier.fetch(shard)
+        assert torch.equal(got.gate_up, resident[shard].gate_up) and torch.equal(got.down, resident[shard].down)
+
+
+def test_offloaded_calls_equal_the_all_resident_grouped_compute(reader):
+    """25 % residency, calls over every layer in turn: each output is bit-identical to GroupedExperts over all."""
+    grouped = GroupedExperts(load_expert_shards(reader, _all_shards()), SILU)
+    store = _store(reader, shards_resident=3)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        for layer in range(LAYERS):
+            experts = sorted(torch.randperm(EXPERTS, generator=gen)[:2].tolist())
+            counts = torch.randint(1, 5, (2,), generator=gen).tolist()
+            x = torch.randn(sum(counts), 32, generator=gen)  # [N, H]
+            weights = store.acquire(layer, experts)
+            got = torch.cat([gated_mlp(rows, w, SILU) for w, rows in zip(weights, x.split(counts))])
+            store.release(layer, experts)
+            assert torch.equal(got, grouped.run(layer, experts, counts, x)), (step, layer)
+            assert store.resident_bytes() <= store.budget_bytes
+    stats = store.stats()
+    assert stats["misses"] > 0 and stats["bytes_moved"] == stats["misses"] * _shard_bytes(reader)
+    assert stats["hits"] + stats["misses"] == 3 * LAYERS * 2 and stats["stall_s"] > 0 and stats["over_budget"] == 0
+
+
+def test_preload_fills_the_budget_and_hits_count(reader):
+    store = _store(reader, shards_resident=2)
+    store.preload()
+    assert store.resident() == [(0, 0), (0, 1)] and store.stats()["bytes_moved"] == 0
+    store.acquire(0, [0, 1])
+    store.release(0, [0, 1])
+    stats = store.stats()
+    assert (stats["hits"], stats["misses"], stats["stall_s"]) == (2, 0, 0.0)
+
+
+def test_lru_eviction_and_a_call_needing_more_than_the_budget(reader):
+    store = _store(reader, shards_resident=2)
+    for layer in range(3):
+        store.acquire(layer, [0])
+        store.release(layer, [0])
+    assert store.resident() == [(1, 0), (2, 0)]  # (0, 0), least recently used, left
+    store.acquire(0, [0, 1, 2])  # three shards pinned at once in a budget of two: loaded over it
+    assert store.stats()["over_budget"] >= 1 and store.resident_bytes() > store.budget_bytes
+    store.release(0, [0, 1, 2])
+    assert store.resident_bytes() <= store.budget_bytes  # given back once the call is done
+
+
+def test_prefetch_loads_in_background_and_makes_the_next_call_a_hit(reader):
+    store = _store(reader, shards_resident=2)
+    store.acquire(0, [0])
+    store.prefetch([(1, 2), (2, 3), (0, 0)])  # (0, 0) is resident: not loaded again
+    store.release(0, [0])
+    deadline = 100
+    while store.stats()["prefetch_issued"] < 2 and deadline:
+        threading.Event().wait(0.05)
+        deadline -= 1
+    # two prefetched into a budget of two: the second evicted (0, 0) (the first is newer, and pinned while loading)
+    before = store.stats()
+    store.acquire(2, [3])
+    store.release(2, [3])
+    after = store.stats()
+    assert after["hits"] - before["hits"] == 1 and after["misses"] == before["misses"]
+    assert after["prefetch_useful"] == 1 and after["prefetch_issued"] == 2
+    store.close()
+
+
+def _poll(store, key, value, seconds=5.0):
+    for _ in range(int(seconds / 0.02)):
+        if store.stats()[key] >= value:
+            return True
+        threading.Event().wait(0.02)
+    return False
+
+
+def test_pinned_shards_survive_prefetch_which_waits_for_the_call_to_end(reader):
+    tier = CountingTier(reader)
+    store = TierStore(_all_shards(), tier, 2 * _shard_bytes(reader))
+    store.acquire(0, [0, 1])  # both pinned: the budget is full of pinned shards
+    store.prefetch([(1, 0)])
+    assert not _poll(store, "prefetch_issued", 1, seconds=0.3)  # no room: it waits, evicting nothing
+    assert (1, 0) not in tier.fetched and store.resident() == [(0, 0), (0, 1)]
+    store.release(0, [0, 1])
+    assert _poll(store, "prefetch_issued", 1)  # the call ended: the hint goes ahead
+    assert _poll(store, "resident_shards", 2) and (1, 0) in tier.fetched
+    assert store.stats()["prefetch_dropped"] == 0
+    store.close()
+
+
+def test_a_hint_is_dropped_when_the_budget_holds_no_second_shard(reader):
+    store = TierStore(_all_shards(), CountingTier(reader), _shard_bytes(reader) // 2)
+    store.acquire(1, [0])  # a call still gets its shard, over the budget, and gives it back after
+    store.release(1, [0])
+    assert store.resident() == [] and store.resident_bytes() == 0
+    store.prefetch([(1, 1)])
+    assert _poll(store, "prefetch_dropped", 1) and store.stats()["prefetch_issued"] == 0
+    store.close()
+
+
+def test_a_call_waits_for_a_prefetch_in_flight_instead_of_loading_twice(reader):
+    tier = CountingTier(reader)
+    tier.gate = threading.Event()
+    store = TierStore(_all_shards(), tier, 2 * _shard_bytes(reader))
+    store.prefetch([(1, 1)])
+    deadline = 100
+    while store.stats()["prefetch_issued"] < 1 and deadline:
+        threading.Event().wait(0.02)
+        deadline -= 1
+    threading.Timer(0.1, tier.gate.set).start()
+    weights = store.acquire(1, [1])
+    store.release(1, [1])
+    assert tier.fetched == [(1, 1)] and torch.equal(weights[0].down, tier.weights[(1, 1)].down)
+    stats = store.stats()
+    assert stats["misses"] == 1 and stats["prefetch_useful"] == 1 and stats["stall_s"] > 0
+    store.close()
+
+
+def test_a_failed_load_fails_the_call_and_leaves_nothing_pinned(reader):
+    tier = CountingTier(reader)
+    tier.fail = {(2, 2)}
+    store = TierStore(_all_shards(), tier, 2 * _shard_bytes(reader))
+    with pytest.raises(OSError, match="cannot read"):
+        store.acquire(2, [1, 2])
+    assert not store._pins and not store._loading
+    tier.fail = set()
+    assert len(store.acquire(2, [2])) == 1  # the next call loads it
+    store.release(2, [2])
+
+
+def test_status_shows_an_actors_tiers(reader):
+    import json
+
+    from expertmesh.ops.commands.status import tier_note
+    from expertmesh.protos import admin_pb2
+
+    store = _store(reader, shards_resident=2)
+    store.preload()
+    for layer in range(LAYERS):
+        store.acquire(layer, [0])
+        store.release(layer, [0])
+    note = tier_note(admin_pb2.ReplicaState(tiers_json=json.dumps(store.stats())))
+    assert "(2/12 shards, disk), 33% hits" in note and "prefetch 0/0 useful" in note
+    assert tier_note(admin_pb2.ReplicaState()) == ""  # all resident: nothing to show
