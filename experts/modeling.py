@@ -17,6 +17,7 @@ other runs its dense part (ping-pong). Each sequence's math is the same, only ma
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -113,6 +114,8 @@ class MoEDecoder:
         self.last_trace = StepTrace()
         # Called as step_observer(trace, lengths, caches) after every forward (load statistics); None = off.
         self.step_observer = None
+        # Stage clock (router_service/step_profile.py StageClock): the router sets it; gating and lm_head time.
+        self.profile = None
         self.kv_pool = PagedKVPool.plan(self.cache_specs(), self.dtype, self.device, cfg.max_position_embeddings,
                                         kv_cache or KVCacheSettings())
 
@@ -180,6 +183,7 @@ class MoEDecoder:
 
     def _logits(self, x: torch.Tensor, lengths: list[int], wanted: list[str]) -> list[torch.Tensor]:
         """Final norm and lm_head on the rows `wanted` asks for only (x [T, H]); per sequence [rows_i, V]."""
+        started = time.perf_counter()
         if all(w == "all" for w in wanted):
             counts = lengths
         else:
@@ -192,6 +196,8 @@ class MoEDecoder:
             x = x[torch.tensor(picked, dtype=torch.int64, device=x.device)]  # [R, H]
         x = rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps)
         out = F.linear(x, self.w.lm_head).float()  # [R, V]
+        if self.profile is not None:
+            self.profile.since("model.lm_head", started)
         return list(out.split(counts))
 
     # ---- layer schedules ---------------------------------------------------------------------------------------
@@ -264,10 +270,14 @@ class MoEDecoder:
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
             return None
+        gating = time.perf_counter()
         # DeepSeek/GLM routers score in float32 (their gate weight is kept float32), as transformers does.
         logits = (F.linear(h, layer.router, layer.router_bias) if cfg.router_kind in ("softmax", "topk_softmax")
                   else F.linear(h.float(), layer.router.float()))  # [T_g, E]; gpt-oss's router has a bias
-        return h, route_for_model(cfg, logits, layer.router_correction_bias, self.capacity_factor)
+        routing = route_for_model(cfg, logits, layer.router_correction_bias, self.capacity_factor)
+        if self.profile is not None:
+            self.profile.since("model.gating", gating)
+        return h, routing
 
     def _with_shared(self, layer, h: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus the (gated) shared expert where the layer has one. h, mlp: [T, H]."""

@@ -1,0 +1,52 @@
+"""The step-profile chart of `expertmesh bench serve`: one stacked bar per (transport, stream count), ms per step
+split by stage (ops/serve_profile.py rows), so the biggest stage is the one to cut first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .serve_profile import ROWS
+
+# Stages grouped by colour family: router-side CPU (blues), the expert round (oranges/reds), per-token work
+# (greens), waiting (greys).
+COLOURS = {
+    "waiting for requests": "#d9d9d9", "scheduling": "#9ecae1", "dense": "#3182bd", "gating": "#6baed6",
+    "dispatch planning": "#fdd0a2", "transport send": "#fdae6b", "experts' compute": "#e6550d",
+    "transport wait": "#a63603", "combine": "#fd8d3c", "dispatch bookkeeping": "#fee6ce", "lm_head": "#08519c",
+    "routing statistics": "#c6dbef", "event-loop hand-back": "#756bb1", "sampling": "#74c476",
+    "detokenising": "#31a354", "streaming": "#006d2c", "loop other": "#bcbddc", "unaccounted": "#969696",
+}
+
+
+def write_profile_chart(bars: list[tuple[str, dict]], path: Path, title: str) -> Path:
+    """bars: (label, profile_table result) in display order -> a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = [name for name, _ in ROWS] + ["unaccounted"]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * len(bars)))
+    labels = [label for label, _ in bars]
+    left = [0.0] * len(bars)
+    for stage in stages:
+        widths = []
+        for _, table in bars:
+            ms = next((r["ms"] for r in table["rows"] if r["stage"] == stage), 0.0)
+            widths.append(max(0.0, ms))
+        if not any(widths):
+            continue
+        ax.barh(labels, widths, left=left, color=COLOURS.get(stage, "#cccccc"), label=stage, edgecolor="white",
+                linewidth=0.4)
+        left = [a + b for a, b in zip(left, widths)]
+    for y, (_, table) in enumerate(bars):
+        ax.text(left[y], y, f" {table['step_ms']:.1f} ms", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds per forward step")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.02 * len(bars)), frameon=False)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
