@@ -7,8 +7,9 @@ token message's arrival time is recorded; the result per level is the aggregate 
 level's wall time), per-stream tokens/s, inter-token and time-to-first-token latencies, and how the router's
 continuous batcher behaved (Admin GetRouterStats before and after: steps taken, the largest batch).
 
-Beside it, just before each level (so machine noise hits both alike), `transformers` generate in this process at
-batch size c on the same prompts and token counts (ops/serve_reference.py); η_serve = ours ÷ theirs. The step
+Beside it, `transformers` generate in this process at batch size c on the same prompts and token counts
+(ops/serve_reference.py), with no server up, right before each server starts and right after it stops (so machine
+noise hits both alike); η_serve = ours ÷ theirs. The step
 profile is the router's stage clocks (router_service/step_profile.py) over the level, plus the actors' compute
 time (GetClusterState), as ms per step (ops/serve_profile.py), drawn as a stacked bar chart (ops/serve_chart.py).
 
@@ -39,7 +40,7 @@ from . import client
 from .measure import percentile
 from .serve_chart import write_profile_chart
 from .serve_profile import eta_serve, profile_table, stage_deltas
-from .serve_reference import TransformersReference
+from .serve_reference import TransformersReference, combine_rates
 from .server_process import ServerProcess, start_server
 
 GOAL = "aggregate tokens/s at 32 streams >= 10x one stream"
@@ -262,8 +263,17 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
             ref = TransformersReference(folder)
             ref.warm_up(_prompt(10_000, _vocab_size(folder)))
         for transport in transports:
-            run = _run_transport(transport, target, folder, concurrencies, max_tokens, requests_per_stream, ref,
+            # The reference runs with no server up (an idle server still takes CPU: a compiled graph's actors poll
+            # their channels), right before it starts and right after it stops, so load that comes and goes on a
+            # shared machine weighs on both sides alike; its rate per level is the two runs' tokens over their time.
+            before = (_reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream, say)
+                      if ref is not None else None)
+            run = _run_transport(transport, target, folder, concurrencies, max_tokens, requests_per_stream,
                                  serve_args, say)
+            if ref is not None:
+                _add_eta(run, before, _reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream,
+                                                       say))
+                say(f"{transport}: eta_serve {run['eta_serve']}")
             result["runs"][transport] = run
             result["eta_serve"][transport] = run["eta_serve"]
             if run.get("model_name") and result["model"] is None:
@@ -297,9 +307,8 @@ def _load_average() -> list[float] | None:
 
 
 def _run_transport(transport: str, target: str | None, folder: str | None, concurrencies: list[int],
-                   max_tokens: int, requests_per_stream: int, ref: TransformersReference | None,
-                   serve_args: tuple[str, ...], say) -> dict:
-    """One served process (or the given target): warm-up, then per level the reference and ours, alternately."""
+                   max_tokens: int, requests_per_stream: int, serve_args: tuple[str, ...], say) -> dict:
+    """One served process (or the given target): warm-up, then every level."""
     server: ServerProcess | None = None
     run: dict = {"levels": {}, "eta_serve": {}}
     try:
@@ -324,22 +333,11 @@ def _run_transport(transport: str, target: str | None, folder: str | None, concu
             if warm.error:
                 say(f"warm-up failed: {warm.error}")
             for c in concurrencies:
-                theirs = None
-                if ref is not None:
-                    rounds = [[_prompt(slot * requests_per_stream + j, vocab) for slot in range(c)]
-                              for j in range(requests_per_stream)]
-                    theirs = ref.rate(rounds, max_tokens)
                 say(f"{transport}, {c} streams: {c * requests_per_stream} streams x {max_tokens} tokens ...")
                 level = _run_level(chan, target, c, requests_per_stream, max_tokens, vocab)
-                level["transformers"] = theirs
-                ours = level["aggregate_tokens_per_s"]
-                eta = eta_serve({str(c): ours}, {str(c): theirs["tokens_per_s"] if theirs else None})[str(c)]
-                level["eta_serve"] = eta
                 run["levels"][str(c)] = level
-                run["eta_serve"][str(c)] = eta
                 profile = level.get("profile")
-                say(f"  ours {ours} tok/s, transformers {theirs['tokens_per_s'] if theirs else '-'} tok/s, "
-                    f"eta_serve {eta}; step {profile['step_ms'] if profile else '-'} ms; "
+                say(f"  {level['aggregate_tokens_per_s']} tok/s; step {profile['step_ms'] if profile else '-'} ms; "
                     f"errors {level['errors'] or 'none'}")
         finally:
             chan.close()
@@ -349,3 +347,25 @@ def _run_transport(transport: str, target: str | None, folder: str | None, concu
             run["server_exit_code"] = server.stop()
             run["server_log"] = str(server.log_path)
     return run
+
+
+def _reference_rates(ref: TransformersReference, folder: str, concurrencies: list[int], max_tokens: int,
+                     requests_per_stream: int, say) -> dict[str, dict]:
+    """transformers generate at every level, on the prompts the served level sends."""
+    vocab = _vocab_size(folder)
+    rates = {}
+    for c in concurrencies:
+        rounds = [[_prompt(slot * requests_per_stream + j, vocab) for slot in range(c)]
+                  for j in range(requests_per_stream)]
+        rates[str(c)] = ref.rate(rounds, max_tokens)
+        say(f"  transformers generate, batch {c}: {rates[str(c)]['tokens_per_s']} tok/s")
+    return rates
+
+
+def _add_eta(run: dict, before: dict[str, dict], after: dict[str, dict]) -> None:
+    """Fill each level's reference rate (before and after its server ran, combined) and η_serve."""
+    for c, level in run["levels"].items():
+        theirs = combine_rates(before[c], after[c])
+        level["transformers"] = theirs
+        level["eta_serve"] = eta_serve({c: level["aggregate_tokens_per_s"]}, {c: theirs["tokens_per_s"]})[c]
+        run["eta_serve"][c] = level["eta_serve"]

@@ -26,7 +26,7 @@ def write_profile_chart(bars: list[tuple[str, dict]], path: Path, title: str) ->
     import matplotlib.pyplot as plt
 
     stages = [name for name, _ in ROWS] + ["unaccounted"]
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * len(bars)))
+    fig, ax = plt.subplots(figsize=(11, max(3.6, 1.0 + 0.45 * len(bars))))
     labels = [label for label, _ in bars]
     left = [0.0] * len(bars)
     for stage in stages:
@@ -39,12 +39,13 @@ def write_profile_chart(bars: list[tuple[str, dict]], path: Path, title: str) ->
         ax.barh(labels, widths, left=left, color=COLOURS.get(stage, "#cccccc"), label=stage, edgecolor="white",
                 linewidth=0.4)
         left = [a + b for a, b in zip(left, widths)]
-    for y, (_, table) in enumerate(bars):
-        ax.text(left[y], y, f" {table['step_ms']:.1f} ms", va="center", fontsize=8)
+    for y, (_, table) in enumerate(bars):  # the client-measured step; the stack ends there unless clocks overran
+        ax.plot([table["step_ms"]] * 2, [y - 0.4, y + 0.4], color="black", linewidth=1)
+        ax.text(max(left[y], table["step_ms"]), y, f" {table['step_ms']:.1f} ms", va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds per forward step")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.02 * len(bars)), frameon=False)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -178,3 +178,20 @@ def test_an_open_stage_counts_up_to_each_snapshot_and_once_when_closed():
     assert closed >= second and clock.snapshot()["loop.idle"] == closed  # closed: no longer grows
     clock.close("loop.idle")  # closing a stage that is not open adds nothing
     assert clock.snapshot()["loop.idle"] == closed
+
+
+def test_the_profile_chart_is_a_png(tmp_path):
+    from expertmesh.ops.serve_chart import write_profile_chart
+
+    table = profile_table(DELTA, steps=10, wall_s=1.0, actor_compute_s=0.15)
+    path = write_profile_chart([("refs · 1 stream", table), ("refs · 8 streams", table)], tmp_path / "p.png", "t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_reference_rate_is_both_runs_tokens_over_their_time():
+    from expertmesh.ops.serve_reference import combine_rates
+
+    run = {"tokens": 64, "batch": 1, "rounds": 2, "torch_threads": 2}
+    got = combine_rates(run | {"wall_s": 1.0, "tokens_per_s": 64.0}, run | {"wall_s": 3.0, "tokens_per_s": 64 / 3})
+    assert got["tokens_per_s"] == 32.0 and got["tokens"] == 128 and got["rounds"] == 4
+    assert got["before_tokens_per_s"] == 64.0
