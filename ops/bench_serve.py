@@ -225,11 +225,13 @@ def _model_dir(model: str | None, tmp: Path) -> tuple[str, str | None]:
 def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tokens: int = 32,
                     requests_per_stream: int = 2, model_dir: str | None = None, verbose: bool = True,
                     transports=("refs",), reference: bool = True, chart: Path | None = None,
-                    serve_args: tuple[str, ...] = ()) -> dict:
+                    serve_args: tuple[str, ...] = (), reference_threads: int = 1) -> dict:
     """Benchmark streaming generation against `target` (host:port), or against one server started here per transport
     when None; beside each level, the in-process `transformers` generate rate at the same batch size (reference) and
     η_serve = ours ÷ theirs, and the step profile from the router's stage clocks. model_dir: "embedded", "mid" or a
-    checkpoint folder. chart: where to write the profile chart (PNG), None for none."""
+    checkpoint folder. chart: where to write the profile chart (PNG), None for none. reference_threads: torch threads
+    of the transformers reference (1: like each of our processes on a small box, and steady under load, where a
+    2-thread OpenMP team spins waiting for a descheduled peer: 14.7 then 1.6 tok/s in two runs a minute apart)."""
 
     def say(msg: str) -> None:
         if verbose:
@@ -245,11 +247,11 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
     transports = [target] if target is not None else list(transports)
 
     run_started = time.perf_counter()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(reference_threads)
     result: dict = {"benchmark": "serve", "model": None, "target": target, "self_started": target is None,
                     "max_tokens": max_tokens, "requests_per_stream": requests_per_stream,
                     "prompt_tokens": PROMPT_LEN, "concurrencies": concurrencies, "transports": transports,
-                    "runs": {}, "eta_serve": {}}
+                    "reference_threads": reference_threads, "runs": {}, "eta_serve": {}}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-serve-") as tmp:
         if target is not None and model_dir is None:
             name, folder = None, None  # a remote server's model: no in-process reference
@@ -262,17 +264,20 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
             say("loading the transformers reference ...")
             ref = TransformersReference(folder)
             ref.warm_up(_prompt(10_000, _vocab_size(folder)))
+        before = None
         for transport in transports:
-            # The reference runs with no server up (an idle server still takes CPU: a compiled graph's actors poll
-            # their channels), right before it starts and right after it stops, so load that comes and goes on a
-            # shared machine weighs on both sides alike; its rate per level is the two runs' tokens over their time.
-            before = (_reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream, say)
-                      if ref is not None else None)
+            # The reference runs with no server up (an idle server's processes still take some CPU on a small
+            # box), right before it starts and right after it stops, so load that comes and goes on a shared
+            # machine weighs on both sides alike; its rate per level is the two runs' tokens over their time.
+            # One transport's "after" is the next one's "before".
+            if ref is not None and before is None:
+                before = _reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream, say)
             run = _run_transport(transport, target, folder, concurrencies, max_tokens, requests_per_stream,
                                  serve_args, say)
             if ref is not None:
-                _add_eta(run, before, _reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream,
-                                                       say))
+                after = _reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream, say)
+                _add_eta(run, before, after)
+                before = after
                 say(f"{transport}: eta_serve {run['eta_serve']}")
             result["runs"][transport] = run
             result["eta_serve"][transport] = run["eta_serve"]

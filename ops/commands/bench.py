@@ -46,6 +46,8 @@ def add_parser(sub) -> None:
     serve_bench.add_argument("--requests-per-stream", type=int, default=2)
     serve_bench.add_argument("--no-reference", action="store_true",
                              help="skip the in-process transformers generate rate (and eta_serve)")
+    serve_bench.add_argument("--reference-threads", type=int, default=1,
+                             help="torch threads of the transformers reference (default 1: steady on a loaded box)")
     serve_bench.add_argument("--chart", metavar="PNG", help="profile chart (default: next to --out, same name)")
     serve_bench.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                              help="extra `expertmesh serve` argument for the started servers (repeatable), e.g. "
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                                  model_dir=args.model,
                                  verbose=not args.json, transports=tuple(args.transports.split(",")),
                                  reference=not args.no_reference, chart=Path(chart) if chart else None,
-                                 serve_args=tuple(args.serve_arg))
+                                 serve_args=tuple(args.serve_arg), reference_threads=args.reference_threads)
     elif args.bench == "observability":
         from ..bench_observability import run_observability_bench
 
