@@ -42,6 +42,7 @@ def write_profile_chart(bars: list[tuple[str, dict]], path: Path, title: str) ->
     for y, (_, table) in enumerate(bars):  # the client-measured step; the stack ends there unless clocks overran
         ax.plot([table["step_ms"]] * 2, [y - 0.4, y + 0.4], color="black", linewidth=1)
         ax.text(max(left[y], table["step_ms"]), y, f" {table['step_ms']:.1f} ms", va="center", fontsize=8)
+    ax.set_xlim(0, 1.12 * max([*left, *(t["step_ms"] for _, t in bars)]))  # room for the labels
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds per forward step")
     ax.set_title(title, fontsize=10)
@@ -51,3 +52,20 @@ def write_profile_chart(bars: list[tuple[str, dict]], path: Path, title: str) ->
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def chart_from_result(result_path: Path, chart_path: Path | None = None) -> Path:
+    """Redraw the chart of a saved `bench serve` JSON (default: next to it, same name, .png)."""
+    import json
+
+    result = json.loads(result_path.read_text())
+    bars = [(f"{t} · {c} stream{'s' if int(c) > 1 else ''}", level["profile"])
+            for t, run in result["runs"].items() for c, level in run["levels"].items() if level.get("profile")]
+    title = f"expertmesh bench serve: {result['model']}, {result['max_tokens']} new tokens, where a step goes"
+    return write_profile_chart(bars, chart_path or result_path.with_suffix(".png"), title)
+
+
+if __name__ == "__main__":  # python -m expertmesh.ops.serve_chart RESULT.json [CHART.png]
+    import sys
+
+    print(chart_from_result(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None))

@@ -180,12 +180,17 @@ def test_an_open_stage_counts_up_to_each_snapshot_and_once_when_closed():
     assert clock.snapshot()["loop.idle"] == closed
 
 
-def test_the_profile_chart_is_a_png(tmp_path):
-    from expertmesh.ops.serve_chart import write_profile_chart
+def test_the_profile_chart_is_a_png_drawn_from_a_saved_result(tmp_path):
+    import json
+
+    from expertmesh.ops.serve_chart import chart_from_result
 
     table = profile_table(DELTA, steps=10, wall_s=1.0, actor_compute_s=0.15)
-    path = write_profile_chart([("refs · 1 stream", table), ("refs · 8 streams", table)], tmp_path / "p.png", "t")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = {"model": "embedded", "max_tokens": 32,
+              "runs": {"refs": {"levels": {"1": {"profile": table}, "8": {"profile": table}}}}}
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    path = chart_from_result(tmp_path / "r.json")
+    assert path == tmp_path / "r.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_reference_rate_is_both_runs_tokens_over_their_time():
