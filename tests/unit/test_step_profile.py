@@ -200,3 +200,13 @@ def test_the_reference_rate_is_both_runs_tokens_over_their_time():
     got = combine_rates(run | {"wall_s": 1.0, "tokens_per_s": 64.0}, run | {"wall_s": 3.0, "tokens_per_s": 64 / 3})
     assert got["tokens_per_s"] == 32.0 and got["tokens"] == 128 and got["rounds"] == 4
     assert got["before_tokens_per_s"] == 64.0
+
+
+def test_expertmesh_status_prints_the_profile_line_from_router_stats():
+    from expertmesh.ops.commands.status import status_lines
+    from expertmesh.protos import admin_pb2
+
+    state = admin_pb2.ClusterState(model="m", router=admin_pb2.RouterStats(steps=10, stage_seconds=DELTA))
+    assert any(line.startswith("router step profile: 85.00 ms per busy step") for line in status_lines(state))
+    fresh = admin_pb2.ClusterState(model="m", router=admin_pb2.RouterStats())
+    assert not any("step profile" in line for line in status_lines(fresh))
