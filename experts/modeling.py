@@ -17,6 +17,7 @@ other runs its dense part (ping-pong). Each sequence's math is the same, only ma
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -113,6 +114,8 @@ class MoEDecoder:
         self.last_trace = StepTrace()
         # Called as step_observer(trace, lengths, caches) after every forward (load statistics); None = off.
         self.step_observer = None
+        # Stage clock (router_service/step_profile.py StageClock): the router sets it; gating and lm_head time.
+        self.profile = None
         self.kv_pool = PagedKVPool.plan(self.cache_specs(), self.dtype, self.device, cfg.max_position_embeddings,
                                         kv_cache or KVCacheSettings())
 
@@ -180,6 +183,7 @@ class MoEDecoder:
 
     def _logits(self, x: torch.Tensor, lengths: list[int], wanted: list[str]) -> list[torch.Tensor]:
         """Final norm and lm_head on the rows `wanted` asks for only (x [T, H]); per sequence [rows_i, V]."""
+        started = time.perf_counter()
         if all(w == "all" for w in wanted):
             counts = lengths
         else:
@@ -192,6 +196,8 @@ class MoEDecoder:
             x = x[torch.tensor(picked, dtype=torch.int64, device=x.device)]  # [R, H]
         x = rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps)
         out = F.linear(x, self.w.lm_head).float()  # [R, V]
+        if self.profile is not None:
+            self.profile.since("model.lm_head", started)
         return list(out.split(counts))
 
     # ---- layer schedules ---------------------------------------------------------------------------------------
@@ -264,7 +270,11 @@ class MoEDecoder:
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
             return None
-        return h, route_for_model(cfg, self._gate_logits(layer, h), layer.router_correction_bias, self.capacity_factor)
+        gating = time.perf_counter()
+        routing = route_for_model(cfg, self._gate_logits(layer, h), layer.router_correction_bias, self.capacity_factor)
+        if self.profile is not None:
+            self.profile.since("model.gating", gating)
+        return h, routing
 
     def _gate_logits(self, layer, h: torch.Tensor) -> torch.Tensor:
         """h [T, H] -> router logits [T, E] of `layer` (LayerWeights)."""

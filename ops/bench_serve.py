@@ -1,13 +1,21 @@
-"""`expertmesh bench serve`: end-to-end streaming throughput of a running (or self-started) `expertmesh serve`.
+"""`expertmesh bench serve`: end-to-end streaming throughput of `expertmesh serve`, against in-process
+`transformers` generate, with a profile of where a step's time goes.
 
-For each concurrency level c, c client threads each run `requests_per_stream` Generate streams one after the
-other (greedy, `ignore_eos`, so every stream yields exactly `max_tokens` tokens). Every token message's arrival
-time is recorded; the result per level is the aggregate tokens/s (all tokens over the level's wall time), the
-per-stream tokens/s, inter-token and time-to-first-token latencies, and how the router's continuous batcher
-behaved (Admin.GetRouterStats before and after: steps taken, the largest batch it has seen).
+For each concurrency level c, c streams (one asyncio client, one channel) each run `requests_per_stream` Generate
+requests one after the other (greedy, `ignore_eos`, so every stream yields exactly `max_tokens` tokens). Every
+token message's arrival time is recorded; the result per level is the aggregate tokens/s (all tokens over the
+level's wall time), per-stream tokens/s, inter-token and time-to-first-token latencies, and how the router's
+continuous batcher behaved (Admin GetRouterStats before and after: steps taken, the largest batch).
 
-The goal: at 32 concurrent streams the aggregate is at least 10x that of a single stream, i.e. continuous
-batching lets streams share forward steps instead of queueing behind each other.
+Beside it, `transformers` generate in this process at batch size c on the same prompts and token counts
+(ops/serve_reference.py), with no server up, right before each server starts and right after it stops (so machine
+noise hits both alike); η_serve = ours ÷ theirs. The step
+profile is the router's stage clocks (router_service/step_profile.py) over the level, plus the actors' compute
+time (GetClusterState), as ms per step (ops/serve_profile.py), drawn as a stacked bar chart (ops/serve_chart.py).
+
+Models: "embedded" (the small bundled model: overhead-bound), "mid" (bench dispatch's hidden-1024 Mixtral:
+compute-bound) or a checkpoint folder. Transports: one freshly started server per name in `transports`.
+The older goal is kept in the JSON: at 32 streams the aggregate is at least 10x one stream (continuous batching).
 """
 
 from __future__ import annotations
@@ -17,23 +25,30 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import torch
 
 from ..protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from ..protos import inference_pb2 as pb
 from . import client
 from .measure import percentile
+from .serve_chart import write_profile_chart
+from .serve_profile import eta_serve, profile_table, stage_deltas
+from .serve_reference import TransformersReference, combine_rates
 from .server_process import ServerProcess, start_server
 
 GOAL = "aggregate tokens/s at 32 streams >= 10x one stream"
 GOAL_SPEEDUP = 10.0
 PROMPT_LEN = 8
 STREAM_TIMEOUT_S = 900.0
+# Issue 17's targets for η_serve (served tok/s ÷ in-process transformers generate tok/s), per model and stream count.
+ETA_TARGETS = {"embedded": {"1": 0.5, "32": 0.5}, "mid": {"1": 0.8, "8": 0.8, "32": 0.8}}
 
 
 # --------------------------------------------------------------------------------------------------- server
@@ -46,14 +61,9 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000.0 * seconds, 3)
 
 
-def _vocab_size(model_dir: str | None) -> int | None:
+def _vocab_size(model_dir: str) -> int | None:
     try:
-        if model_dir is None:
-            from ..experts.embedded_model import EMBEDDED_MODEL_DIR
-
-            folder = EMBEDDED_MODEL_DIR
-        else:
-            folder = Path(model_dir)
+        folder = Path(model_dir)
         return int(json.loads((folder / "config.json").read_text())["vocab_size"])
     except Exception:  # unknown model (remote target, odd config): fall back to small ids
         return None
@@ -78,7 +88,16 @@ def _router_stats(chan: grpc.Channel) -> dict | None:
         return None
     return {"steps": stats.steps, "max_batch_seen": stats.max_batch_seen, "replica": stats.replica,
             "live_kv_caches": stats.live_kv_caches, "active_sequences": stats.active_sequences,
-            "waiting_requests": stats.waiting_requests}
+            "waiting_requests": stats.waiting_requests, "stage_seconds": dict(stats.stage_seconds)}
+
+
+def _actor_compute_s(chan: grpc.Channel) -> float | None:
+    """The expert actors' compute seconds since they started, summed (Admin GetClusterState)."""
+    try:
+        state = admin_pb2_grpc.AdminStub(chan).GetClusterState(admin_pb2.ClusterStateRequest(), timeout=60)
+    except grpc.RpcError:
+        return None
+    return sum(rep.compute_s for rep in state.replicas if rep.alive)
 
 
 @dataclass
@@ -134,9 +153,13 @@ def _run_level(chan: grpc.Channel, target: str, concurrency: int, requests_per_s
                vocab: int | None) -> dict:
     requests = [[_request(_prompt(slot * requests_per_stream + j, vocab), max_tokens)
                  for j in range(requests_per_stream)] for slot in range(concurrency)]
+    compute_before = _actor_compute_s(chan)
     stats_before = _router_stats(chan)
+    window_started = time.perf_counter()  # the stretch the stage deltas cover, as this client sees it
     records, wall = asyncio.run(_drive(target, requests))
+    window_s = time.perf_counter() - window_started
     stats_after = _router_stats(chan)
+    compute_after = _actor_compute_s(chan)
 
     streams = [s for per_slot in records for s in per_slot]
     errors = Counter(s.error for s in streams if s.error)
@@ -176,12 +199,39 @@ def _run_level(chan: grpc.Channel, target: str, concurrency: int, requests_per_s
             "replica": stats_after["replica"],
             "same_replica": same_replica,
         }
+        if same_replica and steps > 0 and stats_after["stage_seconds"]:
+            compute = (compute_after - compute_before
+                       if compute_before is not None and compute_after is not None else None)
+            level["profile"] = profile_table(stage_deltas(stats_before["stage_seconds"], stats_after["stage_seconds"]),
+                                             steps, window_s, compute)
+            level["profile"]["actor_compute_s"] = None if compute is None else round(compute, 4)
     return level
 
 
+def _model_dir(model: str | None, tmp: Path) -> tuple[str, str | None]:
+    """(name for the report, checkpoint folder): "embedded" (default), "mid" (bench dispatch's hidden-1024 Mixtral,
+    written into tmp) or a folder."""
+    if model in (None, "embedded"):
+        from ..experts.embedded_model import EMBEDDED_MODEL_DIR
+
+        return "embedded", str(EMBEDDED_MODEL_DIR)
+    if model == "mid":
+        from .bench_dispatch import write_bench_checkpoint
+
+        return "mid", str(write_bench_checkpoint(tmp / "mid"))
+    return model, model
+
+
 def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tokens: int = 32,
-                    requests_per_stream: int = 2, model_dir: str | None = None, verbose: bool = True) -> dict:
-    """Benchmark streaming generation against `target` (host:port), or a server started here when None."""
+                    requests_per_stream: int = 2, model_dir: str | None = None, verbose: bool = True,
+                    transports=("refs",), reference: bool = True, chart: Path | None = None,
+                    serve_args: tuple[str, ...] = (), reference_threads: int = 1) -> dict:
+    """Benchmark streaming generation against `target` (host:port), or against one server started here per transport
+    when None; beside each level, the in-process `transformers` generate rate at the same batch size (reference) and
+    η_serve = ours ÷ theirs, and the step profile from the router's stage clocks. model_dir: "embedded", "mid" or a
+    checkpoint folder. chart: where to write the profile chart (PNG), None for none. reference_threads: torch threads
+    of the transformers reference (1: like each of our processes on a small box, and steady under load, where a
+    2-thread OpenMP team spins waiting for a descheduled peer: 14.7 then 1.6 tok/s in two runs a minute apart)."""
 
     def say(msg: str) -> None:
         if verbose:
@@ -194,54 +244,133 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
     concurrencies = [int(c) for c in concurrencies]
     if not concurrencies or min(concurrencies) < 1:
         raise ValueError(f"concurrencies: need positive integers, got {concurrencies}")
+    transports = [target] if target is not None else list(transports)
 
     run_started = time.perf_counter()
-    server: ServerProcess | None = None
+    torch.set_num_threads(reference_threads)
     result: dict = {"benchmark": "serve", "model": None, "target": target, "self_started": target is None,
                     "max_tokens": max_tokens, "requests_per_stream": requests_per_stream,
-                    "prompt_tokens": PROMPT_LEN, "concurrencies": concurrencies, "levels": {}}
+                    "prompt_tokens": PROMPT_LEN, "concurrencies": concurrencies, "transports": transports,
+                    "reference_threads": reference_threads, "runs": {}, "eta_serve": {}}
+    with tempfile.TemporaryDirectory(prefix="expertmesh-bench-serve-") as tmp:
+        if target is not None and model_dir is None:
+            name, folder = None, None  # a remote server's model: no in-process reference
+        else:
+            say("preparing the model ...")
+            name, folder = _model_dir(model_dir, Path(tmp))
+        result["model"] = name
+        ref = None
+        if reference and folder is not None:
+            say("loading the transformers reference ...")
+            ref = TransformersReference(folder)
+            ref.warm_up(_prompt(10_000, _vocab_size(folder)))
+        before = None
+        for transport in transports:
+            # The reference runs with no server up (an idle server's processes still take some CPU on a small
+            # box), right before it starts and right after it stops, so load that comes and goes on a shared
+            # machine weighs on both sides alike; its rate per level is the two runs' tokens over their time.
+            # One transport's "after" is the next one's "before".
+            if ref is not None and before is None:
+                before = _reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream, say)
+            run = _run_transport(transport, target, folder, concurrencies, max_tokens, requests_per_stream,
+                                 serve_args, say)
+            if ref is not None:
+                after = _reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream, say)
+                _add_eta(run, before, after)
+                before = after
+                say(f"{transport}: eta_serve {run['eta_serve']}")
+            result["runs"][transport] = run
+            result["eta_serve"][transport] = run["eta_serve"]
+            if run.get("model_name") and result["model"] is None:
+                result["model"] = run["model_name"]
+    first = result["runs"][transports[0]]["levels"]
+    one = first.get("1", {}).get("aggregate_tokens_per_s")
+    many = first.get("32", {}).get("aggregate_tokens_per_s")
+    speedup = many / one if one and many is not None else None
+    result["speedup_32_vs_1"] = round(speedup, 3) if speedup is not None else None
+    result["goal"] = GOAL
+    result["goal_met"] = bool(speedup is not None and speedup >= GOAL_SPEEDUP and not first["32"]["errors"])
+    result["eta_serve_targets"] = ETA_TARGETS
+    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": _load_average(),
+                         "python": platform.python_version(), "grpc": grpc.__version__, "torch": torch.__version__}
+    if chart is not None:
+        bars = [(f"{t} · {c} stream{'s' if c > 1 else ''}", run["levels"][str(c)]["profile"])
+                for t, run in result["runs"].items() for c in concurrencies
+                if run["levels"].get(str(c), {}).get("profile")]
+        if bars:
+            result["chart"] = str(write_profile_chart(
+                bars, chart, f"expertmesh bench serve: {result['model']}, {max_tokens} new tokens, where a step goes"))
+    result["run_wall_s"] = round(time.perf_counter() - run_started, 3)
+    return result
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _run_transport(transport: str, target: str | None, folder: str | None, concurrencies: list[int],
+                   max_tokens: int, requests_per_stream: int, serve_args: tuple[str, ...], say) -> dict:
+    """One served process (or the given target): warm-up, then every level."""
+    server: ServerProcess | None = None
+    run: dict = {"levels": {}, "eta_serve": {}}
     try:
         if target is None:
-            say("starting expertmesh serve ...")
+            say(f"starting expertmesh serve --transport {transport} ...")
             t0 = time.perf_counter()
-            server = start_server(["--model", model_dir] if model_dir is not None else [])
+            args = ["--transport", transport, *serve_args]
+            server = start_server((["--model", folder] if folder is not None else []) + args)
             target = server.target
-            result["model"] = server.model_name
-            result["target"] = target
-            result["server_start_s"] = round(time.perf_counter() - t0, 3)
-            say(f"serving {server.model_name} on {target} (ready after {result['server_start_s']} s)")
-        vocab = _vocab_size(model_dir) if (server is not None or model_dir is not None) else None
+            run["model_name"] = server.model_name
+            run["server_start_s"] = round(time.perf_counter() - t0, 3)
+            run["serve_args"] = args
+            say(f"serving {server.model_name} on {target} (ready after {run['server_start_s']} s)")
+        vocab = _vocab_size(folder) if folder is not None else None
         chan = client.channel(target)
         try:
             grpc.channel_ready_future(chan).result(timeout=60)
             say("warm-up ...")
             warm = asyncio.run(_drive(target, [[_request(_prompt(10_000, vocab), min(4, max_tokens))]]))[0][0][0]
-            result["warmup"] = {"tokens": warm.tokens, "seconds": round(warm.finished - warm.started, 3),
-                                "error": warm.error}
+            run["warmup"] = {"tokens": warm.tokens, "seconds": round(warm.finished - warm.started, 3),
+                             "error": warm.error}
             if warm.error:
                 say(f"warm-up failed: {warm.error}")
             for c in concurrencies:
-                say(f"concurrency {c}: {c * requests_per_stream} streams x {max_tokens} tokens ...")
+                say(f"{transport}, {c} streams: {c * requests_per_stream} streams x {max_tokens} tokens ...")
                 level = _run_level(chan, target, c, requests_per_stream, max_tokens, vocab)
-                result["levels"][str(c)] = level
-                say(f"  {level['aggregate_tokens_per_s']} tok/s aggregate in {level['wall_s']} s; "
-                    f"itl p50 {level['inter_token_ms']['p50']} ms; errors {level['errors'] or 'none'}")
+                run["levels"][str(c)] = level
+                profile = level.get("profile")
+                say(f"  {level['aggregate_tokens_per_s']} tok/s; step {profile['step_ms'] if profile else '-'} ms; "
+                    f"errors {level['errors'] or 'none'}")
         finally:
             chan.close()
     finally:
         if server is not None:
             say("stopping server ...")
-            result["server_exit_code"] = server.stop()
-            result["server_log"] = str(server.log_path)
+            run["server_exit_code"] = server.stop()
+            run["server_log"] = str(server.log_path)
+    return run
 
-    one = result["levels"].get("1", {}).get("aggregate_tokens_per_s")
-    many = result["levels"].get("32", {}).get("aggregate_tokens_per_s")
-    speedup = many / one if one and many is not None else None
-    result["speedup_32_vs_1"] = round(speedup, 3) if speedup is not None else None
-    result["goal"] = GOAL
-    result["goal_met"] = bool(speedup is not None and speedup >= GOAL_SPEEDUP
-                              and not result["levels"]["32"]["errors"])
-    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),
-                         "python": platform.python_version(), "grpc": grpc.__version__}
-    result["run_wall_s"] = round(time.perf_counter() - run_started, 3)
-    return result
+
+def _reference_rates(ref: TransformersReference, folder: str, concurrencies: list[int], max_tokens: int,
+                     requests_per_stream: int, say) -> dict[str, dict]:
+    """transformers generate at every level, on the prompts the served level sends."""
+    vocab = _vocab_size(folder)
+    rates = {}
+    for c in concurrencies:
+        rounds = [[_prompt(slot * requests_per_stream + j, vocab) for slot in range(c)]
+                  for j in range(requests_per_stream)]
+        rates[str(c)] = ref.rate(rounds, max_tokens)
+        say(f"  transformers generate, batch {c}: {rates[str(c)]['tokens_per_s']} tok/s")
+    return rates
+
+
+def _add_eta(run: dict, before: dict[str, dict], after: dict[str, dict]) -> None:
+    """Fill each level's reference rate (before and after its server ran, combined) and η_serve."""
+    for c, level in run["levels"].items():
+        theirs = combine_rates(before[c], after[c])
+        level["transformers"] = theirs
+        level["eta_serve"] = eta_serve({c: level["aggregate_tokens_per_s"]}, {c: theirs["tokens_per_s"]})[c]
+        run["eta_serve"][c] = level["eta_serve"]

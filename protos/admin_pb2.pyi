@@ -11,7 +11,14 @@ class RouterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json", "dtype", "device", "threads", "preemptions", "kv_blocks_free", "kv_blocks_total")
+    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json", "dtype", "device", "threads", "preemptions", "kv_blocks_free", "kv_blocks_total", "stage_seconds")
+    class StageSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     LIVE_KV_CACHES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +34,7 @@ class RouterStats(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     live_kv_caches: int
     active_sequences: int
     waiting_requests: int
@@ -42,14 +50,15 @@ class RouterStats(_message.Message):
     preemptions: int
     kv_blocks_free: int
     kv_blocks_total: int
-    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
+    stage_seconds: _containers.ScalarMap[str, float]
+    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ClusterStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ReplicaState(_message.Message):
-    __slots__ = ("actor", "expert", "replica", "node_id", "gpu_ids", "device", "alive", "restoring", "generation", "breaker", "calls", "tokens", "drained", "dtype", "load_bytes", "load_total_bytes", "load_error", "tiers_json")
+    __slots__ = ("actor", "expert", "replica", "node_id", "gpu_ids", "device", "alive", "restoring", "generation", "breaker", "calls", "tokens", "drained", "dtype", "load_bytes", "load_total_bytes", "load_error", "tiers_json", "compute_s")
     ACTOR_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +77,7 @@ class ReplicaState(_message.Message):
     LOAD_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_ERROR_FIELD_NUMBER: _ClassVar[int]
     TIERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     actor: str
     expert: int
     replica: int
@@ -86,7 +96,8 @@ class ReplicaState(_message.Message):
     load_total_bytes: int
     load_error: str
     tiers_json: str
-    def __init__(self, actor: _Optional[str] = ..., expert: _Optional[int] = ..., replica: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., restoring: _Optional[bool] = ..., generation: _Optional[int] = ..., breaker: _Optional[str] = ..., calls: _Optional[int] = ..., tokens: _Optional[int] = ..., drained: _Optional[bool] = ..., dtype: _Optional[str] = ..., load_bytes: _Optional[int] = ..., load_total_bytes: _Optional[int] = ..., load_error: _Optional[str] = ..., tiers_json: _Optional[str] = ...) -> None: ...
+    compute_s: float
+    def __init__(self, actor: _Optional[str] = ..., expert: _Optional[int] = ..., replica: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., alive: _Optional[bool] = ..., restoring: _Optional[bool] = ..., generation: _Optional[int] = ..., breaker: _Optional[str] = ..., calls: _Optional[int] = ..., tokens: _Optional[int] = ..., drained: _Optional[bool] = ..., dtype: _Optional[str] = ..., load_bytes: _Optional[int] = ..., load_total_bytes: _Optional[int] = ..., load_error: _Optional[str] = ..., tiers_json: _Optional[str] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class ShardReplicas(_message.Message):
     __slots__ = ("layer", "expert", "replicas")

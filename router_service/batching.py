@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from ..experts.kv_cache import KVCache, blocks_for
 from ..experts.modeling import MoEDecoder
 from .errors import RequestError
 from .sampling import SamplingParams, sample_next, skip_draws
+from .step_profile import StageClock
 
 
 class QueueFullError(RuntimeError):
@@ -130,6 +132,7 @@ class ContinuousBatcher:
         self.preemptions = 0
         self._admissions = 0
         self.observer = None  # RouterObserver (router_service/observability.py): step spans; None = no tracing
+        self.profile = StageClock()  # stage seconds (router_service/step_profile.py); shared with the router's
 
     # ---- observability ---------------------------------------------------------------------------------------
 
@@ -226,17 +229,22 @@ class ContinuousBatcher:
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
+        profile = self.profile
         while True:
+            began = time.perf_counter()
             self._release_cancelled()
             self._admit()
             if not self._active:
                 self._wakeup.clear()
+                profile.open("loop.idle", began)
                 await self._wakeup.wait()
+                profile.close("loop.idle")
                 continue
             plan = self._plan_step()
             if not plan:
                 continue  # every running sequence was preempted (cannot happen while _check_fits holds)
             batch = [seq for seq, _ in plan]
+            scheduled = profile.since("loop.schedule", began)
             try:
                 logits, routing = await loop.run_in_executor(self._executor, self._forward, plan)
             except Exception as exc:  # an expert failure fails this step's sequences, not the server
@@ -244,6 +252,7 @@ class ContinuousBatcher:
                     seq.events.put_nowait(exc)
                     self._finish(seq)
                 continue
+            forwarded = profile.since("loop.executor", scheduled)
             self.steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             for (seq, n), seq_logits, seq_routing in zip(plan, logits, routing):
@@ -257,6 +266,8 @@ class ContinuousBatcher:
                 except Exception as exc:  # e.g. a failing detokenizer: fail this sequence, keep the loop alive
                     seq.events.put_nowait(exc)
                     self._finish(seq)
+            profile.since("loop.post", forwarded)
+            profile.since("loop.busy", began)
 
     def _release_cancelled(self) -> None:
         for seq in [s for s in self._active if s.cancelled]:
@@ -313,6 +324,7 @@ class ContinuousBatcher:
     def _forward(self, plan: list[tuple[_Sequence, int]]) -> tuple[list[torch.Tensor | None], list[_StepRouting]]:
         """One forward over the step; per sequence, its next-token logits [V] (None: a prompt chunk that is not the
         prompt's last) and what the step routed for its tokens that were not counted before."""
+        started = time.perf_counter()
         batch = [seq for seq, _ in plan]
         lengths = [n for _, n in plan]
         inputs = [seq.next_input[:n] for seq, n in plan]
@@ -323,6 +335,7 @@ class ContinuousBatcher:
                 logits = self.model.forward(inputs, [s.cache for s in batch], logits=wanted)
         else:
             logits = self.model.forward(inputs, [s.cache for s in batch], logits=wanted)
+        self.profile.since("forward.model", started)
         per_seq = [_StepRouting() for _ in batch]
         num_experts = self.model.cfg.num_experts
         # Tokens recomputed after a preemption were counted when first routed: skip them.
@@ -341,6 +354,7 @@ class ContinuousBatcher:
                 per_seq[i].dropped += int((experts < 0).sum())
                 if rerouted is not None:
                     per_seq[i].rerouted += int(rerouted[i][fresh].sum())
+        self.profile.since("forward.thread", started)
         return [x[-1] if w == "last" else None for x, w in zip(logits, wanted)], per_seq
 
     @staticmethod
@@ -359,7 +373,9 @@ class ContinuousBatcher:
             token = req.resumed_ids[-1]
             skip_draws(seq.generator, logits.numel(), len(req.resumed_ids))  # the draws the resumed tokens took
         else:
+            sampled = time.perf_counter()
             token = sample_next(logits, req.sampling, seq.generator)
+            self.profile.since("post.sampling", sampled)
         seq.generated.append(token)
         seq.next_input = torch.tensor([token], dtype=torch.int64)
         finish = None
@@ -367,6 +383,7 @@ class ContinuousBatcher:
             finish = "eos"
         elif token in req.stop_token_ids:
             finish = "stop"
+        decoded = time.perf_counter()
         text, stopped = self._new_text(seq)
         if stopped:
             finish = "stop"
@@ -374,6 +391,7 @@ class ContinuousBatcher:
             finish = "length"
         if finish in ("length", "eos") or (finish == "stop" and not stopped):
             text += self._flush(seq)
+        self.profile.since("post.detokenise", decoded)
         if not replayed:  # a replayed token (and its text) reached the client before the failover
             logprobs = None if req.top_logprobs is None else [token_logprobs(logits, token, req.top_logprobs)]
             seq.events.put_nowait(TokenEvent(token_ids=[token], text=text, logprobs=logprobs))

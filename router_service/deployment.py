@@ -121,6 +121,7 @@ class RouterDeployment:
         decode = self.router.decode if self.router.tokenizer is not None else None
         self.batcher = ContinuousBatcher(self.router.model, decode, self.config.router.batcher)
         self.batcher.observer = self.router.observer
+        self.batcher.profile = self.router.profile
         self.router.observer.batcher_gauges = self._batcher_gauges
         self.model_name = self.config.model.served_name
         self.max_response_bytes = self.config.server.max_response_bytes
@@ -171,10 +172,13 @@ class RouterDeployment:
             # got to it.
             async with contextlib.aclosing(self.batcher.stream(gen_request, span=span)) as events:
                 async for event in events:
+                    converting = time.perf_counter()
                     if isinstance(event, DoneEvent):
-                        yield proto_mapping.done_message(event)
+                        message = proto_mapping.done_message(event)
                     else:
-                        yield proto_mapping.token_message(event)
+                        message = proto_mapping.token_message(event)
+                    self.router.profile.since("serve.emit", converting)
+                    yield message
         except asyncio.CancelledError:
             raise  # client cancel or deadline: closing batcher.stream (above) frees the sequence
         except Exception as exc:
@@ -320,7 +324,7 @@ class RouterDeployment:
             load_json=json.dumps(self.router.load_snapshot()),
             dtype=self.router.dtype_name, device=str(self.router.device), threads=torch.get_num_threads(),
             preemptions=s.get("preemptions", 0), kv_blocks_free=s.get("kv_blocks_free", 0),
-            kv_blocks_total=s.get("kv_blocks_total", 0),
+            kv_blocks_total=s.get("kv_blocks_total", 0), stage_seconds=self.router.profile.snapshot(),
         )
 
     def _batcher_gauges(self) -> dict:
@@ -434,6 +438,7 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
             replica_state.calls = got["calls"]
             replica_state.tokens = got["tokens"]
             replica_state.tiers_json = json.dumps(got["tiers"]) if got.get("tiers") else ""
+            replica_state.compute_s = got.get("compute_s", 0.0)
         state.replicas.append(replica_state)
     for (layer, expert), replicas in sorted(router.table.replicas.items()):
         state.shards.append(admin_pb2.ShardReplicas(layer=layer, expert=expert, replicas=list(replicas)))

@@ -21,6 +21,7 @@ from ..cluster.routing_table import RoutingTable, Shard, split_tokens
 from ..experts.arrays import HostStager, pack
 from ..experts.gating import Routing, degrade
 from .dispatch_plan import ActorCall, add_rows, all_served, combine, plan_calls
+from .step_profile import StageClock
 from .transports.base import Transport
 
 NO_REPLICA_POLICIES = ("wait", "degrade")
@@ -90,6 +91,7 @@ class RemoteExperts:
         # Rows leave the router's device through pinned buffers, one synchronisation per send (tests count them).
         self.stager = HostStager()
         self.round_seconds = 0.0  # wall time spent in expert rounds since creation (benchmarks read it)
+        self.profile = StageClock()  # per-stage seconds (router_service/step_profile.py); the router shares one
         self.retried_calls = 0
         self.degraded_slots = 0
         self.effective: dict[int, Routing] = {}  # layer -> routing actually served (after degrade)
@@ -258,8 +260,10 @@ class RemoteExperts:
             # One bound for the whole layer, however many retries it takes: calls queued on actors that never come
             # up (e.g. restores pending on a full cluster) end in NoReplicaError (UNAVAILABLE), not a hang.
             give_up = self.clock() + max(self.failover.call_timeout_s, self.failover.wait_timeout_s)
+            planning = time.perf_counter()
             served = self._apply_policy(layer, routing, deadline)
             calls = plan_calls(layer, served, self.table, self._replicas_of())
+            self.profile.since("dispatch.plan", planning)
             hints = self._prefetch_hints(layer, hidden, served) if self.prefetcher is not None else None
             handles = self._send(layer, hidden, calls, range(len(calls)), carrier, hints)
         except BaseException:
@@ -269,6 +273,7 @@ class RemoteExperts:
         pending = _PendingLayer(layer, hidden, routing, served, calls, handles, deadline, give_up, carrier, span,
                                 started)
         pending.busy_s = time.perf_counter() - started
+        self.profile.add("dispatch.submit", pending.busy_s)
         self._in_flight.append(pending)
         return pending
 
@@ -286,9 +291,11 @@ class RemoteExperts:
                     # A shard lost its last replica mid-step: route again under the policy (the step is redone,
                     # so its result is still exactly that of the served routing), on a newer table if one retires
                     # the actors that failed.
+                    planning = time.perf_counter()
                     self._apply_staged_while_held()
                     served = self._apply_policy(p.layer, p.routing, p.deadline)
                     calls = plan_calls(p.layer, served, self.table, self._replicas_of())
+                    self.profile.since("dispatch.plan", planning)
                 outputs = self._execute(p.layer, p.hidden, calls, p.give_up, p.carrier,
                                         p.handles if attempt == 0 else None)
                 if outputs is not None:
@@ -298,9 +305,11 @@ class RemoteExperts:
                 self.calls_per_layer[p.layer] = before + len(calls)
             self.effective[p.layer] = served
             self.degraded_slots += served.degraded
+            combining = time.perf_counter()
             if p.hidden.device.type != "cpu":  # outputs arrive in host memory; combine runs where hidden lives
                 outputs = [out.to(p.hidden.device, non_blocking=True) for out in outputs]
             result = combine(p.hidden, served, calls, outputs)
+            self.profile.since("dispatch.combine", combining)
             # Time this thread spent on the round (submit + wait), not the work it did while the round flew.
             self.round_seconds += p.busy_s + time.perf_counter() - waited
             if self.observer is not None:
@@ -309,6 +318,7 @@ class RemoteExperts:
                 p.span.set_attribute("calls", len(calls))
             return result
         finally:
+            self.profile.since("dispatch.wait", waited)
             if p in self._in_flight:
                 self._in_flight.remove(p)
             if p.span is not None:
@@ -352,6 +362,7 @@ class RemoteExperts:
         (refs), otherwise, and for actors without a call, go as `prefetch` calls of their own after the calls."""
         # `trace` only when tracing is on, so a transport without it still works with tracing off.
         extra = {} if trace is None else {"trace": trace}
+        sending = time.perf_counter()
         staged = [self.stager.stage(hidden[calls[i].tokens]) for i in which]  # [n_i, H] each
         self.stager.finish()
         hints = dict(hints or {})
@@ -367,6 +378,7 @@ class RemoteExperts:
             if handle is not None:
                 handle.prefetch.remote(shards)  # fire and forget: a lost hint costs a stall, never a result
                 self.prefetch_calls += 1
+        self.profile.since("dispatch.send", sending)
         return handles
 
     def _prefetch_hints(self, layer: int, hidden: torch.Tensor, served: Routing) -> dict[str, list[Shard]]:
@@ -401,7 +413,9 @@ class RemoteExperts:
             if remaining <= 0:
                 raise NoReplicaError(f"layer {layer}: expert calls did not complete within "
                                      f"{max(self.failover.call_timeout_s, self.failover.wait_timeout_s):.0f}s")
+            gathering = time.perf_counter()
             results = self.transport.gather_settled(handles, min(self.failover.call_timeout_s, remaining))
+            self.profile.since("dispatch.gather", gathering)
             retry: list[int] = []
             for i, result in zip(pending, results):
                 call = calls[i]

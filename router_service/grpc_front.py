@@ -31,6 +31,7 @@ from .continuation import StreamProgress, with_resumable_seed
 from .log_limit import LogRateLimit
 from .malformed_requests import RefuseMalformedRequests
 from .proto_mapping import ApiError
+from .step_profile import StageClock
 
 MAX_DETAILS_CHARS = 1024  # status details travel in a trailer (16 KiB by default); errors already cap echoed input
 # A stream is re-sent at most MAX_RESUMES times, and for at most RESUME_WAIT_S after a failure that no delivered
@@ -95,6 +96,7 @@ class _Forwarder:
         self.auth_token = auth_token
         self.warnings = LogRateLimit()
         self.admin_token = admin_token
+        self.profile = StageClock()  # front.* stages, added to every GetRouterStats reply (step_profile.py)
 
     async def authorize(self, context: grpc.aio.ServicerContext) -> None:
         if self.auth_token is None:
@@ -125,7 +127,10 @@ class _Forwarder:
         if method in DESTRUCTIVE_ADMIN_METHODS:
             await self.authorize_admin(context)
         try:
-            return await getattr(self.unary_handle, method).remote(request)
+            reply = await getattr(self.unary_handle, method).remote(request)
+            if method == "GetRouterStats":
+                reply.stage_seconds.update(self.profile.snapshot())
+            return reply
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -155,8 +160,10 @@ class _Forwarder:
             finished = False
             try:
                 async for message in _first_then_rest(responses, first_wait_s):
+                    relaying = time.perf_counter()
                     await context.write(message)
                     progress.record(message)
+                    self.profile.since("front.relay", relaying)
                 finished = True
                 return
             except Exception as exc:  # (a client cancel or deadline is a CancelledError: straight to the finally)

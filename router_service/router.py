@@ -88,6 +88,10 @@ class Router:
         self.enable_tracing(self.observer.tracer)
         self.backend.observer = self.observer
         self.model.step_observer = self.observer.on_step
+        # One stage clock for the decoder and the dispatcher (and the Serve deployment's batcher): Admin
+        # GetRouterStats reports it (router_service/step_profile.py).
+        self.profile = self.backend.profile
+        self.model.profile = self.profile
         self.observer.start_reporter()
         # Follow the placement the controller publishes (live remap); switches happen between steps.
         self.follower = TableFollower(self.backend, self.observer.router_id).start()

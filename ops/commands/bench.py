@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from .mesh_flags import add_mesh_flags, mesh_config_from_args
 
@@ -34,11 +35,23 @@ def add_parser(sub) -> None:
     overhead.add_argument("--repeats", type=int, default=300)
     _output_flags(overhead)
     serve_bench = bench_sub.add_parser("serve", help="concurrent gRPC streams: tokens/s and inter-token latency")
-    serve_bench.add_argument("--target", help="a running server (default: start one on the embedded model)")
-    serve_bench.add_argument("--model", metavar="DIR", help="checkpoint for the self-started server")
+    serve_bench.add_argument("--target", help="a running server (default: start one per transport)")
+    serve_bench.add_argument("--model", metavar="embedded|mid|DIR",
+                             help="embedded (the bundled model; the default), mid (bench dispatch's hidden-1024 "
+                                  "Mixtral) or a checkpoint folder; with --target, the server's, for the reference")
+    serve_bench.add_argument("--transports", default="refs", help="comma-separated: refs,grpc,compiled; one fresh "
+                             "server each")
     serve_bench.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
     serve_bench.add_argument("--max-tokens", type=int, default=32)
     serve_bench.add_argument("--requests-per-stream", type=int, default=2)
+    serve_bench.add_argument("--no-reference", action="store_true",
+                             help="skip the in-process transformers generate rate (and eta_serve)")
+    serve_bench.add_argument("--reference-threads", type=int, default=1,
+                             help="torch threads of the transformers reference (default 1: steady on a loaded box)")
+    serve_bench.add_argument("--chart", metavar="PNG", help="profile chart (default: next to --out, same name)")
+    serve_bench.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                             help="extra `expertmesh serve` argument for the started servers (repeatable), e.g. "
+                                  "--serve-arg=--overlap")
     _output_flags(serve_bench)
     placement_bench = bench_sub.add_parser("placement", help="placement planner vs greedy replicate-then-pack")
     placement_bench.add_argument("--seed", type=int, default=0)
@@ -91,9 +104,13 @@ def run(args: argparse.Namespace) -> int:
         from ..bench_serve import run_serve_bench
 
         levels = tuple(int(c) for c in args.concurrency.split(","))
+        chart = args.chart or (str(Path(args.out).with_suffix(".png")) if args.out else None)
         result = run_serve_bench(target=args.target, concurrencies=levels, max_tokens=args.max_tokens,
-                                 requests_per_stream=args.requests_per_stream, model_dir=args.model,
-                                 verbose=not args.json)
+                                 requests_per_stream=args.requests_per_stream,
+                                 model_dir=args.model,
+                                 verbose=not args.json, transports=tuple(args.transports.split(",")),
+                                 reference=not args.no_reference, chart=Path(chart) if chart else None,
+                                 serve_args=tuple(args.serve_arg), reference_threads=args.reference_threads)
     elif args.bench == "offload":
         from ..bench_offload import run_offload_bench
 

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
 def status_lines(state) -> list[str]:
     """The text report of an admin_pb2.ClusterState."""
     from ..load_report import control_lines, load_lines
+    from ..serve_profile import status_profile_line
 
     r = state.router
     lines = [
@@ -49,6 +50,9 @@ def status_lines(state) -> list[str]:
         f"router compute: {r.dtype or '?'} on {r.device or '?'}, {r.threads} threads; KV cache "
         f"{r.kv_blocks_free}/{r.kv_blocks_total} blocks free, {r.preemptions} preemptions",
     ]
+    profile = status_profile_line(dict(r.stage_seconds), r.steps)
+    if profile is not None:
+        lines.append(profile)
     lines += load_lines(json.loads(state.load_json) if state.load_json else None)
     lines += control_lines(json.loads(state.control_json) if state.control_json else [], state.requested_gpus)
     lines.append(f"{'actor':<16}{'node':<14}{'gpu':<6}{'device':<8}{'dtype':<10}{'state':<10}{'gen':>4}  "

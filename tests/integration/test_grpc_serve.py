@@ -54,6 +54,19 @@ def test_router_stats_report_the_resolved_dtype_device_and_threads(channel):
     assert (stats.dtype, stats.device, stats.threads) == ("float32", "cpu", 1)
 
 
+def test_router_stats_carry_the_step_profile_stage_clocks(channel):
+    """GetRouterStats reports the stage clocks bench serve's step profile reads: a generation moves the router's
+    (batcher, decoder, dispatcher, Serve emit) and the gRPC front's own."""
+    before = dict(router_stats(channel).stage_seconds)
+    generate(channel, [5, 6, 7], 4)
+    after = router_stats(channel)
+    grew = {k for k, v in after.stage_seconds.items() if v > before.get(k, 0.0)}
+    assert {"loop.busy", "loop.executor", "forward.model", "model.gating", "model.lm_head", "dispatch.send",
+            "dispatch.gather", "dispatch.combine", "post.sampling", "serve.emit", "front.relay"} <= grew, grew
+    stages = after.stage_seconds
+    assert stages["forward.model"] <= stages["loop.executor"] <= stages["loop.busy"]
+
+
 def test_health_reports_serving(channel):
     resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING

@@ -71,6 +71,7 @@ PURE_MODULES = (
     "expertmesh.router_service.openai_requests",  # OpenAI jobs -> GenerationRequests, batcher events -> dicts
     "expertmesh.router_service.sampling",
     "expertmesh.router_service.server_checks",  # TLS pair, host, port: checked before anything starts
+    "expertmesh.router_service.step_profile",  # the stage clocks of a served step
     "expertmesh.router_service.transports",
     "expertmesh.router_service.transports.base",
     # cluster policies and plans
@@ -101,6 +102,7 @@ PURE_MODULES = (
     "expertmesh.ops.load_report",
     "expertmesh.ops.measure",
     "expertmesh.ops.plan_cli",
+    "expertmesh.ops.serve_profile",  # bench serve's step-profile table and eta_serve
 )
 
 # Runs in the fresh interpreter. argv[1]: JSON list of modules, argv[2]: JSON list of FORBIDDEN. Prints one JSON

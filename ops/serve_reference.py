@@ -1,0 +1,53 @@
+"""What `expertmesh bench serve` compares against: `transformers` `generate` in this process, on the same model, the
+same prompts, batch size = stream count, the same number of new tokens (greedy; `min_new_tokens` = `max_new_tokens`,
+so every sequence generates exactly that many, as the served streams do with `ignore_eos`).
+
+One batch per request round of the served level (the served level runs `requests_per_stream` requests one after
+another on each stream), so both sides produce the same number of tokens; the rate is tokens over wall time, and the
+benchmark runs it right before and right after each served level (combine_rates).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class TransformersReference:
+    """The model loaded once (float32, eval) and timed at any batch size."""
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = model_dir
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        config = self.model.config
+        self.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+
+    def _generate(self, prompts: list[list[int]], max_tokens: int) -> int:
+        ids = torch.tensor(prompts, dtype=torch.int64)  # [B, S], equal lengths: no padding
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad_token_id)
+        return int(out.shape[0] * (out.shape[1] - ids.shape[1]))  # tokens generated
+
+    def warm_up(self, prompt: list[int]) -> None:
+        self._generate([prompt], 4)
+
+    def rate(self, rounds: list[list[list[int]]], max_tokens: int) -> dict:
+        """rounds: per request round, the batch's prompts. -> tokens, seconds, tokens/s."""
+        started = time.perf_counter()
+        tokens = sum(self._generate(prompts, max_tokens) for prompts in rounds)
+        wall = time.perf_counter() - started
+        return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 3),
+                "batch": len(rounds[0]), "rounds": len(rounds), "torch_threads": torch.get_num_threads()}
+
+
+def combine_rates(before: dict, after: dict) -> dict:
+    """The reference measured before and after a served level: tokens over time of both, and each run's rate."""
+    tokens, wall = before["tokens"] + after["tokens"], before["wall_s"] + after["wall_s"]
+    return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 3),
+            "before_tokens_per_s": before["tokens_per_s"], "after_tokens_per_s": after["tokens_per_s"],
+            "batch": before["batch"], "rounds": before["rounds"] + after["rounds"],
+            "torch_threads": before["torch_threads"]}
