@@ -225,13 +225,14 @@ def _model_dir(model: str | None, tmp: Path) -> tuple[str, str | None]:
 def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tokens: int = 32,
                     requests_per_stream: int = 2, model_dir: str | None = None, verbose: bool = True,
                     transports=("refs",), reference: bool = True, chart: Path | None = None,
-                    serve_args: tuple[str, ...] = (), reference_threads: int = 1) -> dict:
+                    serve_args: tuple[str, ...] = (), reference_threads: int | None = None) -> dict:
     """Benchmark streaming generation against `target` (host:port), or against one server started here per transport
     when None; beside each level, the in-process `transformers` generate rate at the same batch size (reference) and
     η_serve = ours ÷ theirs, and the step profile from the router's stage clocks. model_dir: "embedded", "mid" or a
     checkpoint folder. chart: where to write the profile chart (PNG), None for none. reference_threads: torch threads
-    of the transformers reference (1: like each of our processes on a small box, and steady under load, where a
-    2-thread OpenMP team spins waiting for a descheduled peer: 14.7 then 1.6 tok/s in two runs a minute apart)."""
+    of the transformers reference; None: torch's default (every core), what a user running transformers here gets.
+    1 is steadier on a loaded box, where a 2-thread OpenMP team spins waiting for a descheduled peer (14.7 then 1.6
+    tok/s in two runs a minute apart), but it handicaps the baseline on a quiet one."""
 
     def say(msg: str) -> None:
         if verbose:
@@ -247,7 +248,9 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
     transports = [target] if target is not None else list(transports)
 
     run_started = time.perf_counter()
-    torch.set_num_threads(reference_threads)
+    if reference_threads is not None:
+        torch.set_num_threads(reference_threads)
+    reference_threads = torch.get_num_threads()
     result: dict = {"benchmark": "serve", "model": None, "target": target, "self_started": target is None,
                     "max_tokens": max_tokens, "requests_per_stream": requests_per_stream,
                     "prompt_tokens": PROMPT_LEN, "concurrencies": concurrencies, "transports": transports,

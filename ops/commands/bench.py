@@ -46,8 +46,9 @@ def add_parser(sub) -> None:
     serve_bench.add_argument("--requests-per-stream", type=int, default=2)
     serve_bench.add_argument("--no-reference", action="store_true",
                              help="skip the in-process transformers generate rate (and eta_serve)")
-    serve_bench.add_argument("--reference-threads", type=int, default=1,
-                             help="torch threads of the transformers reference (default 1: steady on a loaded box)")
+    serve_bench.add_argument("--reference-threads", type=int, default=None,
+                             help="torch threads of the transformers reference (default: torch's, every core; "
+                                  "1 is steadier on a loaded box)")
     serve_bench.add_argument("--chart", metavar="PNG", help="profile chart (default: next to --out, same name)")
     serve_bench.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                              help="extra `expertmesh serve` argument for the started servers (repeatable), e.g. "
