@@ -17,6 +17,7 @@ class PoolSpec:
     actor_shards: dict[str, list[Shard]]  # actor name -> shards it hosts
     tracing: dict | None = None  # TracingConfig fields for the actors (experts/telemetry.py); None = off
     revision: str | None = None  # with a Hub repo id as model_dir (experts/model_source.py)
+    quant: str = "none"  # experts.quant: routed experts stored as "none" (the dtype), "int8" or "int4"
 
     def with_actor_shards(self, actor_shards: Mapping[str, Iterable[Iterable[int]]]) -> PoolSpec:
         """The same pool with another placement; shards may come as JSON lists ([layer, expert]), they are kept as

@@ -34,10 +34,11 @@ def _kv_put(key: bytes, value: bytes) -> None:
 
 class ExpertActor:
     def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "auto", generation: int = 0,
-                 tracing: dict | None = None, metrics: bool = True, revision: str | None = None):
+                 tracing: dict | None = None, metrics: bool = True, revision: str | None = None,
+                 quant: str = "none"):
         """dtype: model.dtype ("auto" or a name), resolved here for this actor's device; revision: with a Hub repo id
         as model_dir; tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
-        expertmesh_expert_seconds through Ray's metrics API."""
+        expertmesh_expert_seconds through Ray's metrics API; quant: experts.quant ("none", "int8", "int4")."""
         self.name = name
         self.generation = generation  # 0 for the first actor of this name; +1 each time it is restored
         self.started = time.time()
@@ -55,11 +56,13 @@ class ExpertActor:
         # Progress (bytes read of bytes to read) goes to Ray's KV store while __init__ runs, for `expertmesh status`.
         reporter = ProgressReporter(name, expert_shard_bytes(reader, shards), _kv_put)
         try:
-            self.shards = load_expert_shards(reader, shards, self.dtype, self.device, on_bytes=reporter.add)
+            self.shards = load_expert_shards(reader, shards, self.dtype, self.device, on_bytes=reporter.add,
+                                             quant=quant)
         except BaseException as exc:
             reporter.finish(error=f"{type(exc).__name__}: {exc}")
             raise
         reporter.finish()
+        self.quant = quant
         self.experts = GroupedExperts(self.shards, self.act)  # a call's experts in grouped matmuls, as the reference
         self.calls = 0
         self.tokens = 0
@@ -123,6 +126,7 @@ class ExpertActor:
             "threads": self.threads,
             "pid": os.getpid(),
             "shards": sorted(self.shards),
+            "quant": self.quant,  # experts.quant: weight_bytes are packed integers + scales when not "none"
             "weight_bytes": sum(w.nbytes() for w in self.shards.values()),
             "calls": self.calls,
             "tokens": self.tokens,

@@ -57,6 +57,9 @@ FLAGS: tuple[Flag, ...] = (
          "GPU the pool may fill (default 0.9)", {"type": float}),
     Flag("--gpu-wait", "experts.gpu_wait_s", "experts", "seconds to wait for the autoscaler to add GPUs the pool is "
          "missing (default 600; 0: stop at once)", {"type": float}),
+    Flag("--expert-quant", "experts.quant", "experts", "store routed experts' weights as int8 (per output channel) "
+         "or int4 (groups of 128 inputs), quantised at load; activations stay in --dtype (README: Quantised "
+         "experts)", {"choices": ("none", "int8", "int4")}),
     Flag("--restore-timeout", "controller.restore_timeout_s", "controller", "seconds a restored actor may take to "
          "load (default 1800)", {"type": float}),
     Flag("--placement", "experts.placement", "experts", "start from a PLACEMENT.json (`expertmesh plan`): one "

@@ -41,6 +41,7 @@ PURE_MODULES = (
     "expertmesh.experts.modeling",
     "expertmesh.experts.mxfp4",
     "expertmesh.experts.norms",
+    "expertmesh.experts.quant",  # int8/int4 expert weights and their packed matmuls (experts.quant)
     "expertmesh.experts.reference",
     "expertmesh.experts.rope",
     "expertmesh.experts.rope_yarn",
