@@ -13,14 +13,16 @@ Scales (and zeros) are stored in the serving dtype, rounded first, and the integ
 values, so what is dequantised is what was quantised against. Quantising works on blocks of rows in float32, so a
 bf16 tensor is never widened whole.
 
-Matmuls, chosen per (device, dtype) and per shape by a probe run once in the process (like grouped_ffn's
-`_grouped_mm_runs`), so every process on one machine makes the same choice and the actors equal the reference bit
-for bit:
-- int8: `torch._weight_int8pack_mm(x, q, s)` where it runs and matches the dequantised product; else
-  F.linear(x, q·s) dequantised per call.
-- int4: on CPU `torch._weight_int4pack_mm_for_cpu` on the weight kept in `_convert_weight_to_int4pack_for_cpu`'s
-  layout (layout "cpu_int4pack"; that kernel needs N a multiple of 16 and whole groups of a size it supports);
-  elsewhere, or where the probe fails, the plain two-per-byte layout ("nibbles") dequantised per call. Moving a
+Matmuls: torch's packed kernel where a probe run once per process (like grouped_ffn's `_grouped_mm_runs`) finds it
+correct and the measurements below find it faster, else F.linear on the weight dequantised per call. The choice
+depends only on device, dtype, shape and a call's row count, so every process on one machine makes the same choice
+for the same rows and the actors equal the reference bit for bit:
+- int8: `torch._weight_int8pack_mm(x, q, s)` for bf16/fp16 activations, on CPU for calls of at most
+  INT8_KERNEL_MAX_ROWS rows (decode); float32 activations, and larger CPU calls, dequantise.
+- int4: for bf16/fp16 on CPU `torch._weight_int4pack_mm_for_cpu` on the weight kept in
+  `_convert_weight_to_int4pack_for_cpu`'s layout (layout "cpu_int4pack"; that kernel needs N a multiple of 16 and
+  whole groups of a size it supports); float32, other devices, or a shape the probe refuses: the plain two-per-byte
+  layout ("nibbles") dequantised per call. Moving a
   "cpu_int4pack" weight off the CPU unpacks it through the kernel's own nibble order, learned by packing index
   patterns (`_cpu_pack_order`), so no second copy of the weight is kept.
 `QuantizedLinear.kernel` names the path a weight takes.
@@ -38,6 +40,15 @@ import torch.nn.functional as F
 QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP = 128
 _ROW_BLOCK = 1024  # rows quantised at a time: bounds the float32 working copy
+
+# When the packed kernels pay, measured on this project's CPU (x86 AVX-512, torch 2.13, one thread, a [5632, 1024]
+# weight; ms for 8 / 128 rows). float32 activations: F.linear 3.0 / 16; int8 kernel 87 / 1740, dequantise-per-call
+# 16 / 40; int4 kernel 187 / 8134, dequantise 145 / 112 -- torch's CPU kernels have no fast float32 path, so float32
+# always dequantises. bfloat16: F.linear 1.5 / 11.5; int8 kernel 2.3 / 59, dequantise 12.7 / 14.3 -- the int8
+# kernel for decode-sized calls only; int4 kernel 1.5 / 47, dequantise 181 / 119 -- the int4 kernel always. The
+# choice depends only on dtype and row count, which a call's rows have in the actor and in the reference alike, so
+# the bits agree.
+INT8_KERNEL_MAX_ROWS = 32
 
 _int8_ok: dict[tuple[str, torch.dtype], bool] = {}
 _int4_cpu_ok: dict[tuple[int, int, int, torch.dtype], bool] = {}
@@ -67,9 +78,13 @@ class QuantizedLinear:
 
     @property
     def kernel(self) -> str:
-        """The matmul this weight takes on its device and dtype."""
+        """The matmul this weight takes on its device and dtype (int8: by the call's row count)."""
         if self.mode == "int8":
-            return "_weight_int8pack_mm" if _int8_runs(self.device, self.dtype) else "dequantize"
+            if not _int8_kernel_dtype(self.device, self.dtype) or not _int8_runs(self.device, self.dtype):
+                return "dequantize"
+            if self.device.type == "cpu":
+                return f"_weight_int8pack_mm up to {INT8_KERNEL_MAX_ROWS} rows, dequantize above"
+            return "_weight_int8pack_mm"
         return "_weight_int4pack_mm_for_cpu" if self.layout == "cpu_int4pack" else "dequantize"
 
     def nbytes(self) -> int:
@@ -95,15 +110,19 @@ class QuantizedLinear:
         if self.mode == "int8":
             return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]  # [N, K]
         q = unpack_nibbles(self._nibbles()).to(dtype)  # [N, K]
-        scale, zero = (self.scales[..., i].t().to(dtype).repeat_interleave(self.group, dim=1)[:, :k]
-                       for i in (0, 1))  # [N, K] each
+        scale, zero = (self.scales[..., i].t().to(dtype) for i in (0, 1))  # [N, G] each
+        if k % self.group == 0:  # whole groups: broadcast, no [N, K] copies of the scales
+            groups = q.view(n, -1, self.group)  # [N, G, group]
+            return ((groups - 8) * scale[..., None] + zero[..., None]).view(n, k)  # [N, K]
+        scale, zero = (t.repeat_interleave(self.group, dim=1)[:, :k] for t in (scale, zero))  # [N, K] each
         return (q - 8) * scale + zero  # [N, K]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias). x: [T, K] -> [T, N]."""
         if x.shape[0] == 0:
             y = x.new_zeros((0, self.shape[0]))
-        elif self.mode == "int8" and x.dtype == self.dtype and _int8_runs(x.device, x.dtype):
+        elif self.mode == "int8" and x.dtype == self.dtype and _int8_kernel_dtype(x.device, x.dtype) and (
+                x.device.type != "cpu" or x.shape[0] <= INT8_KERNEL_MAX_ROWS) and _int8_runs(x.device, x.dtype):
             y = torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)  # [T, N]
         elif self.layout == "cpu_int4pack" and x.dtype == self.dtype:
             y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight, self.group, self.scales)  # [T, N]
@@ -214,7 +233,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def _int4_weight(nibbles: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], group: int) -> QuantizedLinear:
     """The int4 weight in the layout its device's kernel takes (CPU kernel if it runs for this shape), else nibbles."""
     n, k = shape
-    if nibbles.device.type == "cpu" and _int4_cpu_runs(n, k, group, scales.dtype):
+    if nibbles.device.type == "cpu" and scales.dtype != torch.float32 and _int4_cpu_runs(n, k, group, scales.dtype):
         packed = torch._convert_weight_to_int4pack_for_cpu(unpack_nibbles(nibbles).to(torch.int32), 1)  # [N, K/2]
         return QuantizedLinear("int4", shape, packed, scales, group, "cpu_int4pack")
     return QuantizedLinear("int4", shape, nibbles, scales, group, "nibbles")
@@ -223,6 +242,11 @@ def _int4_weight(nibbles: torch.Tensor, scales: torch.Tensor, shape: tuple[int, 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     tol = 1e-4 if got.dtype == torch.float32 else 3e-2
     return bool((got.float() - want).abs().max() <= tol * max(1.0, float(want.abs().max())))
+
+
+def _int8_kernel_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """float32 on CPU dequantises (see INT8_KERNEL_MAX_ROWS)."""
+    return not (device.type == "cpu" and dtype == torch.float32)
 
 
 def _int8_runs(device: torch.device, dtype: torch.dtype) -> bool:

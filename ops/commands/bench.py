@@ -1,4 +1,5 @@
-"""`expertmesh bench dispatch|serve|placement|observability|chunked`: benchmarks, each printing one JSON object."""
+"""`expertmesh bench dispatch|serve|placement|observability|chunked|quant`: benchmarks, each printing one JSON
+object."""
 
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ def add_parser(sub) -> None:
     chunked.add_argument("--streams", type=int, default=8)
     chunked.add_argument("--chunks", default="64,256", help="comma-separated max_prefill_tokens to try")
     _output_flags(chunked)
+    quant = bench_sub.add_parser("quant", help="quantised experts (experts.quant) per mode: held-out perplexity, "
+                                 "max |Δlogit|, expert bytes, decode/prefill expert-compute time (in process)")
+    quant.add_argument("--model", metavar="DIR", help="checkpoint with a tokenizer (default: the embedded model)")
+    quant.add_argument("--tokens", type=int, default=8192, help="held-out tokens scored per mode")
+    quant.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                       help="serving dtype of the dense model, the activations and mode none")
+    quant.add_argument("--repeats", type=int, default=5, help="timing: best of this many")
+    quant.add_argument("--threads", type=int, default=1, help="torch threads (one expert actor's CPUs)")
+    _output_flags(quant)
     obs_bench = bench_sub.add_parser("observability", help="cost of load statistics and tracing per layer and step")
     obs_bench.add_argument("--sequences", type=int, default=32, help="sequences in the decode step")
     _output_flags(obs_bench)
@@ -85,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
         result = run_serve_bench(target=args.target, concurrencies=levels, max_tokens=args.max_tokens,
                                  requests_per_stream=args.requests_per_stream, model_dir=args.model,
                                  verbose=not args.json)
+    elif args.bench == "quant":
+        from ..bench_quant import run_quant_bench
+
+        result = run_quant_bench(args.model, tokens=args.tokens, dtype=args.dtype, repeats=args.repeats,
+                                 threads=args.threads, verbose=not args.json)
     elif args.bench == "observability":
         from ..bench_observability import run_observability_bench
 

@@ -98,6 +98,7 @@ PURE_MODULES = (
     "expertmesh.ops.drill.report",
     "expertmesh.ops.load_report",
     "expertmesh.ops.measure",
+    "expertmesh.ops.perplexity",  # held_out_perplexity: benchmarks and drills score with it
     "expertmesh.ops.plan_cli",
 )
 
