@@ -1,4 +1,4 @@
-"""experts.quant through the load path of every checkpoint kind (per-expert, stacked, gpt-oss's biased clamped
+"""experts.quant through the load path of every checkpoint kind (per-expert, stacked (gpt-oss), gpt-oss's biased clamped
 experts, MXFP4 and FP8 checkpoints: dequantised as today, then quantised): the routed experts come out quantised,
 smaller, and the model's logits move by a bounded amount, never zero (so the quantised path really ran). Run with -s
 it prints max |Δlogit| per fixture and mode (the README's "Quantised experts" table)."""
@@ -26,7 +26,6 @@ BOUND = {"int8": 0.05, "int4": 1.5}
 def folders(checkpoints, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("quant_models")
     out = {name: checkpoints[name] for name in ("mixtral", "qwen2_moe", "olmoe")}
-    out["mixtral_fused"] = write_hf_checkpoint("mixtral", root / "mixtral_fused", seed=5, fused=True)
     out["gpt_oss"] = write_hf_checkpoint("gpt_oss", root / "gpt_oss", seed=6)
     out["gpt_oss_mxfp4"] = write_mxfp4_gpt_oss(out["gpt_oss"], root / "gpt_oss_mxfp4")
     out["deepseek_v3_fp8"] = write_deepseek_checkpoint("deepseek_v3", root / "deepseek_fp8", seed=7,
@@ -40,8 +39,7 @@ def _sequences() -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "mixtral_fused", "gpt_oss", "gpt_oss_mxfp4",
-                                  "deepseek_v3_fp8"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "gpt_oss", "gpt_oss_mxfp4", "deepseek_v3_fp8"])
 def test_quantised_experts_load_smaller_and_move_logits_a_bounded_amount(folders, name, mode):
     reader = CheckpointReader(folders[name])
     shards = all_shards(reader)[:3]
