@@ -29,4 +29,4 @@ def start_expert_actor(slot: ActorSlot, spec: PoolSpec, *, detached: bool, reuse
         scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node_id, soft=soft_affinity),
         lifetime="detached" if detached else None, get_if_exists=reuse,
     ).remote(slot.name, spec.model_dir, shards, spec.dtype, generation, tracing=spec.tracing,
-             revision=spec.revision, memory_gb=spec.memory_gb)
+             revision=spec.revision, memory_gb=spec.memory_gb, quant=spec.quant)

@@ -41,11 +41,11 @@ def _kv_put(key: bytes, value: bytes) -> None:
 class ExpertActor:
     def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "auto", generation: int = 0,
                  tracing: dict | None = None, metrics: bool = True, revision: str | None = None,
-                 memory_gb: float | None = None):
+                 memory_gb: float | None = None, quant: str = "none"):
         """dtype: model.dtype ("auto" or a name), resolved here for this actor's device; revision: with a Hub repo id
         as model_dir; tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
         expertmesh_expert_seconds (and the tier counters) through Ray's metrics API; memory_gb: device budget for
-        this actor's expert weights (None: every shard resident)."""
+        this actor's expert weights (None: every shard resident); quant: experts.quant ("none", "int8", "int4")."""
         self.name = name
         self.generation = generation  # 0 for the first actor of this name; +1 each time it is restored
         self.started = time.time()
@@ -68,15 +68,17 @@ class ExpertActor:
         self.tiers: TierStore | None = None
         try:
             if memory_gb is None:
-                self.shards = load_expert_shards(reader, shards, self.dtype, self.device, on_bytes=reporter.add)
+                self.shards = load_expert_shards(reader, shards, self.dtype, self.device, on_bytes=reporter.add,
+                                                 quant=quant)
             else:
-                self.tiers = TierStore(shards, self._lower_tier(reader, shards), int(memory_gb * GIB))
+                self.tiers = TierStore(shards, self._lower_tier(reader, shards, quant), int(memory_gb * GIB))
                 self.tiers.preload(on_bytes=reporter.add)
                 self.shards = {}
         except BaseException as exc:
             reporter.finish(error=f"{type(exc).__name__}: {exc}")
             raise
         reporter.finish()
+        self.quant = quant
         self.hosted = sorted(shards)
         # A call's experts in grouped matmuls, as the reference (with tiers: expert by expert, see the docstring).
         self.experts = GroupedExperts(self.shards, self.act) if self.tiers is None else None
@@ -89,11 +91,12 @@ class ExpertActor:
         self._grpc = None  # the gRPC transport server, started on first `grpc_address`
         self._warm_up()
 
-    def _lower_tier(self, reader, shards: list[Shard]):
-        """Where shards beyond the budget wait: host memory (pinned) under a GPU, the mapped checkpoint on a CPU."""
+    def _lower_tier(self, reader, shards: list[Shard], quant: str):
+        """Where shards beyond the budget wait: host memory (pinned) under a GPU, the mapped checkpoint on a CPU
+        (quantised as they are read, exactly as an all-resident actor loads them)."""
         if self.device.type != "cuda":
-            return DiskTier(reader, self.dtype, self.device)
-        host = load_expert_shards(reader, shards, self.dtype, "cpu")
+            return DiskTier(reader, self.dtype, self.device, quant)
+        host = load_expert_shards(reader, shards, self.dtype, "cpu", quant=quant)
         return HostTier({s: pinned_copy(w) for s, w in host.items()}, self.device)
 
     def _warm_up(self) -> None:
@@ -167,6 +170,7 @@ class ExpertActor:
             "threads": self.threads,
             "pid": os.getpid(),
             "shards": self.hosted,
+            "quant": self.quant,  # experts.quant: weight_bytes are packed integers + scales when not "none"
             "weight_bytes": (sum(w.nbytes() for w in self.shards.values()) if self.tiers is None
                              else self.tiers.resident_bytes()),
             "calls": self.calls,

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .quant import QuantizedLinear, linear, tensor_nbytes
+
 
 def activation(name: str):
     """The gate activation named by `hidden_act` in config.json."""
@@ -27,10 +29,13 @@ class GatedMLPWeights:
     """One gated MLP. gate and up are fused so an expert costs two matmuls, not three.
 
     kind "gated": down(act(gate) * up). kind "clamped_swiglu" (gpt-oss): gate clamped to ≤ limit, up to ±limit,
-    down(gate·σ(alpha·gate)·(up + 1)); `act` is not used. Biases are optional (gpt-oss has them)."""
+    down(gate·σ(alpha·gate)·(up + 1)); `act` is not used. Biases are optional (gpt-oss has them).
 
-    gate_up: torch.Tensor  # [2I, H]: the I gate rows, then the I up rows
-    down: torch.Tensor  # [H, I]
+    gate_up and down are tensors, or QuantizedLinear (experts/quant.py, `experts.quant`) of the same [out, in]
+    shape; `.to` and `.nbytes` cover both (a quantised weight's bytes are its packed integers plus scales)."""
+
+    gate_up: torch.Tensor | QuantizedLinear  # [2I, H]: the I gate rows, then the I up rows
+    down: torch.Tensor | QuantizedLinear  # [H, I]
     gate_up_bias: torch.Tensor | None = None  # [2I]
     down_bias: torch.Tensor | None = None  # [H]
     kind: str = "gated"
@@ -49,8 +54,12 @@ class GatedMLPWeights:
                                    gate_up_bias=move(self.gate_up_bias), down_bias=move(self.down_bias))
 
     def nbytes(self) -> int:
-        parts = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return sum(tensor_nbytes(t) for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias))
+
+    @property
+    def quant(self) -> str:
+        """The experts.quant mode its matrices are stored in ("none": plain tensors)."""
+        return self.gate_up.mode if isinstance(self.gate_up, QuantizedLinear) else "none"
 
 
 # at::internal::GRAIN_SIZE: torch runs a CPU elementwise op of fewer elements on one thread.
@@ -60,11 +69,11 @@ PARALLEL_GRAIN = 32768
 def gated_mlp(x: torch.Tensor, w: GatedMLPWeights, act) -> torch.Tensor:
     """down(act(gate(x)) * up(x)), or gpt-oss's clamped SwiGLU for kind "clamped_swiglu".  x: [T, H] -> [T, H]."""
     if w.kind == "clamped_swiglu":
-        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
+        gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
         gate = gate.clamp(max=w.limit)
         up = up.clamp(min=-w.limit, max=w.limit)
-        return F.linear((up + 1) * (gate * torch.sigmoid(gate * w.alpha)), w.down, w.down_bias)  # [T, H]
-    return F.linear(gated_activation(F.linear(x, w.gate_up, w.gate_up_bias), act), w.down, w.down_bias)  # [T, H]
+        return linear((up + 1) * (gate * torch.sigmoid(gate * w.alpha)), w.down, w.down_bias)  # [T, H]
+    return linear(gated_activation(linear(x, w.gate_up, w.gate_up_bias), act), w.down, w.down_bias)  # [T, H]
 
 
 def gated_activation(h: torch.Tensor, act) -> torch.Tensor:

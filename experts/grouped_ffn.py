@@ -53,11 +53,12 @@ class GroupedExperts:
     def __init__(self, shards: dict[Shard, GatedMLPWeights], act: Callable[[torch.Tensor], torch.Tensor]):
         self.act = act
         self.layers: dict[int, LayerStack] = {}
-        # gpt-oss's experts (biases, clamped SwiGLU) are not the plain gated MLP the grouped kernels compute: those
-        # run one matmul pair per expert (the same function the reference uses, so the bits still agree).
+        # gpt-oss's experts (biases, clamped SwiGLU) are not the plain gated MLP the grouped kernels compute, and
+        # quantised experts (experts/quant.py) have no grouped kernel: those run one matmul pair per expert (the
+        # same function the reference uses, so the bits still agree).
         self.shards = shards
         self.grouped = all(w.kind == "gated" and w.gate_up_bias is None and w.down_bias is None
-                           for w in shards.values())
+                           and w.quant == "none" for w in shards.values())
         for layer in sorted({layer for layer, _ in shards}) if self.grouped else ():
             experts = sorted(e for lyr, e in shards if lyr == layer)
             gate_up = torch.stack([shards[(layer, e)].gate_up for e in experts])  # [E_local, 2I, H]

@@ -53,9 +53,11 @@ def all_shards(reader: CheckpointReader) -> list[Shard]:
 
 def load_reference_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, capacity_factor: float | None = None,
-    overlap: bool = False,
+    overlap: bool = False, quant: str = "none",
 ) -> MoEDecoder:
+    """quant: experts.quant of the routed experts ("none", "int8", "int4"), loaded as the actors load them."""
     reader = CheckpointReader(model_dir)
     dense = load_dense_weights(reader, dtype)
-    experts = LocalExperts(load_expert_shards(reader, all_shards(reader), dtype), reader.config.hidden_act)
+    experts = LocalExperts(load_expert_shards(reader, all_shards(reader), dtype, quant=quant),
+                           reader.config.hidden_act)
     return MoEDecoder(reader.config, dense, experts, capacity_factor=capacity_factor, overlap=overlap)

@@ -33,17 +33,15 @@ GIB = 1 << 30
 class DiskTier:
     """Shards read from the checkpoint on demand (safetensors maps the file; a read copies the shard's bytes out of
     the mapping, cast once to `dtype`, onto `device`), exactly as the all-resident actor loads them, so the weights
-    are bit-identical. prepare: applied to each shard after reading (e.g. quantisation at load)."""
+    are bit-identical. quant: experts.quant, applied as each shard is read (as the all-resident load does)."""
 
     name = "disk"
 
-    def __init__(self, reader, dtype: torch.dtype, device: torch.device,
-                 prepare: Callable[[object], object] | None = None):
-        self.reader, self.dtype, self.device, self.prepare = reader, dtype, device, prepare
+    def __init__(self, reader, dtype: torch.dtype, device: torch.device, quant: str = "none"):
+        self.reader, self.dtype, self.device, self.quant = reader, dtype, device, quant
 
     def fetch(self, shard: Shard):
-        weights = load_expert_shards(self.reader, [shard], self.dtype, self.device)[shard]
-        return weights if self.prepare is None else self.prepare(weights)
+        return load_expert_shards(self.reader, [shard], self.dtype, self.device, quant=self.quant)[shard]
 
 
 class HostTier:

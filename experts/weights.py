@@ -33,6 +33,7 @@ from .errors import CheckpointError
 from .ffn import GatedMLPWeights
 from .fp8 import read_weights, scale_names
 from .mxfp4 import dequantize as dequantize_mxfp4
+from .quant import quantize_mlp
 
 Shard = tuple[int, int]  # (layer, expert)
 
@@ -168,15 +169,22 @@ def load_expert_shards(
     device: str | torch.device = "cpu",
     progress: str | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    quant: str = "none",
 ) -> dict[Shard, GatedMLPWeights]:
     """Read exactly the tensors (or stacked rows) of `shards`, nothing else, in their stored dtype, straight onto
-    `device`, cast each once to `dtype`, and fuse each shard's into GatedMLPWeights there. on_bytes: progress."""
+    `device`, cast each once to `dtype`, and fuse each shard's into GatedMLPWeights there. on_bytes: progress.
+
+    quant (experts.quant): "int8" / "int4" quantise each shard's fused matrices once, as the shard is built, from
+    the tensors as loaded (FP8 and MXFP4 checkpoints: their dequantised `dtype` values; experts/quant.py), and the
+    float copy is dropped; "none" keeps them in `dtype`."""
     cfg = reader.config
     layout = _layout_of(reader)
     if layout != PER_EXPERT:
         out = _load_stacked_shards(reader, shards, layout, dtype, device, progress)
         if on_bytes is not None:
             on_bytes(sum(w.nbytes() for w in out.values()))  # stacked rows: reported once, at the end
+        for shard in out:
+            out[shard] = quantize_mlp(out[shard], quant)
         return out
     tensors = _cast_each(read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress,
                                       on_bytes=on_bytes, device=device), dtype, device)
@@ -185,7 +193,7 @@ def load_expert_shards(
         names = expert_tensor_names(cfg, layer, expert)
         # pop: a shard's parts are dropped as soon as they are fused, so the device holds each weight once (+ a shard)
         parts = {role: tensors.pop(name) for role, (name, _) in names.items()}
-        out[(layer, expert)] = GatedMLPWeights.from_parts(**parts)
+        out[(layer, expert)] = quantize_mlp(GatedMLPWeights.from_parts(**parts), quant)
     return out
 
 

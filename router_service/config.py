@@ -36,6 +36,7 @@ from ..experts.dtypes import DTYPE_CHOICES
 from ..experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ..experts.errors import ConfigError
 from ..experts.model_source import fetch_checkpoint, is_repo_id, source_problem
+from ..experts.quant import QUANT_MODES
 from ..experts.tracing_config import TracingConfig
 from .batching import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
@@ -133,6 +134,9 @@ class ExpertsConfig:
     gpu_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     gpu_wait_s: float = 600.0
+    # Routed experts' weights: "none" in model.dtype; "int8" per output channel or "int4" in groups of 128 inputs,
+    # quantised as each actor loads them, activations in model.dtype (experts/quant.py; README: Quantised experts).
+    quant: str = "none"
     # Memory tiers (README: Offload): each actor's device budget for expert weights in GiB; shards beyond it wait
     # in host memory (GPU) or the memory-mapped checkpoint (CPU) and are loaded on demand. None: all resident.
     memory_gb: float | None = None
@@ -161,6 +165,8 @@ class ExpertsConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.gpu_wait_s >= 0:
             raise ValueError(f"gpu_wait_s: must be ≥ 0, got {self.gpu_wait_s}")
+        if self.quant not in QUANT_MODES:
+            raise ValueError(f"quant: must be one of {QUANT_MODES}, got {self.quant!r}")
         if self.placement is not None and not Path(self.placement).is_file():
             raise ValueError(f"placement: {self.placement} is not a file")
         if self.memory_gb is not None and not (self.memory_gb > 0 and math.isfinite(self.memory_gb)):

@@ -55,9 +55,9 @@ CONTROLLER_ASK_S = 2.0  # the controller's liveness view, or the router's own wi
 
 def pool_spec_from_dict(pool: dict) -> PoolSpec:
     """A PoolSpec from the plain dict Serve ships to a router replica (shards as lists after a YAML/JSON trip)."""
-    return PoolSpec(model_dir=pool["model_dir"], dtype=pool["dtype"], actor_shards={}, revision=pool.get("revision"),
-                    tracing=pool.get("tracing"),
-                    memory_gb=pool.get("memory_gb")).with_actor_shards(pool["actor_shards"])
+    spec = PoolSpec(model_dir=pool["model_dir"], dtype=pool["dtype"], actor_shards={}, revision=pool.get("revision"),
+                    tracing=pool.get("tracing"), memory_gb=pool.get("memory_gb"), quant=pool.get("quant", "none"))
+    return spec.with_actor_shards(pool["actor_shards"])
 
 
 def _set_status(grpc_context, error: ApiError, method: str = "request") -> ApiError:

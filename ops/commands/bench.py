@@ -1,4 +1,5 @@
-"""`expertmesh bench dispatch|serve|placement|observability|chunked|offload`: benchmarks, one JSON object each."""
+"""`expertmesh bench dispatch|serve|placement|observability|chunked|offload|quant`: benchmarks, each printing one
+JSON object."""
 
 from __future__ import annotations
 
@@ -76,6 +77,15 @@ def add_parser(sub) -> None:
     offload.add_argument("--quant", default="none", help="comma-separated expert quantisation modes (experts.quant)")
     add_mesh_flags(offload, ("ray", "router"))
     _output_flags(offload)
+    quant = bench_sub.add_parser("quant", help="quantised experts (experts.quant) per mode: held-out perplexity, "
+                                 "max |Δlogit|, expert bytes, decode/prefill expert-compute time (in process)")
+    quant.add_argument("--model", metavar="DIR", help="checkpoint with a tokenizer (default: the embedded model)")
+    quant.add_argument("--tokens", type=int, default=8192, help="held-out tokens scored per mode")
+    quant.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                       help="serving dtype of the dense model, the activations and mode none")
+    quant.add_argument("--repeats", type=int, default=5, help="timing: best of this many")
+    quant.add_argument("--threads", type=int, default=1, help="torch threads (one expert actor's CPUs)")
+    _output_flags(quant)
     obs_bench = bench_sub.add_parser("observability", help="cost of load statistics and tracing per layer and step")
     obs_bench.add_argument("--sequences", type=int, default=32, help="sequences in the decode step")
     _output_flags(obs_bench)
@@ -119,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
                                    tuple(args.prefetch_modes.split(",")), layers=args.layers,
                                    quant=tuple(args.quant.split(",")), verbose=not args.json,
                                    config=mesh_config_from_args(args))
+    elif args.bench == "quant":
+        from ..bench_quant import run_quant_bench
+
+        result = run_quant_bench(args.model, tokens=args.tokens, dtype=args.dtype, repeats=args.repeats,
+                                 threads=args.threads, verbose=not args.json)
     elif args.bench == "observability":
         from ..bench_observability import run_observability_bench
 

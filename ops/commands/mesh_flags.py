@@ -64,6 +64,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--prefetch", "experts.prefetch", "experts", "load the next layer's predicted experts while the current "
          "one computes: gate | history | off (default auto: gate with --expert-memory-gb)",
          {"choices": PREFETCH_SETTINGS}),
+    Flag("--expert-quant", "experts.quant", "experts", "store routed experts' weights as int8 (per output channel) "
+         "or int4 (groups of 128 inputs), quantised at load; activations stay in --dtype (README: Quantised "
+         "experts)", {"choices": ("none", "int8", "int4")}),
     Flag("--restore-timeout", "controller.restore_timeout_s", "controller", "seconds a restored actor may take to "
          "load (default 1800)", {"type": float}),
     Flag("--placement", "experts.placement", "experts", "start from a PLACEMENT.json (`expertmesh plan`): one "

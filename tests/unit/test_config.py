@@ -77,6 +77,7 @@ def test_bad_plain_data_is_refused_naming_the_field(data, field):
     ({"ray.address": "10.0.0.1:6379", "ray.num_cpus": 2}, "ray.num_cpus"),
     ({"experts.replicas_per_expert": 0}, "experts.replicas_per_expert"),
     ({"experts.placement": "/nonexistent.json"}, "experts.placement"),
+    ({"experts.quant": "int3"}, "experts.quant"),
     ({"router.transport": "carrier-pigeon"}, "router.transport"),
     ({"router.capacity_factor": float("inf")}, "router.capacity_factor"),
     ({"router.overlap": True, "router.capacity_factor": 1.0}, "router.overlap"),
@@ -177,6 +178,12 @@ def test_flags_override_the_config_file_which_overrides_defaults(tmp_path):
     drill_defaults = MeshConfig().replace(**{"experts.replicas_per_expert": 2})
     assert parse(defaults=drill_defaults) == drill_defaults  # a command's own defaults, when no file is given
     assert parse("--config", str(path), defaults=drill_defaults).experts.replicas_per_expert == 3
+
+
+def test_expert_quant_flag_reaches_the_pool_spec_field():
+    config = parse("--expert-quant", "int4")
+    assert config.experts.quant == "int4" and MeshConfig().experts.quant == "none"
+    assert MeshConfig.from_dict(config.to_dict()) == config
 
 
 def test_elastic_flags_build_the_elastic_section_and_need_elastic():

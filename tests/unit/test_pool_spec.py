@@ -9,12 +9,13 @@ from expertmesh.cluster.pool_spec import PoolSpec
 
 
 def test_with_actor_shards_takes_json_lists_and_keeps_the_rest():
-    spec = PoolSpec("/m", "bfloat16", {"a": [(0, 1)]}, tracing={"exporter": "console"})
+    spec = PoolSpec("/m", "bfloat16", {"a": [(0, 1)]}, tracing={"exporter": "console"}, quant="int4")
     published = json.loads(json.dumps({"a": [[0, 1]], "b": [[1, 2], [3, 4]]}))  # as read back from the table store
     moved = spec.with_actor_shards(published)
     assert moved.actor_shards == {"a": [(0, 1)], "b": [(1, 2), (3, 4)]}
     assert all(type(s) is tuple for shards in moved.actor_shards.values() for s in shards)
-    assert (moved.model_dir, moved.dtype, moved.tracing) == ("/m", "bfloat16", {"exporter": "console"})
+    assert (moved.model_dir, moved.dtype, moved.tracing, moved.quant) == ("/m", "bfloat16", {"exporter": "console"},
+                                                                          "int4")
     assert spec.actor_shards == {"a": [(0, 1)]}  # the original is unchanged
 
 

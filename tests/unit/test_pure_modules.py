@@ -41,6 +41,7 @@ PURE_MODULES = (
     "expertmesh.experts.modeling",
     "expertmesh.experts.mxfp4",
     "expertmesh.experts.norms",
+    "expertmesh.experts.quant",  # int8/int4 expert weights and their packed matmuls (experts.quant)
     "expertmesh.experts.reference",
     "expertmesh.experts.residency_policy",  # which expert shards stay in an actor's device tier (fake clock)
     "expertmesh.experts.rope",
@@ -101,6 +102,7 @@ PURE_MODULES = (
     "expertmesh.ops.drill.report",
     "expertmesh.ops.load_report",
     "expertmesh.ops.measure",
+    "expertmesh.ops.perplexity",  # held_out_perplexity: benchmarks and drills score with it
     "expertmesh.ops.plan_cli",
     "expertmesh.ops.serve_profile",  # bench serve's step-profile table and eta_serve
 )

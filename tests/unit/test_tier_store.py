@@ -89,6 +89,27 @@ def test_offloaded_calls_equal_the_all_resident_grouped_compute(reader):
     assert stats["hits"] + stats["misses"] == 3 * LAYERS * 2 and stats["stall_s"] > 0 and stats["over_budget"] == 0
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_offloaded_quantised_calls_equal_the_all_resident_quantised_compute(reader, quant):
+    """Offload and quantisation together: the disk tier quantises each shard as it reads it, exactly as the
+    all-resident load does, so calls over the tiers equal the all-resident quantised compute bit for bit, and a
+    resident shard costs its packed bytes."""
+    resident = load_expert_shards(reader, _all_shards(), quant=quant)
+    grouped = GroupedExperts(dict(resident), SILU)
+    shard_bytes = resident[(0, 0)].nbytes()
+    assert shard_bytes < _shard_bytes(reader) / 2
+    store = TierStore(_all_shards(), DiskTier(reader, torch.float32, torch.device("cpu"), quant), 3 * shard_bytes)
+    gen = torch.Generator().manual_seed(1)
+    for layer in [0, 1, 2, 0, 2]:
+        experts, counts = [1, 3], torch.randint(1, 5, (2,), generator=gen).tolist()
+        x = torch.randn(sum(counts), 32, generator=gen)  # [N, H]
+        weights = store.acquire(layer, experts)
+        got = torch.cat([gated_mlp(rows, w, SILU) for w, rows in zip(weights, x.split(counts))])  # [N, H]
+        store.release(layer, experts)
+        assert torch.equal(got, grouped.run(layer, experts, counts, x)), layer
+    assert store.stats()["misses"] > 0 and store.resident_bytes() <= 3 * shard_bytes
+
+
 def test_preload_fills_the_budget_and_hits_count(reader):
     store = _store(reader, shards_resident=2)
     store.preload()
