@@ -223,3 +223,78 @@ def test_distributed_with_shedding_equals_reference_with_the_same_decisions(chec
         replayed = replay.last_trace.routings[layer]
         assert served.shed == replayed.shed
         assert torch.equal(served.experts, replayed.experts) and torch.equal(served.weights, replayed.weights)
+
+
+def _shedding_model(checkpoints, window_s: float = 0.0):
+    from expertmesh.experts.modeling import MoEDecoder
+    from tests.fakes import FailingInProcessTransport
+
+    reference = load_reference_model(checkpoints["mixtral"])
+    cfg, local = reference.cfg, reference.experts
+    layout = {f"e{e}": [(layer, e) for layer in cfg.moe_layers] for e in range(cfg.num_experts)}
+    transport = FailingInProcessTransport(local.shards, local.act, {name: object() for name in layout})
+    shed = ShedConfig(enabled=True, replica_tokens_per_step=2, window_s=window_s)
+    backend = RemoteExperts(RoutingTable.from_actor_shards(layout), transport, FailoverConfig(shed=shed))
+    return MoEDecoder(cfg, reference.w, backend), backend
+
+
+def test_shed_slots_are_counted_per_response_in_grpc_and_openai(checkpoints):
+    import asyncio
+
+    from expertmesh.router_service.batching import ContinuousBatcher, DoneEvent, GenerationRequest
+    from expertmesh.router_service.openai_api import routing_extension
+    from expertmesh.router_service.openai_requests import event_dict
+    from expertmesh.router_service.proto_mapping import done_message
+
+    model, backend = _shedding_model(checkpoints)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, VOCAB, (12,), generator=gen).tolist()
+
+    async def main():
+        events = [e async for e in ContinuousBatcher(model, None).stream(
+            GenerationRequest(prompt_ids=prompt, max_tokens=4))]
+        return events[-1]
+
+    done = asyncio.run(asyncio.wait_for(main(), 30))
+    assert isinstance(done, DoneEvent)
+    assert done.shed == backend.shed_slots > 0  # one request: every shed slot of the run is its own
+    assert done_message(done).done.routing.shed_tokens == done.shed
+    summary = routing_extension(event_dict(done, str)["done"])["routing"]
+    assert (summary["shed_tokens"], summary["dropped_tokens"], summary["degraded_tokens"]) == (done.shed, 0, 0)
+
+
+def test_shed_metrics_counter_and_gauges(monkeypatch):
+    import numpy as np
+
+    from expertmesh.router_service import metrics
+    from expertmesh.router_service.observability_config import MetricsConfig
+
+    class Fake:
+        def __init__(self, spec):
+            self.values = {}
+
+        def inc(self, value, tags=None):
+            key = tuple(sorted((tags or {}).items()))
+            self.values[key] = self.values.get(key, 0.0) + value
+
+        def set(self, value, tags=None):
+            self.values[tuple(sorted((tags or {}).items()))] = value
+
+        def observe(self, value, tags=None):
+            pass
+
+    monkeypatch.setattr(metrics, "_make", Fake)
+    policy = ShedPolicy(ShedConfig(enabled=True, replica_tokens_per_step=10, window_s=0), E)
+    policy.observe(0, 0.0, _load(20), ONE_REPLICA)
+    for per_shard in (True, False):
+        m = metrics.RouterMetrics([0], E, MetricsConfig(per_shard_labels=per_shard))
+        m.record_layer(0, np.array([10, 4, 4, 2]), [], 0.01, shed=10)
+        m.flush(m.shed_gauges(policy))
+        assert m.m["expertmesh_shed_tokens"].values == {(("layer", "0"),): 10.0}
+        util, shedding = m.m["expertmesh_shard_utilization"].values, m.m["expertmesh_shedding"].values
+        if per_shard:
+            assert util[(("expert", "0"), ("layer", "0"))] == 2.0 and util[(("expert", "1"), ("layer", "0"))] == 0.2
+            assert [shedding[(("expert", str(e)), ("layer", "0"))] for e in range(E)] == [1.0, 0.0, 0.0, 0.0]
+        else:
+            assert util == {(("expert", "all"), ("layer", "0")): 2.0}
+            assert shedding == {(("expert", "all"), ("layer", "0")): 1.0}
