@@ -256,20 +256,27 @@ def move_slots(routing: Routing, move: torch.Tensor, available: torch.Tensor, re
     "degraded" (no live replica) or "shed" (overload shedding) names the per-token counter the moves are added to."""
     assert routing.probs is not None, "moving slots needs the gate probabilities"
     assert reason in ("degraded", "shed"), f"unknown reason {reason!r}"
-    experts = routing.experts.clone()  # [T, k]
     ranking = routing.probs if routing.selection is None else routing.selection
-    rows = torch.nonzero(move.any(dim=1)).flatten()  # tokens with a slot to move
-    order = preference_order(ranking[rows]).tolist()  # [R, E] (only the rows that move: shedding moves few)
+    rows = torch.nonzero(move.any(dim=1)).flatten()  # [R] tokens with a slot to move (shedding moves few)
+    order = preference_order(ranking[rows]).tolist()  # [R, E]
+    chosen = routing.experts[rows].tolist()  # [R, k], edited in place
     avail = available.tolist()
-    moved = torch.zeros(experts.shape[0], dtype=torch.int64)
-    for i, t in enumerate(rows.tolist()):
-        for slot in torch.nonzero(move[t]).flatten().tolist():
-            taken = set(experts[t].tolist())
-            pick = next((e for e in order[i] if avail[e] and e not in taken), DROPPED)
+    moved_rows = [0] * len(chosen)
+    # Plain lists: a Python step per moved slot, no tensor op per slot.
+    for i, (row, wanted) in enumerate(zip(chosen, move[rows].tolist())):
+        for slot, go in enumerate(wanted):
+            if not go:
+                continue
+            pick = next((e for e in order[i] if avail[e] and e not in row), DROPPED)
             if pick == DROPPED and reason == "shed":
                 continue  # shedding protects latency; it never drops a slot that has nowhere else to go
-            experts[t, slot] = pick
-            moved[t] += 1
+            row[slot] = pick
+            moved_rows[i] += 1
+    experts = routing.experts.clone()  # [T, k]
+    moved = torch.zeros(experts.shape[0], dtype=torch.int64)  # [T]
+    if len(chosen):
+        experts[rows] = torch.tensor(chosen, dtype=torch.int64)
+        moved[rows] = torch.tensor(moved_rows, dtype=torch.int64)
     weights = torch.gather(routing.probs, 1, experts.clamp(min=0))
     weights = torch.where(experts == DROPPED, torch.zeros_like(weights), weights)
     total = routing.weights.sum(-1, keepdim=True)  # keep each token's gate mass as it was

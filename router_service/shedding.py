@@ -105,14 +105,19 @@ def choose_shed_slots(routing: Routing, shed: torch.Tensor) -> torch.Tensor:
     Deterministic in (routing, shed), so the reference given the same counts moves the same slots.
     routing.experts: [T, k]; shed: [E] int64 -> [T, k] bool."""
     assert routing.probs is not None, "shedding needs the gate probabilities"
-    move = torch.zeros_like(routing.experts, dtype=torch.bool)  # [T, k]
-    for expert in torch.nonzero(shed).flatten().tolist():
-        where = torch.nonzero(routing.experts == expert)  # [n, 2] (token, slot), row-major: token order
-        if where.numel() == 0:
-            continue
-        prob = routing.probs[where[:, 0], expert]  # [n]
-        pick = torch.sort(prob, stable=True).indices[: int(shed[expert])]  # lowest first, ties keep order
-        move[where[pick, 0], where[pick, 1]] = True
+    experts = routing.experts  # [T, k]
+    candidate = (experts >= 0) & (shed[experts.clamp(min=0)] > 0)  # [T, k]
+    where = torch.nonzero(candidate)  # [n, 2] (token, slot), row-major: token order
+    expert = experts[where[:, 0], where[:, 1]]  # [n]
+    prob = routing.probs[where[:, 0], expert]  # [n]
+    # Group by expert, lowest probability first inside a group, ties in (token, slot) order: two stable sorts.
+    by_prob = torch.sort(prob, stable=True).indices  # [n]
+    order = by_prob[torch.sort(expert[by_prob], stable=True).indices]  # [n]
+    grouped = expert[order]  # [n] ascending
+    rank = torch.arange(grouped.numel()) - torch.searchsorted(grouped, grouped)  # [n] position inside its group
+    pick = order[rank < shed[grouped]]
+    move = torch.zeros_like(experts, dtype=torch.bool)  # [T, k]
+    move[where[pick, 0], where[pick, 1]] = True
     return move
 
 

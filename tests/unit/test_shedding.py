@@ -115,6 +115,27 @@ def test_choice_is_the_lowest_probability_slots_and_deterministic():
     assert choose_shed_slots(flat, torch.tensor([2, 0, 0, 0]))[:, 0].tolist() == [True, True, False, False]
 
 
+def _choose_by_loop(routing: Routing, shed: torch.Tensor) -> torch.Tensor:
+    """The obvious per-expert loop choose_shed_slots vectorises."""
+    move = torch.zeros_like(routing.experts, dtype=torch.bool)
+    for expert in torch.nonzero(shed).flatten().tolist():
+        where = torch.nonzero(routing.experts == expert)
+        pick = torch.sort(routing.probs[where[:, 0], expert], stable=True).indices[: int(shed[expert])]
+        move[where[pick, 0], where[pick, 1]] = True
+    return move
+
+
+def test_vectorised_choice_equals_the_per_expert_loop():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        tokens, experts = int(torch.randint(1, 60, (1,), generator=gen)), int(torch.randint(2, 33, (1,), generator=gen))
+        top_k = int(torch.randint(1, min(experts, 8) + 1, (1,), generator=gen))
+        logits = torch.randn(tokens, experts, generator=gen).round(decimals=1)  # rounded: many ties
+        routing = route(logits, top_k, renormalize=True)
+        shed = torch.randint(0, 5, (experts,), generator=gen)
+        assert torch.equal(choose_shed_slots(routing, shed), _choose_by_loop(routing, shed))
+
+
 def test_shed_slots_go_to_the_next_best_target_and_are_counted():
     routing = _routing(12, seed=2, hot=0)
     targets = torch.tensor([False, True, False, True])  # 0 sheds, 2 sheds too (or is down)
