@@ -22,7 +22,8 @@ consecutive tokens of every stream are recorded once every stream has produced 3
 passed (steady state under sustained overload) until the first stream finishes, and reported pooled per mode as
 p50/p99 (and p99 per round) with tokens/s over the same intervals; shed slots from the responses (DoneEvent.shed)
 and from the dispatcher's counter, which must agree. One slow step delays every stream at once, so p99 is the
-slowest ~1 % of steps: on a loaded machine it measures the machine's hiccups as much as the replicas.
+slowest ~1 % of steps: on a loaded machine it measures the machine's hiccups as much as the replicas, hence also
+the per-round p99 ratios (on / off, each pair run back to back) and their median.
 
 Quality cost: held-out perplexity over ops/corpus.py's held-out text, in process. (1) The biased model without
 shedding and with the policy applied to every expert round (window 0, capacity scaled from serving rounds of
@@ -217,7 +218,7 @@ def _ms(seconds: float | None) -> float | None:
 
 def run_shed_bench(streams: int = 24, max_tokens: int = 64, hot_expert: int = 0, bias: float = 4.0,
                    call_ms: float = 1.0, per_token_ms: float = 2.0, capacity: int = 8, threshold: float = 0.95,
-                   window_s: float = 1.0, max_share: float = 0.5, ppl_tokens: int = 1024, rounds: int = 3,
+                   window_s: float = 1.0, max_share: float = 0.5, ppl_tokens: int = 1024, rounds: int = 5,
                    verbose: bool = True) -> dict:
     from ..cluster.routing_table import RoutingTable
     from ..experts.modeling import MoEDecoder
@@ -274,6 +275,11 @@ def run_shed_bench(streams: int = 24, max_tokens: int = 64, hot_expert: int = 0,
     result["p50_inter_token_ratio_on_vs_off"] = _ratio(on["inter_token_ms"]["p50"], off["inter_token_ms"]["p50"])
     result["p99_inter_token_ratio_on_vs_off"] = _ratio(on["inter_token_ms"]["p99"], off["inter_token_ms"]["p99"])
     result["tokens_per_s_ratio_on_vs_off"] = _ratio(on["tokens_per_s"], off["tokens_per_s"])
+    # Round by round (each off run next to its on run): one machine stall in either mode moves the pooled p99 by
+    # itself; the median of the per-round ratios does not.
+    per_round = [_ratio(b, a) for a, b in zip(off["p99_per_round_ms"], on["p99_per_round_ms"])]
+    result["p99_ratio_per_round"] = per_round
+    result["p99_ratio_median_of_rounds"] = percentile([r for r in per_round if r is not None], 50)
     result["shed_counted_per_response_equals_dispatcher"] = (
         on["shed_tokens_in_responses"] == on["shed_slots_dispatcher"])
 

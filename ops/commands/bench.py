@@ -64,7 +64,7 @@ def add_parser(sub) -> None:
     shed.add_argument("--window-s", type=float, default=1.0, help="shedding: on and off windows")
     shed.add_argument("--max-share", type=float, default=0.5)
     shed.add_argument("--ppl-tokens", type=int, default=1024, help="held-out tokens scored for perplexity")
-    shed.add_argument("--rounds", type=int, default=3, help="off/on pairs, alternated")
+    shed.add_argument("--rounds", type=int, default=5, help="off/on pairs, alternated")
     _output_flags(shed)
     obs_bench = bench_sub.add_parser("observability", help="cost of load statistics and tracing per layer and step")
     obs_bench.add_argument("--sequences", type=int, default=32, help="sequences in the decode step")
