@@ -156,6 +156,9 @@ def test_shed_slots_go_to_the_next_best_target_and_are_counted():
 
 def test_config_fields_are_named_and_off_by_default():
     assert MeshConfig().failover.shed.enabled is False
+    # The Serve application builder and config files carry it as a plain dict.
+    on = MeshConfig.from_dict({"failover": {"shed": {"enabled": True, "window_s": 2.0, "max_share": 0.25}}})
+    assert MeshConfig.from_dict(on.to_dict()).validate().failover.shed == ShedConfig(True, window_s=2.0, max_share=0.25)
     with pytest.raises(ConfigError, match=r"failover\.shed\.off_threshold"):
         MeshConfig.from_dict({"failover": {"shed": {"threshold": 0.9, "off_threshold": 0.95}}}).validate()
     with pytest.raises(ConfigError, match=r"failover\.shed\.max_share"):
@@ -319,3 +322,19 @@ def test_shed_metrics_counter_and_gauges(monkeypatch):
         else:
             assert util == {(("expert", "all"), ("layer", "0")): 2.0}
             assert shedding == {(("expert", "all"), ("layer", "0")): 1.0}
+
+
+def test_flags_set_the_shed_section():
+    import argparse
+
+    from expertmesh.ops.commands.mesh_flags import add_mesh_flags, mesh_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_mesh_flags(parser)
+    args = parser.parse_args(["--shed-overload", "--shed-capacity", "16", "--shed-threshold", "0.9",
+                              "--shed-window-s", "2", "--shed-off-threshold", "0.5", "--shed-off-window-s", "3",
+                              "--shed-max-share", "0.3"])
+    assert mesh_config_from_args(args).failover.shed == ShedConfig(True, 16, 0.9, 2.0, 0.5, 3.0, 0.3)
+    assert mesh_config_from_args(parser.parse_args([])).failover.shed == ShedConfig()
+    with pytest.raises(ConfigError, match=r"failover\.shed\.max_share"):
+        mesh_config_from_args(parser.parse_args(["--shed-max-share", "1.5"]))
