@@ -136,7 +136,6 @@ class ShedPolicy:
         self.config = config.validate()
         self.num_experts = num_experts
         self.layers: dict[int, LayerShedState] = {}
-        self.shed_slots = 0  # moved since creation (admin stats)
 
     def observe(self, layer: int, now: float, offered: torch.Tensor, replicas: torch.Tensor) -> torch.Tensor:
         """offered, replicas: [E] -> shed [E] (see `decide`)."""
