@@ -33,10 +33,15 @@ class Routing:
     # [T, E] float32 what the router ranked experts by where that is not `probs` (sigmoid_grouped: score + correction
     # bias, experts outside the token's chosen groups at -inf); None = probs. `degrade` ranks replacements by it.
     selection: torch.Tensor | None = None
+    shed_per_token: torch.Tensor | None = None  # [T] int64 slots moved off an overloaded expert (shedding)
 
     @property
     def degraded(self) -> int:
         return 0 if self.degraded_per_token is None else int(self.degraded_per_token.sum())
+
+    @property
+    def shed(self) -> int:
+        return 0 if self.shed_per_token is None else int(self.shed_per_token.sum())
 
     @property
     def num_tokens(self) -> int:
@@ -238,27 +243,52 @@ def degrade(routing: Routing, available: torch.Tensor) -> Routing:
     token keeps its routed mass, split in proportion to the sigmoid scores. Replacements are ranked by what the
     router ranked by (`selection`: score + correction bias, the token's chosen groups first), else by `probs`.
     """
-    assert routing.probs is not None, "degrade needs the gate probabilities"
-    experts = routing.experts.clone()  # [T, k]
-    lost = (experts >= 0) & ~available[experts.clamp(min=0)]  # [T, k]
+    lost = (routing.experts >= 0) & ~available[routing.experts.clamp(min=0)]  # [T, k]
     if not bool(lost.any()):
         return routing
+    return move_slots(routing, lost, available, "degraded")
+
+
+def move_slots(routing: Routing, move: torch.Tensor, available: torch.Tensor, reason: str) -> Routing:
+    """Send the slots in `move` ([T, k] bool) to each token's next-best expert that is `available` ([E] bool) and
+    not already one of the token's experts, as `degrade` describes (weights from `probs`, rescaled to the token's
+    original total). No candidate left: a degraded slot is dropped, a shed slot stays where it was. reason
+    "degraded" (no live replica) or "shed" (overload shedding) names the per-token counter the moves are added to."""
+    assert routing.probs is not None, "moving slots needs the gate probabilities"
+    assert reason in ("degraded", "shed"), f"unknown reason {reason!r}"
     ranking = routing.probs if routing.selection is None else routing.selection
-    order = preference_order(ranking).tolist()  # [T, E]
+    rows = torch.nonzero(move.any(dim=1)).flatten()  # [R] tokens with a slot to move (shedding moves few)
+    order = preference_order(ranking[rows]).tolist()  # [R, E]
+    chosen = routing.experts[rows].tolist()  # [R, k], edited in place
     avail = available.tolist()
-    moved = torch.zeros(experts.shape[0], dtype=torch.int64)
-    for t, slot in torch.nonzero(lost).tolist():
-        taken = set(experts[t].tolist())
-        pick = next((e for e in order[t] if avail[e] and e not in taken), DROPPED)
-        experts[t, slot] = pick
-        moved[t] += 1
+    moved_rows = [0] * len(chosen)
+    # Plain lists: a Python step per moved slot, no tensor op per slot.
+    for i, (row, wanted) in enumerate(zip(chosen, move[rows].tolist())):
+        for slot, go in enumerate(wanted):
+            if not go:
+                continue
+            pick = next((e for e in order[i] if avail[e] and e not in row), DROPPED)
+            if pick == DROPPED and reason == "shed":
+                continue  # shedding protects latency; it never drops a slot that has nowhere else to go
+            row[slot] = pick
+            moved_rows[i] += 1
+    experts = routing.experts.clone()  # [T, k]
+    moved = torch.zeros(experts.shape[0], dtype=torch.int64)  # [T]
+    if len(chosen):
+        experts[rows] = torch.tensor(chosen, dtype=torch.int64)
+        moved[rows] = torch.tensor(moved_rows, dtype=torch.int64)
     weights = torch.gather(routing.probs, 1, experts.clamp(min=0))
     weights = torch.where(experts == DROPPED, torch.zeros_like(weights), weights)
     total = routing.weights.sum(-1, keepdim=True)  # keep each token's gate mass as it was
     weights = weights * total / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
+    # Only the tokens that moved change: the others keep their weights bit for bit.
+    weights = torch.where((moved > 0)[:, None], weights, routing.weights)
+    counters = {"degraded_per_token": routing.degraded_per_token, "shed_per_token": routing.shed_per_token}
+    key = f"{reason}_per_token"
+    counters[key] = moved if counters[key] is None else counters[key] + moved
     return Routing(experts=experts, weights=weights, rerouted=routing.rerouted,
                    dropped=int((experts == DROPPED).sum()), rerouted_per_token=routing.rerouted_per_token,
-                   probs=routing.probs, degraded_per_token=moved, selection=routing.selection)
+                   probs=routing.probs, selection=routing.selection, **counters)
 
 
 def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +317,8 @@ def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple
 def concat_routings(parts: list[Routing]) -> Routing:
     """The routings of consecutive token ranges (e.g. the micro-batches of one step) as one Routing over all their
     tokens, in the order given. Per-token tensors are concatenated, counters summed; an optional per-token field
-    missing from some part is None (probs, rerouted_per_token) or zeros for those tokens (degraded_per_token)."""
+    missing from some part is None (probs, rerouted_per_token) or zeros for those tokens (degraded_per_token,
+    shed_per_token)."""
     assert parts, "concat_routings needs at least one routing"
     if len(parts) == 1:
         return parts[0]
@@ -296,10 +327,12 @@ def concat_routings(parts: list[Routing]) -> Routing:
         values = [getattr(p, name) for p in parts]
         return None if any(v is None for v in values) else torch.cat(values)
 
-    degraded = None
-    if any(p.degraded_per_token is not None for p in parts):
-        degraded = torch.cat([p.degraded_per_token if p.degraded_per_token is not None
-                              else torch.zeros(p.num_tokens, dtype=torch.int64) for p in parts])
+    def cat_or_zeros(name: str) -> torch.Tensor | None:
+        if all(getattr(p, name) is None for p in parts):
+            return None
+        return torch.cat([getattr(p, name) if getattr(p, name) is not None
+                          else torch.zeros(p.num_tokens, dtype=torch.int64) for p in parts])
+
     return Routing(
         experts=torch.cat([p.experts for p in parts]),  # [T, k]
         weights=torch.cat([p.weights for p in parts]),  # [T, k]
@@ -307,6 +340,7 @@ def concat_routings(parts: list[Routing]) -> Routing:
         dropped=sum(p.dropped for p in parts),
         rerouted_per_token=cat_or_none("rerouted_per_token"),  # [T]
         probs=cat_or_none("probs"),  # [T, E]
-        degraded_per_token=degraded,  # [T]
+        degraded_per_token=cat_or_zeros("degraded_per_token"),  # [T]
+        shed_per_token=cat_or_zeros("shed_per_token"),  # [T]
         selection=cat_or_none("selection"),  # [T, E]
     )

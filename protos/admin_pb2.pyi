@@ -11,7 +11,7 @@ class RouterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json", "dtype", "device", "threads", "preemptions", "kv_blocks_free", "kv_blocks_total", "stage_seconds")
+    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json", "dtype", "device", "threads", "preemptions", "kv_blocks_free", "kv_blocks_total", "stage_seconds", "shed_slots")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class RouterStats(_message.Message):
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     live_kv_caches: int
     active_sequences: int
     waiting_requests: int
@@ -51,7 +52,8 @@ class RouterStats(_message.Message):
     kv_blocks_free: int
     kv_blocks_total: int
     stage_seconds: _containers.ScalarMap[str, float]
-    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    shed_slots: int
+    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., shed_slots: _Optional[int] = ...) -> None: ...
 
 class ClusterStateRequest(_message.Message):
     __slots__ = ()

@@ -65,16 +65,18 @@ class LayerRouting(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoutingSummary(_message.Message):
-    __slots__ = ("layers", "rerouted_tokens", "degraded_tokens", "dropped_tokens")
+    __slots__ = ("layers", "rerouted_tokens", "degraded_tokens", "dropped_tokens", "shed_tokens")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     REROUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedCompositeFieldContainer[LayerRouting]
     rerouted_tokens: int
     degraded_tokens: int
     dropped_tokens: int
-    def __init__(self, layers: _Optional[_Iterable[_Union[LayerRouting, _Mapping]]] = ..., rerouted_tokens: _Optional[int] = ..., degraded_tokens: _Optional[int] = ..., dropped_tokens: _Optional[int] = ...) -> None: ...
+    shed_tokens: int
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerRouting, _Mapping]]] = ..., rerouted_tokens: _Optional[int] = ..., degraded_tokens: _Optional[int] = ..., dropped_tokens: _Optional[int] = ..., shed_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationDone(_message.Message):
     __slots__ = ("finish_reason", "usage", "routing")

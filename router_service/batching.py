@@ -84,6 +84,7 @@ class DoneEvent:
     rerouted: int = 0
     dropped: int = 0
     degraded: int = 0  # slots moved off an expert that had no live replica (degrade policy)
+    shed: int = 0  # slots moved off an overloaded expert (overload shedding)
 
 
 @dataclass
@@ -99,6 +100,7 @@ class _Sequence:
     rerouted: int = 0
     dropped: int = 0
     degraded: int = 0
+    shed: int = 0
     cancelled: bool = False
     replaying: bool = False  # the first step re-derives the last resumed token instead of sampling a new one
     admitted: int = -1  # admission order (the youngest is preempted first)
@@ -114,6 +116,7 @@ class _StepRouting:
     rerouted: int = 0
     dropped: int = 0
     degraded: int = 0
+    shed: int = 0
 
 
 class ContinuousBatcher:
@@ -345,11 +348,14 @@ class ContinuousBatcher:
         for layer, routing in self.model.last_trace.routings.items():
             rerouted = routing.rerouted_per_token.split(lengths) if routing.rerouted_per_token is not None else None
             degraded = routing.degraded_per_token.split(lengths) if routing.degraded_per_token is not None else None
+            shed = routing.shed_per_token.split(lengths) if routing.shed_per_token is not None else None
             for i, experts in enumerate(routing.experts.split(lengths)):
                 fresh = slice(skip[i], None)
                 experts = experts[fresh]
                 if degraded is not None:
                     per_seq[i].degraded += int(degraded[i][fresh].sum())
+                if shed is not None:
+                    per_seq[i].shed += int(shed[i][fresh].sum())
                 per_seq[i].tokens_per_expert[layer] = torch.bincount(experts[experts >= 0], minlength=num_experts)
                 per_seq[i].dropped += int((experts < 0).sum())
                 if rerouted is not None:
@@ -364,6 +370,7 @@ class ContinuousBatcher:
         seq.rerouted += routing.rerouted
         seq.dropped += routing.dropped
         seq.degraded += routing.degraded
+        seq.shed += routing.shed
 
     def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
         req = seq.request
@@ -399,7 +406,7 @@ class ContinuousBatcher:
             seq.events.put_nowait(DoneEvent(
                 finish_reason=finish, prompt_tokens=len(req.prompt_ids), completion_tokens=len(seq.generated),
                 tokens_per_expert={layer: c.tolist() for layer, c in sorted(seq.tokens_per_expert.items())},
-                rerouted=seq.rerouted, dropped=seq.dropped, degraded=seq.degraded,
+                rerouted=seq.rerouted, dropped=seq.dropped, degraded=seq.degraded, shed=seq.shed,
             ))
             self._finish(seq)
 

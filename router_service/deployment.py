@@ -320,7 +320,7 @@ class RouterDeployment:
             live_kv_caches=s["live_caches"], active_sequences=s["active"], waiting_requests=s["waiting"],
             steps=s["steps"], max_batch_seen=s["max_batch_seen"],
             replica=serve.get_replica_context().replica_id.unique_id,
-            retried_calls=backend.retried_calls, degraded_slots=backend.degraded_slots,
+            retried_calls=backend.retried_calls, degraded_slots=backend.degraded_slots, shed_slots=backend.shed_slots,
             load_json=json.dumps(self.router.load_snapshot()),
             dtype=self.router.dtype_name, device=str(self.router.device), threads=torch.get_num_threads(),
             preemptions=s.get("preemptions", 0), kv_blocks_free=s.get("kv_blocks_free", 0),
@@ -332,7 +332,8 @@ class RouterDeployment:
         return {"expertmesh_queue_depth": s["waiting"], "expertmesh_active_sequences": s["active"],
                 "expertmesh_kv_cache_sequences": s["live_caches"],
                 "expertmesh_kv_cache_bytes": self.batcher.kv_cache_bytes(),
-                "expertmesh_kv_blocks_free": s.get("kv_blocks_free", 0)}
+                "expertmesh_kv_blocks_free": s.get("kv_blocks_free", 0),
+                "expertmesh_kv_blocks_total": s.get("kv_blocks_total", 0)}
 
     async def load_snapshot(self) -> dict:
         """This replica's load statistics (plain dict; README: Load statistics)."""

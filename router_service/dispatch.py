@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ from ..cluster.routing_table import RoutingTable, Shard, split_tokens
 from ..experts.arrays import HostStager, pack
 from ..experts.gating import Routing, degrade
 from .dispatch_plan import ActorCall, add_rows, all_served, combine, plan_calls
+from .shedding import ShedConfig, ShedPolicy, apply_shed
 from .step_profile import StageClock
 from .transports.base import Transport
 
@@ -39,6 +40,8 @@ class FailoverConfig:
     call_timeout_s: float = 30.0  # an expert call slower than this counts as failed and is retried elsewhere
     wait_timeout_s: float = 30.0  # with "wait": how long a step holds tokens for a shard with no live replica
     revive_interval_s: float = 0.5  # how often to look a dead replica up again by name
+    # Overload shedding (router_service/shedding.py): an overloaded shard's excess tokens go to the next-best expert.
+    shed: ShedConfig = field(default_factory=ShedConfig)
 
     def validate(self) -> FailoverConfig:
         if self.no_replica_policy not in NO_REPLICA_POLICIES:
@@ -59,6 +62,7 @@ class _PendingLayer:
     served: Routing  # after the no-replica policy
     calls: list[ActorCall]
     handles: list  # the first round's transport handles
+    shed: torch.Tensor | None  # [E] slots moved off each expert by overload shedding (None: shedding off)
     deadline: float  # the `wait` policy's bound (clock)
     give_up: float  # the whole layer's bound (clock)
     carrier: dict[str, str] | None  # trace context sent with every call
@@ -94,6 +98,14 @@ class RemoteExperts:
         self.profile = StageClock()  # per-stage seconds (router_service/step_profile.py); the router shares one
         self.retried_calls = 0
         self.degraded_slots = 0
+        self.shed_slots = 0  # slots moved off an overloaded shard (overload shedding)
+        # Overload shedding: the policy (created at the first round, when E is known) and each layer's last decision.
+        self.shed_policy: ShedPolicy | None = None
+        # layer -> (slots to shed [E], experts they may go to [E] bool) of its most recent round: what the
+        # in-process reference needs to make the same moves (shedding.apply_shed)
+        self.last_shed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # live replicas per shard, [E] per layer, for one (table, dead set)
+        self._replica_counts: tuple[tuple, dict[int, torch.Tensor]] | None = None
         self.effective: dict[int, Routing] = {}  # layer -> routing actually served (after degrade)
         # Observability (router_service/observability.py); None = off, and then no call is made at all.
         self.observer = None  # .on_layer(layer, served, calls, seconds), .on_retry(actor)
@@ -262,6 +274,11 @@ class RemoteExperts:
             give_up = self.clock() + max(self.failover.call_timeout_s, self.failover.wait_timeout_s)
             planning = time.perf_counter()
             served = self._apply_policy(layer, routing, deadline)
+            shed = self._shed_decision(layer, routing)
+            if shed is not None:
+                targets = self._shed_targets(layer, served)
+                self.last_shed[layer] = (shed, targets)
+                served = apply_shed(served, shed, targets)
             calls = plan_calls(layer, served, self.table, self._replicas_of())
             self.profile.since("dispatch.plan", planning)
             hints = self._prefetch_hints(layer, hidden, served) if self.prefetcher is not None else None
@@ -270,8 +287,8 @@ class RemoteExperts:
             if span is not None:
                 span.end()
             raise
-        pending = _PendingLayer(layer, hidden, routing, served, calls, handles, deadline, give_up, carrier, span,
-                                started)
+        pending = _PendingLayer(layer, hidden, routing, served, calls, handles, shed, deadline, give_up, carrier,
+                                span, started)
         pending.busy_s = time.perf_counter() - started
         self.profile.add("dispatch.submit", pending.busy_s)
         self._in_flight.append(pending)
@@ -294,6 +311,8 @@ class RemoteExperts:
                     planning = time.perf_counter()
                     self._apply_staged_while_held()
                     served = self._apply_policy(p.layer, p.routing, p.deadline)
+                    if p.shed is not None:  # the round's shedding decision stands; only the targets' health moved
+                        served = apply_shed(served, p.shed, self._shed_targets(p.layer, served))
                     calls = plan_calls(p.layer, served, self.table, self._replicas_of())
                     self.profile.since("dispatch.plan", planning)
                 outputs = self._execute(p.layer, p.hidden, calls, p.give_up, p.carrier,
@@ -305,6 +324,7 @@ class RemoteExperts:
                 self.calls_per_layer[p.layer] = before + len(calls)
             self.effective[p.layer] = served
             self.degraded_slots += served.degraded
+            self.shed_slots += served.shed
             combining = time.perf_counter()
             if p.hidden.device.type != "cpu":  # outputs arrive in host memory; combine runs where hidden lives
                 outputs = [out.to(p.hidden.device, non_blocking=True) for out in outputs]
@@ -331,6 +351,35 @@ class RemoteExperts:
         while no replica is dead and every breaker is closed - then live_replicas would return exactly those and
         change no breaker - else live_replicas."""
         return None if not self.dead and self.breakers.all_closed() else self.live_replicas
+
+    def _shed_decision(self, layer: int, routing: Routing) -> torch.Tensor | None:
+        """Overload shedding's decision for this round: [E] slots to move off each expert (None: shedding off).
+        Measured on the gate's routing (the offered load), so shedding does not hide the load that triggered it."""
+        config = self.failover.shed
+        if not config.enabled:
+            return None
+        num_experts = routing.probs.shape[1]
+        if self.shed_policy is None:
+            self.shed_policy = ShedPolicy(config, num_experts)
+        offered = routing.tokens_per_expert(num_experts)  # [E]
+        return self.shed_policy.observe(layer, self.clock(), offered, self._live_replica_counts(layer, num_experts))
+
+    def _shed_targets(self, layer: int, served: Routing) -> torch.Tensor:
+        """[E] bool: experts a shed slot may go to: served by a live replica and not shedding themselves."""
+        live = self._live_replica_counts(layer, served.probs.shape[1]) > 0
+        return live & ~self.shed_policy.shedding(layer)
+
+    def _live_replica_counts(self, layer: int, num_experts: int) -> torch.Tensor:
+        """[E] int64 replicas of each of the layer's shards that are not dead (cached per table and dead set)."""
+        key = (id(self.table), self.table.epoch, frozenset(self.dead))
+        if self._replica_counts is None or self._replica_counts[0] != key:
+            self._replica_counts = (key, {})
+        per_layer = self._replica_counts[1]
+        if layer not in per_layer:
+            replicas = self.table.replicas
+            per_layer[layer] = torch.tensor([sum(1 for a in replicas.get((layer, e), ()) if a not in self.dead)
+                                             for e in range(num_experts)], dtype=torch.int64)
+        return per_layer[layer]
 
     def _apply_policy(self, layer: int, routing: Routing, deadline: float) -> Routing:
         """Make sure every routed expert has a live replica: wait for one, or degrade to the next-best expert."""

@@ -59,6 +59,8 @@ METRIC_SPECS: dict[str, MetricSpec] = {s.name: s for s in [
                ("layer",)),
     MetricSpec("expertmesh_degraded_tokens", "counter", "Slots moved off an expert with no live replica (degrade)",
                ("layer",)),
+    MetricSpec("expertmesh_shed_tokens", "counter", "Slots moved off an overloaded expert (overload shedding)",
+               ("layer",)),
     MetricSpec("expertmesh_dispatch_seconds", "histogram", "One MoE layer's round of expert calls, router side",
                ("layer",), DISPATCH_SECONDS_BOUNDARIES),
     MetricSpec("expertmesh_expert_seconds", "histogram", "Expert actor compute time per call (inside the actor)",
@@ -78,12 +80,16 @@ METRIC_SPECS: dict[str, MetricSpec] = {s.name: s for s in [
     MetricSpec("expertmesh_breaker_state", "gauge", "Circuit breaker per replica: 0 closed, 1 half-open, 2 open",
                ("replica",)),
     MetricSpec("expertmesh_live_replicas", "gauge", "Live replicas of a shard (per layer: the minimum)", _SHARD),
+    MetricSpec("expertmesh_shard_utilization", "gauge", "Offered slots over live replicas x capacity in the last "
+               "expert round (overload shedding on; per layer: the maximum)", _SHARD),
+    MetricSpec("expertmesh_shedding", "gauge", "1 while a shard sheds load (per layer: shards shedding)", _SHARD),
     MetricSpec("expertmesh_routing_epoch", "gauge", "Routing-table epoch the router serves"),
     MetricSpec("expertmesh_queue_depth", "gauge", "Requests waiting to join the batch"),
     MetricSpec("expertmesh_active_sequences", "gauge", "Sequences decoding together"),
     MetricSpec("expertmesh_kv_cache_sequences", "gauge", "Sequences holding a KV cache"),
     MetricSpec("expertmesh_kv_cache_bytes", "gauge", "Bytes held by KV caches"),
     MetricSpec("expertmesh_kv_blocks_free", "gauge", "Paged KV cache blocks free"),
+    MetricSpec("expertmesh_kv_blocks_total", "gauge", "Paged KV cache blocks in all"),
     MetricSpec("expertmesh_load_std", "gauge", "Std-dev of shard load across a layer's experts (window)", ("layer",)),
     MetricSpec("expertmesh_load_imbalance", "gauge", "max/mean shard load across a layer's experts (window)",
                ("layer",)),
@@ -140,10 +146,11 @@ class RouterMetrics:
         self._retried: dict[str, float] = {}
         self._rerouted = np.zeros(n)
         self._degraded = np.zeros(n)
+        self._shed = np.zeros(n)
         self._dispatch: list[tuple[int, float]] = []
 
     def record_layer(self, layer: int, expert_slots: np.ndarray, calls: list, seconds: float,
-                     rerouted: int = 0, degraded: int = 0) -> None:
+                     rerouted: int = 0, degraded: int = 0, shed: int = 0) -> None:
         """One layer's round: expert_slots [E]; calls: the ActorCalls that served (actor, experts, counts)."""
         r = self.row[layer]
         with self._lock:
@@ -154,6 +161,7 @@ class RouterMetrics:
                 self._replica_tokens[call.actor] = self._replica_tokens.get(call.actor, 0.0) + sum(call.counts)
             self._rerouted[r] += rerouted
             self._degraded[r] += degraded
+            self._shed[r] += shed
             self._dispatch.append((layer, seconds))
 
     def record_retry(self, actor: str) -> None:
@@ -170,7 +178,7 @@ class RouterMetrics:
             self._last_flush = self.clock()
             shard_tokens, shard_calls = self._shard_tokens, self._shard_calls
             replica_tokens, replica_calls, retried = self._replica_tokens, self._replica_calls, self._retried
-            rerouted, degraded, dispatch = self._rerouted, self._degraded, self._dispatch
+            rerouted, degraded, shed, dispatch = self._rerouted, self._degraded, self._shed, self._dispatch
             self._reset()
         m = self.m
         for name, acc in (("expertmesh_shard_tokens", shard_tokens), ("expertmesh_shard_calls", shard_calls)):
@@ -186,7 +194,8 @@ class RouterMetrics:
             for actor, value in acc.items():
                 if value:
                     m[name].inc(value, tags={"replica": actor})
-        for name, acc in (("expertmesh_rerouted_tokens", rerouted), ("expertmesh_degraded_tokens", degraded)):
+        for name, acc in (("expertmesh_rerouted_tokens", rerouted), ("expertmesh_degraded_tokens", degraded),
+                          ("expertmesh_shed_tokens", shed)):
             for r in np.nonzero(acc)[0]:
                 m[name].inc(float(acc[r]), tags={"layer": str(self.layers[r])})
         for layer, seconds in dispatch:
@@ -218,6 +227,22 @@ class RouterMetrics:
                          for r in range(len(self.layers))}
         return {"expertmesh_breaker_state": breaker, "expertmesh_live_replicas": live_tags,
                 "expertmesh_routing_epoch": table.epoch}
+
+    def shed_gauges(self, policy) -> dict:
+        """Overload shedding's state (router_service/shedding.py ShedPolicy): utilisation and shedding per shard,
+        or per layer the maximum utilisation and the number of shards shedding."""
+        util, shedding = {}, {}
+        for layer, (u, on) in policy.gauges().items():
+            if layer not in self.row:
+                continue
+            if self.per_shard:
+                for e in range(self.num_experts):
+                    tags = (("layer", str(layer)), ("expert", str(e)))
+                    util[tags], shedding[tags] = float(u[e]), float(on[e])
+            else:
+                tags = (("layer", str(layer)), ("expert", "all"))
+                util[tags], shedding[tags] = float(u.max()), float(on.sum())
+        return {"expertmesh_shard_utilization": util, "expertmesh_shedding": shedding}
 
     @staticmethod
     def health_gauges(snapshot: dict) -> dict:

@@ -60,7 +60,7 @@ class RouterObserver:
             replica[call.actor] = replica.get(call.actor, 0) + sum(call.counts)
         self.window.record_dispatch(layer, slots, replica, degraded=served.degraded, rerouted=served.rerouted)
         if self.metrics is not None:
-            self.metrics.record_layer(layer, slots, calls, seconds, served.rerouted, served.degraded)
+            self.metrics.record_layer(layer, slots, calls, seconds, served.rerouted, served.degraded, served.shed)
 
     def on_retry(self, actor: str) -> None:
         if self.metrics is not None:
@@ -85,7 +85,10 @@ class RouterObserver:
                                     None if any(p is None for p in probs) else torch.stack(probs), lengths, keys)
         if self.metrics is not None and self.metrics.due():
             b = self.backend
-            self.metrics.flush(self.metrics.table_gauges(b.table, b.dead, b.breakers))
+            gauges = self.metrics.table_gauges(b.table, b.dead, b.breakers)
+            if getattr(b, "shed_policy", None) is not None:
+                gauges |= self.metrics.shed_gauges(b.shed_policy)
+            self.metrics.flush(gauges)
 
     # ---- traces --------------------------------------------------------------------------------------------
 

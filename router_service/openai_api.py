@@ -279,12 +279,14 @@ def usage(done: dict) -> dict:
 
 def routing_extension(done: dict) -> dict:
     """expertmesh's own summary of the request's routing: slots per expert per layer, the experts each layer hit,
-    and the tokens rerouted (failover), degraded (expert dropped, no live replica) and shed (capacity)."""
+    and the slots rerouted (capacity cap), degraded (no live replica), dropped (capacity cap, every expert full)
+    and shed (overload shedding: moved off an overloaded expert)."""
     per_layer = {str(layer): counts for layer, counts in done["tokens_per_expert"].items()}
     return {"routing": {
         "tokens_per_expert": per_layer,
         "experts_hit": {layer: [e for e, c in enumerate(counts) if c] for layer, counts in per_layer.items()},
-        "rerouted_tokens": done["rerouted"], "degraded_tokens": done["degraded"], "shed_tokens": done["dropped"],
+        "rerouted_tokens": done["rerouted"], "degraded_tokens": done["degraded"],
+        "dropped_tokens": done["dropped"], "shed_tokens": done.get("shed", 0),
     }}
 
 

@@ -69,7 +69,8 @@ def event_dict(event: TokenEvent | DoneEvent, token_text: Callable[[int], str]) 
         return {"done": {"finish_reason": event.finish_reason, "prompt_tokens": event.prompt_tokens,
                          "completion_tokens": event.completion_tokens,
                          "tokens_per_expert": {int(k): list(v) for k, v in event.tokens_per_expert.items()},
-                         "rerouted": event.rerouted, "degraded": event.degraded, "dropped": event.dropped}}
+                         "rerouted": event.rerouted, "degraded": event.degraded, "dropped": event.dropped,
+                         "shed": event.shed}}
     logprobs = None
     if event.logprobs is not None:
         logprobs = [{"token": token_text(token), "logprob": chosen,

@@ -134,6 +134,7 @@ def done_message(event: DoneEvent) -> pb.GenerateResponse:
         layers=[pb.LayerRouting(layer=layer, tokens_per_expert=counts)
                 for layer, counts in event.tokens_per_expert.items()],
         rerouted_tokens=event.rerouted, degraded_tokens=event.degraded, dropped_tokens=event.dropped,
+        shed_tokens=event.shed,
     )
     return pb.GenerateResponse(done=pb.GenerationDone(
         finish_reason=event.finish_reason,

@@ -1,5 +1,5 @@
-"""`expertmesh bench dispatch|serve|placement|observability|chunked|offload|quant`: benchmarks, each printing one
-JSON object."""
+"""`expertmesh bench dispatch|serve|placement|observability|chunked|offload|quant|shed`: benchmarks, each printing
+one JSON object."""
 
 from __future__ import annotations
 
@@ -86,6 +86,19 @@ def add_parser(sub) -> None:
     quant.add_argument("--repeats", type=int, default=5, help="timing: best of this many")
     quant.add_argument("--threads", type=int, default=1, help="torch threads (one expert actor's CPUs)")
     _output_flags(quant)
+    shed = bench_sub.add_parser("shed", help="overload shedding off vs on with one expert made hot: p99 inter-token "
+                                "latency, tokens/s, shed tokens, perplexity cost (ops/bench_shed.py)")
+    shed.add_argument("--streams", type=int, default=24)
+    shed.add_argument("--max-tokens", type=int, default=64)
+    shed.add_argument("--gate-bias", type=float, default=4.0, help="added to the hot expert's gate logit")
+    shed.add_argument("--per-token-ms", type=float, default=2.0, help="modelled replica time per token slot")
+    shed.add_argument("--call-ms", type=float, default=1.0, help="modelled replica time per call")
+    shed.add_argument("--capacity", type=int, default=8, help="shedding: token slots per replica per round")
+    shed.add_argument("--window-s", type=float, default=1.0, help="shedding: on and off windows")
+    shed.add_argument("--max-share", type=float, default=0.5)
+    shed.add_argument("--ppl-tokens", type=int, default=1024, help="held-out tokens scored for perplexity")
+    shed.add_argument("--rounds", type=int, default=5, help="off/on pairs, alternated")
+    _output_flags(shed)
     obs_bench = bench_sub.add_parser("observability", help="cost of load statistics and tracing per layer and step")
     obs_bench.add_argument("--sequences", type=int, default=32, help="sequences in the decode step")
     _output_flags(obs_bench)
@@ -134,6 +147,13 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_quant_bench(args.model, tokens=args.tokens, dtype=args.dtype, repeats=args.repeats,
                                  threads=args.threads, verbose=not args.json)
+    elif args.bench == "shed":
+        from ..bench_shed import run_shed_bench
+
+        result = run_shed_bench(streams=args.streams, max_tokens=args.max_tokens, bias=args.gate_bias,
+                                call_ms=args.call_ms, per_token_ms=args.per_token_ms, capacity=args.capacity,
+                                window_s=args.window_s, max_share=args.max_share, ppl_tokens=args.ppl_tokens,
+                                rounds=args.rounds, verbose=not args.json)
     elif args.bench == "observability":
         from ..bench_observability import run_observability_bench
 

@@ -104,6 +104,21 @@ FLAGS: tuple[Flag, ...] = (
          "no live replica", {"type": float}),
     Flag("--call-timeout", "failover.call_timeout_s", "failover", "an expert call slower than this is retried on "
          "another replica", {"type": float}),
+    Flag("--shed-overload", "failover.shed.enabled", "failover", "overload shedding: a shard above --shed-threshold "
+         "of its replicas' capacity for --shed-window-s sends up to --shed-max-share of its tokens to their next-best "
+         "expert, counted (README: Overload shedding; default off)", {"action": "store_const", "const": True}),
+    Flag("--shed-capacity", "failover.shed.replica_tokens_per_step", "failover", "with --shed-overload: token slots "
+         "one expert replica serves per expert round (its capacity)", {"type": int}),
+    Flag("--shed-threshold", "failover.shed.threshold", "failover", "with --shed-overload: utilisation that starts "
+         "the window", {"type": float}),
+    Flag("--shed-window-s", "failover.shed.window_s", "failover", "with --shed-overload: seconds above the threshold "
+         "before shedding", {"type": float}),
+    Flag("--shed-off-threshold", "failover.shed.off_threshold", "failover", "with --shed-overload: utilisation "
+         "below which shedding stops after --shed-off-window-s", {"type": float}),
+    Flag("--shed-off-window-s", "failover.shed.off_window_s", "failover", "with --shed-overload: seconds below the "
+         "off threshold before shedding stops", {"type": float}),
+    Flag("--shed-max-share", "failover.shed.max_share", "failover", "with --shed-overload: most of a shard's tokens "
+         "moved per expert round", {"type": float}),
     Flag("--no-controller", "controller.enabled", "controller", "run no controller (no restores, no Admin "
          "kill/drain, no elasticity)", {"action": "store_const", "const": False}),
     Flag("--no-restore", "controller.restore", "controller", "do not restore lost expert actors",

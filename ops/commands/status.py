@@ -46,7 +46,7 @@ def status_lines(state) -> list[str]:
         f"   no-replica policy {state.no_replica_policy}",
         f"router {r.replica}: {r.active_sequences} active, {r.waiting_requests} waiting, {r.live_kv_caches} KV "
         f"caches, {r.steps} steps, largest batch {r.max_batch_seen}, {r.retried_calls} retried calls, "
-        f"{r.degraded_slots} degraded slots",
+        f"{r.degraded_slots} degraded slots, {r.shed_slots} shed slots",
         f"router compute: {r.dtype or '?'} on {r.device or '?'}, {r.threads} threads; KV cache "
         f"{r.kv_blocks_free}/{r.kv_blocks_total} blocks free, {r.preemptions} preemptions",
     ]

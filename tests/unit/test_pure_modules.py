@@ -73,6 +73,7 @@ PURE_MODULES = (
     "expertmesh.router_service.sampling",
     "expertmesh.router_service.server_checks",  # TLS pair, host, port: checked before anything starts
     "expertmesh.router_service.step_profile",  # the stage clocks of a served step
+    "expertmesh.router_service.shedding",  # overload shedding policy (fake clock in tests)
     "expertmesh.router_service.transports",
     "expertmesh.router_service.transports.base",
     # cluster policies and plans
