@@ -118,9 +118,17 @@ class RayConfig:
         return self
 
 
+EXPERT_LAYOUTS = ("auto", "per-expert", "per-device")
+
+
 @dataclass(frozen=True)
 class ExpertsConfig:
-    replicas_per_expert: int = 1  # the default layout: actor expert-e{E}-r{R} hosts expert E of every MoE layer
+    replicas_per_expert: int = 1  # replicas of each actor group expert-e{G}-r{R} (README: Expert layout)
+    # Which default pool (no placement file, no elasticity): "per-expert" = actor expert-e{E}-r{R} hosts expert E of
+    # every MoE layer; "per-device" = one actor per GPU (per node without GPUs) hosting a slice of every layer's
+    # experts, one call per actor per layer; "auto" = per-expert only where every such actor gets a core (GPU) of its
+    # own and the model has at most 16 experts per layer, else per-device (router_service/pool_layout.py).
+    layout: str = "auto"
     num_cpus_per_actor: float | None = None  # None: share each node's CPUs among its actors (≤ 1 each)
     # Every actor loaded its weights and answered, or start-up fails. The default lets an actor fetch and read a
     # large shard set (e.g. 1/8 of a 100 GB checkpoint from the Hub, or all of it from a ~100 MB/s cloud disk).
@@ -136,6 +144,8 @@ class ExpertsConfig:
     def validate(self) -> ExpertsConfig:
         if self.replicas_per_expert < 1:
             raise ValueError(f"replicas_per_expert: must be an integer ≥ 1, got {self.replicas_per_expert}")
+        if self.layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"layout: must be one of {EXPERT_LAYOUTS}, got {self.layout!r}")
         if self.num_cpus_per_actor is not None and not self.num_cpus_per_actor > 0:
             raise ValueError(f"num_cpus_per_actor: must be > 0, got {self.num_cpus_per_actor}")
         if not self.start_timeout_s > 0:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...experts.errors import ConfigError
-from ...router_service.config import DTYPES, MeshConfig
+from ...router_service.config import DTYPES, EXPERT_LAYOUTS, MeshConfig
 from ...router_service.config_tree import replace_path
 from ...router_service.transports.base import TRANSPORTS
 
@@ -47,6 +47,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--ray-cpus", "ray.num_cpus", "ray", "CPUs of the embedded Ray (default: the machine's)", {"type": int}),
     Flag("--replicas-per-expert", "experts.replicas_per_expert", "experts", "replicas of each expert actor",
          {"type": int}),
+    Flag("--expert-layout", "experts.layout", "experts", "default pool: per-expert (one actor per expert), "
+         "per-device (one per GPU, or node without GPUs, hosting a slice of every layer), auto: per-expert only "
+         "where each actor gets its own core/GPU (README: Expert layout)", {"choices": EXPERT_LAYOUTS}),
     Flag("--cpus-per-actor", "experts.num_cpus_per_actor", "experts", "CPUs per expert actor (default: a share "
          "of each node's)", {"type": float}),
     Flag("--actor-start-timeout", "experts.start_timeout_s", "experts", "seconds for every expert actor to load "
