@@ -42,7 +42,7 @@ from .config_tree import from_dict, replace_path, to_dict, validate_tree
 from .dispatch import FailoverConfig
 from .observability_config import ObservabilityConfig
 from .server_checks import check_can_listen, check_tls_pair
-from .transports.base import TRANSPORTS
+from .transports.base import TRANSPORT_SETTINGS
 
 __all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "ServerConfig",
            "ConfigError", "DTYPES"]
@@ -163,7 +163,9 @@ class ExpertsConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    transport: str = "refs"  # how expert calls travel: "refs" | "grpc" | "compiled" (README: Transports)
+    # How expert calls travel: "refs" | "grpc" | "compiled", or "auto": grpc on an embedded Ray, refs on a joined
+    # cluster (README: Transports).
+    transport: str = "auto"
     overlap: bool = False  # ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap)
     capacity_factor: float | None = None  # None: no cap, no token is ever moved or dropped
     # torch threads of a router; None: the CPUs it was given (a Serve replica: what Ray assigned it, at least 1; an
@@ -182,8 +184,8 @@ class RouterConfig:
     kv_block_size: int = 16  # tokens per KV-cache block
 
     def validate(self) -> RouterConfig:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport: must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport not in TRANSPORT_SETTINGS:
+            raise ValueError(f"transport: must be one of {TRANSPORT_SETTINGS}, got {self.transport!r}")
         if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             raise ValueError(f"capacity_factor: must be a positive finite number, got {self.capacity_factor}")
         if self.overlap and self.capacity_factor is not None:

@@ -15,7 +15,7 @@ from typing import Any
 from ...experts.errors import ConfigError
 from ...router_service.config import DTYPES, EXPERT_LAYOUTS, MeshConfig
 from ...router_service.config_tree import replace_path
-from ...router_service.transports.base import TRANSPORTS
+from ...router_service.transports.base import TRANSPORT_SETTINGS
 
 
 def _autoscale_range(text: str) -> tuple[int, int]:
@@ -65,7 +65,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--placement", "experts.placement", "experts", "start from a PLACEMENT.json (`expertmesh plan`): one "
          "expert actor per GPU hosting that GPU's shards", {"metavar": "FILE"}),
     Flag("--transport", "router.transport", "router", "how routers reach expert actors (README: Transports)",
-         {"choices": TRANSPORTS}),
+         {"choices": TRANSPORT_SETTINGS}),
     Flag("--overlap", "router.overlap", "router", "split each step into two micro-batches whose expert rounds "
          "overlap the other's dense compute (README: Transports / Overlap)", {"action": "store_const", "const": True}),
     Flag("--capacity-factor", "router.capacity_factor", "router", "cap tokens per expert per step (default: no "
