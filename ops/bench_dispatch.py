@@ -83,10 +83,11 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
 
     from ..experts.dtypes import resolve_dtype
     from ..router_service.mesh import ExpertMesh
+    from ..router_service.transports.base import resolve_transport
     from .bench_shapes import SHAPES, write_shape_checkpoint
 
     config = config or MeshConfig()
-    transport, overlap = config.router.transport, config.router.overlap
+    transport, overlap = resolve_transport(config.router.transport, config.ray.address), config.router.overlap
     dtype = resolve_dtype(config.model.dtype, "float32", on_gpu=False)  # the CPU benchmark's checkpoint is fp32
 
     def say(msg: str) -> None:

@@ -87,7 +87,7 @@ class DoneEvent:
     shed: int = 0  # slots moved off an overloaded expert (overload shedding)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `seq in self._active` must not compare every field (tensors, queues) per step
 class _Sequence:
     request: GenerationRequest
     events: asyncio.Queue
@@ -117,6 +117,47 @@ class _StepRouting:
     dropped: int = 0
     degraded: int = 0
     shed: int = 0
+
+
+def step_routing(routings: dict, lengths: list[int], skip: list[int], num_experts: int) -> list[_StepRouting]:
+    """What one step routed, per sequence: routings layer -> Routing over the step's tokens (sequences' tokens
+    consecutive, `lengths` each); a sequence's first skip[i] tokens were counted before (a recompute). Whole-step
+    tensor ops per layer, not a Python loop per sequence (at 32 streams that loop was ~7% of a router's CPU)."""
+    lengths_t = torch.tensor(lengths)  # [B]
+    batch = len(lengths)
+    seq_of = torch.repeat_interleave(torch.arange(batch), lengths_t)  # [T] the sequence of each token
+    offset = torch.arange(seq_of.numel()) - torch.repeat_interleave(torch.cumsum(lengths_t, 0) - lengths_t, lengths_t)
+    fresh = offset >= torch.tensor(skip)[seq_of]  # [T] not counted before
+    per_seq = [_StepRouting() for _ in lengths]
+    for layer, routing in routings.items():
+        experts = routing.experts  # [T, K], -1 = dropped
+        owner = seq_of[:, None].expand_as(experts)[fresh]  # [F, K]
+        chosen = experts[fresh]  # [F, K]
+        kept = chosen >= 0
+        counts = torch.bincount(owner[kept] * num_experts + chosen[kept],
+                                minlength=batch * num_experts).view(batch, num_experts)  # [B, E]
+        dropped = torch.bincount(owner[~kept], minlength=batch).tolist()  # [B]
+        degraded = _per_sequence(routing.degraded_per_token, seq_of, fresh, batch)
+        rerouted = _per_sequence(routing.rerouted_per_token, seq_of, fresh, batch)
+        shed = _per_sequence(routing.shed_per_token, seq_of, fresh, batch)
+        for i, mine in enumerate(per_seq):
+            mine.tokens_per_expert[layer] = counts[i]
+            mine.dropped += dropped[i]
+            if degraded is not None:
+                mine.degraded += degraded[i]
+            if rerouted is not None:
+                mine.rerouted += rerouted[i]
+            if shed is not None:
+                mine.shed += shed[i]
+    return per_seq
+
+
+def _per_sequence(per_token: torch.Tensor | None, seq_of: torch.Tensor, fresh: torch.Tensor,
+                  batch: int) -> list[int] | None:
+    """[T] per-token counts -> per-sequence sums over the fresh tokens, or None when the routing has none."""
+    if per_token is None:
+        return None
+    return torch.bincount(seq_of[fresh], weights=per_token[fresh].double(), minlength=batch).long().tolist()
 
 
 class ContinuousBatcher:
@@ -339,27 +380,11 @@ class ContinuousBatcher:
         else:
             logits = self.model.forward(inputs, [s.cache for s in batch], logits=wanted)
         self.profile.since("forward.model", started)
-        per_seq = [_StepRouting() for _ in batch]
-        num_experts = self.model.cfg.num_experts
         # Tokens recomputed after a preemption were counted when first routed: skip them.
         skip = [max(0, seq.routed - start) for seq, start in zip(batch, starts)]
         for seq, start, n in zip(batch, starts, lengths):
             seq.routed = max(seq.routed, start + n)
-        for layer, routing in self.model.last_trace.routings.items():
-            rerouted = routing.rerouted_per_token.split(lengths) if routing.rerouted_per_token is not None else None
-            degraded = routing.degraded_per_token.split(lengths) if routing.degraded_per_token is not None else None
-            shed = routing.shed_per_token.split(lengths) if routing.shed_per_token is not None else None
-            for i, experts in enumerate(routing.experts.split(lengths)):
-                fresh = slice(skip[i], None)
-                experts = experts[fresh]
-                if degraded is not None:
-                    per_seq[i].degraded += int(degraded[i][fresh].sum())
-                if shed is not None:
-                    per_seq[i].shed += int(shed[i][fresh].sum())
-                per_seq[i].tokens_per_expert[layer] = torch.bincount(experts[experts >= 0], minlength=num_experts)
-                per_seq[i].dropped += int((experts < 0).sum())
-                if rerouted is not None:
-                    per_seq[i].rerouted += int(rerouted[i][fresh].sum())
+        per_seq = step_routing(self.model.last_trace.routings, lengths, skip, self.model.cfg.num_experts)
         self.profile.since("forward.thread", started)
         return [x[-1] if w == "last" else None for x, w in zip(logits, wanted)], per_seq
 

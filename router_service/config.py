@@ -44,7 +44,7 @@ from .dispatch import FailoverConfig
 from .observability_config import ObservabilityConfig
 from .prefetch import PREFETCH_SETTINGS
 from .server_checks import check_can_listen, check_tls_pair
-from .transports.base import TRANSPORTS
+from .transports.base import TRANSPORT_SETTINGS
 
 __all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "ServerConfig",
            "ConfigError", "DTYPES"]
@@ -120,9 +120,17 @@ class RayConfig:
         return self
 
 
+EXPERT_LAYOUTS = ("auto", "per-expert", "per-device")
+
+
 @dataclass(frozen=True)
 class ExpertsConfig:
-    replicas_per_expert: int = 1  # the default layout: actor expert-e{E}-r{R} hosts expert E of every MoE layer
+    replicas_per_expert: int = 1  # replicas of each actor group expert-e{G}-r{R} (README: Expert layout)
+    # Which default pool (no placement file, no elasticity): "per-expert" = actor expert-e{E}-r{R} hosts expert E of
+    # every MoE layer; "per-device" = one actor per GPU (per node without GPUs) hosting a slice of every layer's
+    # experts, one call per actor per layer; "auto" = per-expert only where every such actor gets a core (GPU) of its
+    # own and the model has at most 16 experts per layer, else per-device (router_service/pool_layout.py).
+    layout: str = "auto"
     num_cpus_per_actor: float | None = None  # None: share each node's CPUs among its actors (≤ 1 each)
     # Every actor loaded its weights and answered, or start-up fails. The default lets an actor fetch and read a
     # large shard set (e.g. 1/8 of a 100 GB checkpoint from the Hub, or all of it from a ~100 MB/s cloud disk).
@@ -155,6 +163,8 @@ class ExpertsConfig:
     def validate(self) -> ExpertsConfig:
         if self.replicas_per_expert < 1:
             raise ValueError(f"replicas_per_expert: must be an integer ≥ 1, got {self.replicas_per_expert}")
+        if self.layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"layout: must be one of {EXPERT_LAYOUTS}, got {self.layout!r}")
         if self.num_cpus_per_actor is not None and not self.num_cpus_per_actor > 0:
             raise ValueError(f"num_cpus_per_actor: must be > 0, got {self.num_cpus_per_actor}")
         if not self.start_timeout_s > 0:
@@ -178,7 +188,9 @@ class ExpertsConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    transport: str = "refs"  # how expert calls travel: "refs" | "grpc" | "compiled" (README: Transports)
+    # How expert calls travel: "refs" | "grpc" | "compiled", or "auto": grpc on an embedded Ray, refs on a joined
+    # cluster (README: Transports).
+    transport: str = "auto"
     overlap: bool = False  # ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap)
     capacity_factor: float | None = None  # None: no cap, no token is ever moved or dropped
     # torch threads of a router; None: the CPUs it was given (a Serve replica: what Ray assigned it, at least 1; an
@@ -197,8 +209,8 @@ class RouterConfig:
     kv_block_size: int = 16  # tokens per KV-cache block
 
     def validate(self) -> RouterConfig:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport: must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport not in TRANSPORT_SETTINGS:
+            raise ValueError(f"transport: must be one of {TRANSPORT_SETTINGS}, got {self.transport!r}")
         if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             raise ValueError(f"capacity_factor: must be a positive finite number, got {self.capacity_factor}")
         if self.overlap and self.capacity_factor is not None:

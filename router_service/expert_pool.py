@@ -37,9 +37,17 @@ def default_actor_groups(cfg: MoEModelConfig, replicas_per_expert: int,
     group g hosting the g-th contiguous slice of the experts in every MoE layer; still `expert-e{g}-r{r}`, so
     replicas_per_expert means replicas of each slice."""
     if devices is None or cfg.num_experts <= MANY_EXPERTS:
-        slices = [[expert] for expert in range(cfg.num_experts)]
-    else:
-        slices = expert_slices(cfg.num_experts, devices)
+        return _groups(cfg, replicas_per_expert, [[expert] for expert in range(cfg.num_experts)])
+    return device_actor_groups(cfg, replicas_per_expert, devices)
+
+
+def device_actor_groups(cfg: MoEModelConfig, replicas_per_expert: int, devices: int) -> dict[str, list[Shard]]:
+    """The per-device layout at any expert count: `devices` groups, group g hosting the g-th contiguous slice of the
+    experts in every MoE layer (`expert-e{g}-r{r}`): one call per actor per layer instead of one per expert hit."""
+    return _groups(cfg, replicas_per_expert, expert_slices(cfg.num_experts, devices))
+
+
+def _groups(cfg: MoEModelConfig, replicas_per_expert: int, slices: list[list[int]]) -> dict[str, list[Shard]]:
     return {
         expert_actor_name(group, replica): [(layer, expert) for layer in cfg.moe_layers for expert in experts]
         for group, experts in enumerate(slices)

@@ -17,7 +17,14 @@ from ..cluster.routing_table import Shard
 from ..cluster.shard_placement import Placement
 from ..experts.config import MoEModelConfig
 from .errors import RequestError
-from .expert_pool import MANY_EXPERTS, cluster_device_count, cluster_nodes, default_actor_groups, device_actor_slots
+from .expert_pool import (
+    MANY_EXPERTS,
+    cluster_device_count,
+    cluster_nodes,
+    default_actor_groups,
+    device_actor_groups,
+    device_actor_slots,
+)
 
 
 def load_placement(path: str | Path) -> Placement:
@@ -58,18 +65,33 @@ def planned_layout(cfg: MoEModelConfig, nodes: list[NodeResources], elastic: Ela
     return {name: list(p.shards) for name, p in plans.items()}, list(slots.values())
 
 
+def default_layout(cfg: MoEModelConfig, replicas_per_expert: int, nodes: list[NodeResources],
+                   layout: str = "auto") -> str:
+    """"per-expert" or "per-device" for the default pool. auto: one process per expert only when the model has at
+    most MANY_EXPERTS experts per layer and each of those actors gets a GPU (GPU cluster) or a core (CPU cluster,
+    one core left to the router) of its own. Otherwise per-expert actors share cores: on a 2-core machine 8
+    actors + the router made every decode layer a round of up to 8 Ray calls, each actor woken on a busy core
+    (measured: 30 ms a step at one stream against 17 ms with one actor per node; ops/reports/bench/serve_overhead)."""
+    if layout != "auto":
+        return layout
+    actors = cfg.num_experts * replicas_per_expert
+    gpus = sum(n.num_gpus for n in nodes)
+    room = gpus if gpus else sum(n.num_cpus for n in nodes) - 1
+    return "per-expert" if cfg.num_experts <= MANY_EXPERTS and room >= actors else "per-device"
+
+
 def pool_layout(cfg: MoEModelConfig, replicas_per_expert: int, num_cpus_per_actor: float | None,
-                placement_path: str | None, elastic: ElasticConfig | None
+                placement_path: str | None, elastic: ElasticConfig | None, layout: str = "auto"
                 ) -> tuple[dict[str, list[Shard]], list[ActorSlot] | None]:
     """The pool to start: a planned one (one actor per GPU) when a placement file or elasticity is given, else the
-    default grouping: one actor per logical expert (slots None: ExpertPool spreads it over the cluster), or for a
-    model with more than MANY_EXPERTS experts per layer one actor per GPU (per node without GPUs) hosting a slice of
-    every layer's experts (expert_pool.default_actor_groups)."""
+    default grouping (`layout`, see default_layout): one actor per logical expert (slots None: ExpertPool spreads
+    it over the cluster), or one actor per GPU (per node without GPUs) hosting a slice of every layer's experts
+    (expert_pool.device_actor_groups)."""
     if placement_path is None and elastic is None:
-        if cfg.num_experts <= MANY_EXPERTS:
-            return default_actor_groups(cfg, replicas_per_expert), None
         nodes = cluster_nodes()
-        groups = default_actor_groups(cfg, replicas_per_expert, cluster_device_count(nodes))
+        if default_layout(cfg, replicas_per_expert, nodes, layout) == "per-expert":
+            return default_actor_groups(cfg, replicas_per_expert), None
+        groups = device_actor_groups(cfg, replicas_per_expert, cluster_device_count(nodes))
         return groups, device_actor_slots(list(groups), nodes, num_cpus_per_actor)
     placement = load_placement(placement_path) if placement_path else None
     return planned_layout(cfg, cluster_nodes(), elastic or ElasticConfig(num_cpus_per_actor=num_cpus_per_actor),

@@ -29,6 +29,7 @@ from .errors import RequestError, check_budget, check_token_ids
 from .observability import RouterObserver, default_router_id
 from .prefetch import NextLayerPredictor
 from .table_sync import TableFollower
+from .transports.base import resolve_transport
 from .transports.factory import close_transport, make_transport
 from .transports.refs import NameReviver
 
@@ -61,7 +62,8 @@ class Router:
         self.tokenizer = load_tokenizer(self.reader.model_dir)
         self.config = config
         settings = config.router
-        self.transport = make_transport(settings.transport, dict(actors))
+        self.transport_name = resolve_transport(settings.transport, config.ray.address)
+        self.transport = make_transport(self.transport_name, dict(actors))
         self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport,
                                      config.failover, reviver=NameReviver(self.transport, NAMESPACE))
         # Dense weights, KV cache and sampling live on this device; only rows for expert actors leave it.
@@ -78,7 +80,7 @@ class Router:
                                 settings.kv_block_size)
         self.model = MoEDecoder(self.model_config, dense, self.backend, settings.capacity_factor,
                                 overlap=settings.overlap, kv_cache=kv_cache)
-        prefetch = config.experts.prefetch_mode(settings.transport)
+        prefetch = config.experts.prefetch_mode(self.transport_name)
         if prefetch != "off":  # README: Offload
             self.backend.prefetcher = NextLayerPredictor(prefetch, self.model_config.moe_layers,
                                                          self.model.predict_experts)

@@ -119,7 +119,8 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
         transport_secret()  # the expert transport's cluster secret exists before any actor or router needs it
         elastic = config.controller.elastic
         groups, slots = pool_layout(reader.config, config.experts.replicas_per_expert,
-                                    config.experts.num_cpus_per_actor, config.experts.placement, elastic)
+                                    config.experts.num_cpus_per_actor, config.experts.placement, elastic,
+                                    config.experts.layout)
         # On GPU nodes: the pool fits by bytes, or the autoscaler adds GPUs, or one line says what is missing.
         slots = fit_gpu_memory(config, reader, groups, slots)
         tracing = config.tracing

@@ -14,9 +14,15 @@ from expertmesh.ops.server_process import start_server as _start
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
 
+# The test servers keep the one-actor-per-expert layout (expert-e{E}-r{R} hosts expert E) that their kills, replica
+# counts and per-actor assertions name; on the 2-CPU test Rays the default (auto) would pick one actor per node.
+# A test of the default layout passes --expert-layout itself.
+PER_EXPERT = ("--expert-layout", "per-expert")
+
 
 def start_server(*args: str, timeout: float = 300) -> ServerProcess:
-    return _start(list(args), timeout=timeout)
+    layout = () if "--expert-layout" in args else PER_EXPERT
+    return _start([*layout, *args], timeout=timeout)
 
 
 @contextmanager

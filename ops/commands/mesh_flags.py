@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...experts.errors import ConfigError
-from ...router_service.config import DTYPES, MeshConfig
+from ...router_service.config import DTYPES, EXPERT_LAYOUTS, MeshConfig
 from ...router_service.config_tree import replace_path
 from ...router_service.prefetch import PREFETCH_SETTINGS
-from ...router_service.transports.base import TRANSPORTS
+from ...router_service.transports.base import TRANSPORT_SETTINGS
 
 
 def _autoscale_range(text: str) -> tuple[int, int]:
@@ -48,6 +48,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--ray-cpus", "ray.num_cpus", "ray", "CPUs of the embedded Ray (default: the machine's)", {"type": int}),
     Flag("--replicas-per-expert", "experts.replicas_per_expert", "experts", "replicas of each expert actor",
          {"type": int}),
+    Flag("--expert-layout", "experts.layout", "experts", "default pool: per-expert (one actor per expert), "
+         "per-device (one per GPU, or node without GPUs, hosting a slice of every layer), auto: per-expert only "
+         "where each actor gets its own core/GPU (README: Expert layout)", {"choices": EXPERT_LAYOUTS}),
     Flag("--cpus-per-actor", "experts.num_cpus_per_actor", "experts", "CPUs per expert actor (default: a share "
          "of each node's)", {"type": float}),
     Flag("--actor-start-timeout", "experts.start_timeout_s", "experts", "seconds for every expert actor to load "
@@ -72,7 +75,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--placement", "experts.placement", "experts", "start from a PLACEMENT.json (`expertmesh plan`): one "
          "expert actor per GPU hosting that GPU's shards", {"metavar": "FILE"}),
     Flag("--transport", "router.transport", "router", "how routers reach expert actors (README: Transports)",
-         {"choices": TRANSPORTS}),
+         {"choices": TRANSPORT_SETTINGS}),
     Flag("--overlap", "router.overlap", "router", "split each step into two micro-batches whose expert rounds "
          "overlap the other's dense compute (README: Transports / Overlap)", {"action": "store_const", "const": True}),
     Flag("--capacity-factor", "router.capacity_factor", "router", "cap tokens per expert per step (default: no "

@@ -14,6 +14,7 @@ from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.mesh import ConfigError, ExpertMesh, MeshConfig, RequestError
 from tests.tiny_checkpoints import VOCAB
+from tests.traffic import kill_and_wait
 
 TOL = 1e-4
 
@@ -23,9 +24,11 @@ pytestmark = pytest.mark.usefixtures("local_ray")
 
 def local_mesh(path, **sections) -> ExpertMesh:
     """A mesh on the tiny checkpoint at `path` with no controller (nothing here kills actors); sections: more of
-    the configuration tree, e.g. router={"capacity_factor": 1.0}."""
+    the configuration tree, e.g. router={"capacity_factor": 1.0}. The one-actor-per-expert layout: the tests
+    here name actors expert-e{E}-r{R} and count calls per expert actor."""
+    experts = {"layout": "per-expert", **sections.pop("experts", {})}
     return ExpertMesh(MeshConfig.from_dict({"model": {"path": str(path)}, "controller": {"enabled": False},
-                                            **sections}))
+                                            "experts": experts, **sections}))
 
 
 def hf_model(path):
@@ -90,6 +93,29 @@ def test_replicas_share_load_and_stay_exact(checkpoints):
             assert infos[f"expert-e{expert}-r0"]["tokens"] > 0 and infos[f"expert-e{expert}-r1"]["tokens"] > 0
     with pytest.raises(ValueError):
         ray.get_actor("expert-e1-r1", namespace=NAMESPACE)  # gone after shutdown
+
+
+def test_default_layout_on_a_small_ray_is_one_actor_per_node_exact_and_fails_over(checkpoints):
+    """The default (auto) layout on this module's 2-CPU Ray, where one process per expert would share cores: one
+    actor per node hosting every expert of every MoE layer (two replicas: two such actors), one call per actor per
+    layer; outputs equal the reference, also after one replica is killed (its tokens go to the other)."""
+    path = checkpoints["mixtral"]
+    seqs = sequences(seed=4)
+    reference = load_reference_model(path).forward([torch.tensor(s) for s in seqs])
+    config = MeshConfig.from_dict({"model": {"path": str(path)}, "controller": {"enabled": False},
+                                   "experts": {"replicas_per_expert": 2}})
+    with ExpertMesh(config) as mesh:
+        assert sorted(mesh.actors) == ["expert-e0-r0", "expert-e0-r1"]
+        every = [(layer, e) for layer in mesh.model_config.moe_layers for e in range(4)]
+        assert all(sorted(i["shards"]) == every for i in mesh.actor_info())
+        got = mesh.score_batch(seqs)
+        calls = dict(mesh.backend.calls_per_layer)
+        kill_and_wait("expert-e0-r0")
+        after = mesh.score_batch(seqs)
+        assert mesh.backend.dead == {"expert-e0-r0"}
+    assert calls and all(1 <= n <= 2 for n in calls.values())  # one call per replica at most, not per expert
+    for a, b, ref in zip(got, after, reference):
+        assert (a - ref).abs().max().item() <= TOL and (b - ref).abs().max().item() <= TOL
 
 
 def test_capacity_factor_matches_reference_with_the_same_cap(checkpoints):

@@ -24,7 +24,8 @@ def test_actor_kill_drill_loses_no_request_and_restores_every_replica(tmp_path):
     out = tmp_path / "drill"
     proc = subprocess.run(
         [sys.executable, "-m", "expertmesh.ops.cli", "drill", "--kill", "actor", "--duration", "12", "--every", "6",
-         "--baseline", "6", "--replicas-per-expert", "2", "--concurrency", "4", "--out", str(out), "--json"],
+         "--baseline", "6", "--replicas-per-expert", "2",
+         "--expert-layout", "per-expert", "--concurrency", "4", "--out", str(out), "--json"],
         capture_output=True, text=True, timeout=DRILL_TIMEOUT_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -50,7 +50,7 @@ def make_mesh(checkpoints, replicas_per_expert: int = 1, restore: bool = False,
               failover: FailoverConfig | None = None) -> ExpertMesh:
     """restore: run the controller (which restores killed experts); otherwise no controller at all."""
     return ExpertMesh(MeshConfig(model=ModelConfig(path=str(checkpoints["mixtral"])),
-                                 experts=ExpertsConfig(replicas_per_expert=replicas_per_expert),
+                                 experts=ExpertsConfig(replicas_per_expert=replicas_per_expert, layout="per-expert"),
                                  failover=failover or FailoverConfig(), controller=ControllerConfig(enabled=restore)))
 
 

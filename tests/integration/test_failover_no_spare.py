@@ -56,7 +56,7 @@ def test_node_lost_without_spare_capacity_is_served_by_a_stand_in_then_moves_bac
     cluster, workers = full_cluster
     config = MeshConfig.from_dict({
         "model": {"path": str(checkpoints["mixtral"])},
-        "experts": {"replicas_per_expert": 1, "num_cpus_per_actor": 1.0},
+        "experts": {"replicas_per_expert": 1, "num_cpus_per_actor": 1.0, "layout": "per-expert"},
         # Long enough to ride out starting a stand-in on a loaded machine: a step holds the lost shards' tokens.
         "failover": {"no_replica_policy": "wait", "wait_timeout_s": 240.0}})
     expected = greedy_tokens(load_reference_model(checkpoints["mixtral"]), PROMPT, MAX_TOKENS)

@@ -61,8 +61,8 @@ def gpu_cluster():
 
 def test_node_lost_output_unchanged_and_replicas_restored_elsewhere(gpu_cluster, checkpoints, expected):
     cluster, workers = gpu_cluster
-    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])},
-                                                "experts": {"replicas_per_expert": 2}})) as mesh:
+    experts = {"replicas_per_expert": 2, "layout": "per-expert"}
+    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])}, "experts": experts})) as mesh:
         slots = {s.name: s for s in mesh.slots}
         for expert in range(4):  # replicas of one expert on different nodes, both workers
             nodes = {slots[f"expert-e{expert}-r{r}"].node_id for r in range(2)}

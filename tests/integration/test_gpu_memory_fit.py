@@ -34,6 +34,7 @@ def gpu_cluster():
 def _config(cluster, checkpoint, gpu_gb: float, wait_s: float = 0.0) -> MeshConfig:
     return MeshConfig().replace(**{
         "model.path": str(checkpoint), "ray.address": cluster.address, "experts.num_cpus_per_actor": 0.1,
+        "experts.layout": "per-expert",
         "experts.gpu_memory_gb": gpu_gb, "experts.gpu_wait_s": wait_s, "controller.enabled": False,
     })
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("local_ray")
 def test_add_then_retire_a_replica_live(checkpoints):
     expected = greedy_tokens(load_reference_model(checkpoints["mixtral"]), PROMPT, MAX_TOKENS)
     mesh = ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])},
-                                              "experts": {"num_cpus_per_actor": 0.1}}))
+                                              "experts": {"num_cpus_per_actor": 0.1, "layout": "per-expert"}}))
     try:
         hot = 0
         original, added = expert_actor_name(hot, 0), expert_actor_name(hot, 1)
@@ -75,7 +75,7 @@ def named(name: str) -> bool:
 
 def test_remap_refuses_a_bad_placement(checkpoints):
     mesh = ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])},
-                                              "experts": {"num_cpus_per_actor": 0.1}}))
+                                              "experts": {"num_cpus_per_actor": 0.1, "layout": "per-expert"}}))
     try:
         placement = {name: [list(s) for s in shards] for name, shards in mesh.router.table.actors.items()}
         first = next(iter(placement))

@@ -28,8 +28,9 @@ def test_actors_land_where_the_placement_says_and_hold_gpus(gpu_cluster, checkpo
     path = checkpoints["mixtral"]  # 4 experts x 2 replicas = 8 actors on 4 declared GPUs
     ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
     want = load_reference_model(path).forward([torch.tensor(ids)])[0]
-    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(path)}, "experts": {"replicas_per_expert": 2},
-                                                "controller": {"enabled": False}})) as mesh:
+    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(path)},
+                                          "experts": {"replicas_per_expert": 2, "layout": "per-expert"},
+                                          "controller": {"enabled": False}})) as mesh:
         infos = {i["name"]: i for i in mesh.actor_info()}
         slots = {s.name: s for s in mesh.slots}
         got = mesh.score(ids)

@@ -42,7 +42,8 @@ def test_distributed_equals_reference_bit_for_bit(folders, name):
     want = reference.forward([torch.tensor(s) for s in seqs])
     prompt = seqs[0][:6]
     want_tokens = greedy_tokens(reference, prompt, 10)  # decoding runs past the window
-    config = MeshConfig.from_dict({"model": {"path": str(folder)}, "controller": {"enabled": False}})
+    config = MeshConfig.from_dict({"model": {"path": str(folder)}, "controller": {"enabled": False},
+                                    "experts": {"layout": "per-expert"}})  # calls counted per expert actor
     with ExpertMesh(config) as mesh:
         got = mesh.score_batch(seqs)
         calls = dict(mesh.backend.calls_per_layer)

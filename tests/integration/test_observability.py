@@ -26,7 +26,7 @@ from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.cluster.pool_spec import PoolSpec
 from expertmesh.experts.telemetry import build_tracer, carrier_of, span_record
 from expertmesh.experts.tracing_config import TracingConfig
-from expertmesh.router_service.config import ModelConfig
+from expertmesh.router_service.config import ExpertsConfig, ModelConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability_config import MetricsConfig, ObservabilityConfig
 from tests.tiny_checkpoints import write_direct_mixtral
@@ -56,7 +56,8 @@ def mesh(metrics_port, tmp_path_factory):
     model = write_direct_mixtral(root / "model", seed=3)
     spans = root / "actor_spans.jsonl"
     mesh = ExpertMesh(MeshConfig(
-        model=ModelConfig(path=str(model)), tracing=TracingConfig(exporter="file", path=str(spans)),
+        model=ModelConfig(path=str(model)), experts=ExpertsConfig(layout="per-expert"),
+        tracing=TracingConfig(exporter="file", path=str(spans)),
         observability=ObservabilityConfig(metrics=MetricsConfig(flush_interval_s=0.0), report_interval_s=0.5),
     ))
     mesh.spans_path = spans

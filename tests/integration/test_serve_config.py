@@ -50,6 +50,7 @@ def deployed(checkpoints, tmp_path_factory):
     app["failover"]["no_replica_policy"] = "degrade"
     app["router"].pop("autoscale")
     app["router"]["replicas"] = 1
+    app.setdefault("experts", {})["layout"] = "per-expert"  # the assertions below name one actor per expert
     path = tmp_path_factory.mktemp("serve") / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     log = path.with_suffix(".log")

@@ -38,8 +38,8 @@ def expected(reference) -> list[int]:
 
 @pytest.fixture(scope="module")
 def mesh(checkpoints):
-    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])},
-                                                "experts": {"replicas_per_expert": 2}})) as mesh:
+    experts = {"replicas_per_expert": 2, "layout": "per-expert"}
+    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])}, "experts": experts})) as mesh:
         names = list(mesh.pool.spec.actor_shards)
         yield mesh
 

@@ -13,6 +13,7 @@ from expertmesh.router_service.expert_pool import (
     MANY_EXPERTS,
     cluster_device_count,
     default_actor_groups,
+    device_actor_groups,
     device_actor_slots,
     expert_slices,
 )
@@ -82,9 +83,39 @@ def test_device_actors_on_gpus_get_one_gpu_each():
 
 
 def test_pool_layout_switches_at_many_experts(monkeypatch):
-    monkeypatch.setattr(pool_layout, "cluster_nodes", lambda: [NodeResources("n0", 2.0)])
+    monkeypatch.setattr(pool_layout, "cluster_nodes", lambda: [NodeResources("n0", 16.0)])
     groups, slots = pool_layout.pool_layout(_cfg(8), 1, None, None, None)
     assert slots is None and len(groups) == 8
+    monkeypatch.setattr(pool_layout, "cluster_nodes", lambda: [NodeResources("n0", 2.0)])
     groups, slots = pool_layout.pool_layout(_cfg(256), 1, None, None, None)
     assert list(groups) == ["expert-e0-r0"] and len(groups["expert-e0-r0"]) == 3 * 256
     assert [(s.name, s.node_id, s.num_cpus) for s in slots] == [("expert-e0-r0", "n0", 1.0)]
+
+
+def test_auto_layout_gives_each_per_expert_actor_a_core_or_gpu_or_goes_per_device():
+    eight = _cfg(8)
+    assert pool_layout.default_layout(eight, 1, [NodeResources("n", 9.0)]) == "per-expert"  # 8 actors + router
+    assert pool_layout.default_layout(eight, 1, [NodeResources("n", 8.0)]) == "per-device"
+    assert pool_layout.default_layout(eight, 2, [NodeResources("a", 9.0), NodeResources("b", 8.0)]) == "per-expert"
+    assert pool_layout.default_layout(eight, 1, [NodeResources("n", 64.0, 8)]) == "per-expert"  # a GPU each
+    assert pool_layout.default_layout(eight, 1, [NodeResources("n", 64.0, 4)]) == "per-device"
+    assert pool_layout.default_layout(_cfg(MANY_EXPERTS + 1), 1, [NodeResources("n", 512.0)]) == "per-device"
+    for explicit in ("per-expert", "per-device"):  # asked for: as asked, whatever the cluster
+        assert pool_layout.default_layout(eight, 1, [NodeResources("n", 2.0)], explicit) == explicit
+        assert pool_layout.default_layout(eight, 1, [NodeResources("n", 512.0)], explicit) == explicit
+
+
+def test_small_machine_gets_one_actor_hosting_every_expert_unless_per_expert_is_asked(monkeypatch):
+    monkeypatch.setattr(pool_layout, "cluster_nodes", lambda: [NodeResources("n0", 2.0)])
+    groups, slots = pool_layout.pool_layout(_cfg(8), 2, None, None, None)
+    assert list(groups) == ["expert-e0-r0", "expert-e0-r1"]  # replicas of the one slice: failover still has a spare
+    assert all(shards == [(layer, e) for layer in range(3) for e in range(8)] for shards in groups.values())
+    assert [(s.name, s.node_id) for s in slots] == [("expert-e0-r0", "n0"), ("expert-e0-r1", "n0")]
+    groups, slots = pool_layout.pool_layout(_cfg(8), 1, None, None, None, "per-expert")
+    assert slots is None and list(groups) == [f"expert-e{e}-r0" for e in range(8)]
+
+
+def test_device_actor_groups_slice_any_expert_count():
+    groups = device_actor_groups(_cfg(8), 1, devices=3)
+    assert list(groups) == ["expert-e0-r0", "expert-e1-r0", "expert-e2-r0"]
+    assert sorted(_covered(groups)) == [(layer, e) for layer in range(3) for e in range(8)]
