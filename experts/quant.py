@@ -83,6 +83,8 @@ class QuantizedLinear:
             if not _int8_kernel_dtype(self.device, self.dtype) or not _int8_runs(self.device, self.dtype):
                 return "dequantize"
             if self.device.type == "cpu":
+                if not _cpu_int8_shape_ok(self):
+                    return "dequantize"
                 return f"_weight_int8pack_mm up to {INT8_KERNEL_MAX_ROWS} rows, dequantize above"
             return "_weight_int8pack_mm"
         return "_weight_int4pack_mm_for_cpu" if self.layout == "cpu_int4pack" else "dequantize"
@@ -122,10 +124,11 @@ class QuantizedLinear:
         if x.shape[0] == 0:
             y = x.new_zeros((0, self.shape[0]))
         elif self.mode == "int8" and x.dtype == self.dtype and _int8_kernel_dtype(x.device, x.dtype) and (
-                x.device.type != "cpu" or x.shape[0] <= INT8_KERNEL_MAX_ROWS) and _int8_runs(x.device, x.dtype):
-            y = torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)  # [T, N]
+                x.device.type != "cpu" or (x.shape[0] <= INT8_KERNEL_MAX_ROWS and _cpu_int8_shape_ok(self))) and (
+                _int8_runs(x.device, x.dtype)):
+            y = torch._weight_int8pack_mm(_kernel_rows(x), self.qweight, self.scales)  # [T, N]
         elif self.layout == "cpu_int4pack" and x.dtype == self.dtype:
-            y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight, self.group, self.scales)  # [T, N]
+            y = torch._weight_int4pack_mm_for_cpu(_kernel_rows(x), self.qweight, self.group, self.scales)  # [T, N]
         else:
             return F.linear(x, self.dequantize(x.dtype), bias)  # [T, N]
         return y if bias is None else y + bias
@@ -237,6 +240,27 @@ def _int4_weight(nibbles: torch.Tensor, scales: torch.Tensor, shape: tuple[int, 
         packed = torch._convert_weight_to_int4pack_for_cpu(unpack_nibbles(nibbles).to(torch.int32), 1)  # [N, K/2]
         return QuantizedLinear("int4", shape, packed, scales, group, "cpu_int4pack")
     return QuantizedLinear("int4", shape, nibbles, scales, group, "nibbles")
+
+
+# torch's CPU int8 kernel (aten/src/ATen/native/cpu/int8mm_kernel.cpp, AVX-512 and AVX2 paths) reads activations
+# and weight rows with *aligned* vector loads, 16 inputs at a time, and does not check: an activation that is not
+# 32-byte aligned (one that arrived over the wire, read in place from a gRPC or Ray buffer) faults with SIGSEGV,
+# and a K that is not a multiple of 16 reads past each row. So the kernel gets rows copied to a fresh allocation
+# (torch's CPU allocator aligns to 64 bytes) when they are not aligned, and weights with K % 16 != 0 dequantise.
+# The int4 kernel takes the same care; the copy does not change a value, so the bits still agree with the reference.
+_KERNEL_ALIGN = 64
+
+
+def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K], contiguous and starting on a _KERNEL_ALIGN-byte boundary (copied only when it is not)."""
+    if x.device.type == "cpu" and (not x.is_contiguous() or x.data_ptr() % _KERNEL_ALIGN):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x.contiguous()
+
+
+def _cpu_int8_shape_ok(weight: QuantizedLinear) -> bool:
+    """Whether every row of the weight and of a bf16/fp16 activation stays aligned for the CPU int8 kernel."""
+    return weight.shape[1] % 16 == 0 and weight.qweight.data_ptr() % _KERNEL_ALIGN == 0
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -25,10 +25,11 @@ def shard_bytes(checkpoints) -> int:
 
 @pytest.fixture(scope="module")
 def mesh(checkpoints, shard_bytes):
-    """Actors with a budget of one shard each (they host two: expert e of both MoE layers); the mesh's own router
+    """One actor per expert (the per-expert layout, not the default sized to this machine's cores), each with a
+    budget of one shard (they host two: expert e of both MoE layers); the mesh's own router
     prefetches by pre-gating (auto), a second router over gRPC by history."""
     config = MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])}, "controller": {"enabled": False},
-                                   "experts": {"memory_gb": shard_bytes / 2**30}})
+                                   "experts": {"memory_gb": shard_bytes / 2**30, "layout": "per-expert"}})
     with ExpertMesh(config) as mesh:
         grpc_router = Router(mesh.pool.spec, mesh.actors,
                              config.replace(**{"router.transport": "grpc", "experts.prefetch": "history"}))

@@ -88,6 +88,34 @@ def test_float32_dequantises_and_bf16_takes_the_packed_kernels_where_they_pay(mo
     assert calls == [1, quant.INT8_KERNEL_MAX_ROWS]  # larger calls dequantise (faster there, measured)
 
 
+_MISALIGNED_CALLS = """
+import torch
+from expertmesh.experts.quant import quantize
+gen = torch.Generator().manual_seed(0)
+for mode, k in (("int8", 64), ("int8", 40), ("int4", 128)):
+    q = quantize(torch.randn(64, k, generator=gen).to(torch.bfloat16), mode)
+    fresh = torch.randn(3, k, generator=gen).to(torch.bfloat16)  # [3, K], 64-byte aligned
+    buffer = torch.empty(3 * k + 1, dtype=torch.bfloat16)
+    buffer[1:] = fresh.flatten()
+    wire = buffer[1:].view(3, k)  # the same rows 2 bytes off alignment, as read in place from a message
+    assert wire.data_ptr() % 64 != 0
+    assert torch.equal(q.linear(wire), q.linear(fresh)), mode
+print("ok")
+"""
+
+
+def test_packed_kernels_take_rows_read_in_place_from_a_message():
+    """torch's CPU int8 kernel loads activations with aligned vector loads and faulted (SIGSEGV, killing the expert
+    actor) on rows that arrived over gRPC at a 2-byte offset. Run in a child process so a regression fails this test
+    instead of the test run."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _MISALIGNED_CALLS], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])
+    assert quantize(_weight(64, 40).to(torch.bfloat16), "int8").kernel == "dequantize"  # K % 16: reads past rows
+
+
 def test_a_kernel_laid_int4_weight_unpacks_to_the_plain_layout(monkeypatch):
     w = _weight(64, 128).to(torch.bfloat16)
     kernel = quantize(w, "int4")
