@@ -13,7 +13,14 @@ over their forward time), bytes moved, prefetch issued/useful and the router's p
 share of on-demand stall that prefetch removed.
 
 `quant`: a list of expert quantisation modes; values other than "none" are passed as `experts.quant` (issue 15
-item 3), one set of runs each.
+item 3), one set of runs each, compared with that mode's own all-resident run (the benchmark model is float32,
+where quantised experts dequantise per call: experts/quant.py).
+
+`perplexity`: the benchmark model has random weights, so quality is measured on the embedded model instead: per
+quantisation mode, its held-out perplexity (ops/perplexity.py) in process with every expert resident, and served
+through actors holding half their shards with pre-gating prefetch. Offload moves weights, not values, so the two
+must agree exactly (the run says whether they did); what a mode costs in quality is its resident figure against
+"none"'s.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ TIER_KEYS = ("hits", "misses", "bytes_moved", "stall_s", "prefetch_issued", "pre
 
 def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch: tuple[str, ...] = ("off", "gate"),
                       layers: int = 4, quant: tuple[str, ...] = ("none",), verbose: bool = True,
-                      config: MeshConfig | None = None) -> dict:
+                      config: MeshConfig | None = None, perplexity: bool = True) -> dict:
     from ..experts.checkpoint import CheckpointReader
     from ..experts.weights import load_expert_shards
     from ..router_service.mesh import ExpertMesh
@@ -64,11 +71,12 @@ def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch:
         shard_bytes = load_expert_shards(reader, [(0, 0)])[(0, 0)].nbytes()
         per_actor = len(reader.config.moe_layers)  # the default layout: expert e of every MoE layer per actor
         result["shard_bytes"] = shard_bytes
-        baseline: dict | None = None
         for q in quant:
             base = config.replace(**{"model.path": str(model_dir)})
             if q != "none":
                 base = base.replace(**{"experts.quant": q})  # issue 15 item 3's field
+            baseline: dict | None = None  # each quantisation mode against its own all-resident run
+            first_run = len(result["runs"])
             for share in residency:
                 keep = max(1, round(share * per_actor))
                 offload = keep < per_actor
@@ -82,14 +90,17 @@ def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch:
                         if baseline is None:
                             baseline = run
                         result["runs"].append({k: v for k, v in run.items() if not k.startswith("_")})
-        if baseline is not None and baseline["residency"] >= 1.0:
-            # The resident mesh once more at the end: on a shared machine the load drifts over minutes, so the
-            # ratios use the better of the two resident runs (both are reported).
-            say("residency 100 % again ...")
-            with ExpertMesh(config.replace(**{"model.path": str(model_dir)})) as mesh:
-                again = _run(mesh, "off", prefill_ids, context_ids, baseline)
-            result["resident_again"] = {k: v for k, v in again.items() if not k.startswith("_")}
-            _rebase(result["runs"], again)
+            if baseline is not None and baseline["residency"] >= 1.0:
+                # The resident mesh once more at the end: on a shared machine the load drifts over minutes, so
+                # the ratios use the better of the two resident runs (both are reported).
+                say(f"quant {q}, residency 100 % again ...")
+                with ExpertMesh(base) as mesh:
+                    again = _run(mesh, "off", prefill_ids, context_ids, baseline)
+                result.setdefault("resident_again", {})[q] = {k: v for k, v in again.items() if not k.startswith("_")}
+                _rebase(result["runs"][first_run:], again)
+    if perplexity:
+        say("held-out perplexity of the embedded model, resident in process and offloaded through actors ...")
+        result["perplexity"] = _perplexity(quant, config)
     result["stall_removed_by_prefetch"] = _stall_removed(result["runs"])
     return result
 
@@ -155,6 +166,35 @@ def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, 
         same = same and all(torch.equal(a, b) for a, b in zip(logits, baseline["_decode_logits"]))
         run["bit_identical_to_resident"] = bool(same)
     return run
+
+
+def _perplexity(quant: tuple[str, ...], config: MeshConfig) -> dict:
+    """{mode: {"resident", "offloaded", "identical", ...}} on the embedded model (see the module docstring)."""
+    from ..experts.checkpoint import CheckpointReader
+    from ..experts.embedded_model import EMBEDDED_MODEL_DIR
+    from ..experts.reference import load_reference_model
+    from ..experts.weights import load_expert_shards
+    from ..router_service.mesh import ExpertMesh
+    from .perplexity import held_out_perplexity
+
+    reader = CheckpointReader(EMBEDDED_MODEL_DIR)
+    first = (reader.config.moe_layers[0], 0)
+    out = {}
+    for q in quant:
+        resident = held_out_perplexity(load_reference_model(EMBEDDED_MODEL_DIR, torch.float32, quant=q))
+        shard_bytes = load_expert_shards(reader, [first], quant=q)[first].nbytes()  # this mode's shard size
+        mesh_config = config.replace(**{"model.path": str(EMBEDDED_MODEL_DIR), "experts.quant": q,
+                                        "experts.prefetch": "gate"})
+        with ExpertMesh(mesh_config) as mesh:  # how many shards the layout gives each actor here
+            hosted = min(len(info["shards"]) for info in mesh.actor_info())
+        keep = max(1, hosted // 2)
+        with ExpertMesh(mesh_config.replace(**{"experts.memory_gb": keep * shard_bytes / 2**30})) as mesh:
+            offloaded = held_out_perplexity(mesh)
+            misses = sum((info.get("tiers") or {}).get("misses", 0) for info in mesh.actor_info())
+        out[q] = {"resident": round(resident["perplexity"], 4), "offloaded": round(offloaded["perplexity"], 4),
+                  "identical": resident["loss"] == offloaded["loss"], "tokens_scored": resident["tokens_scored"],
+                  "offloaded_residency": round(keep / hosted, 3), "offloaded_misses": int(misses)}
+    return out
 
 
 def _actor_totals(mesh) -> dict:

@@ -30,14 +30,13 @@ shedding and with the policy applied to every expert round (window 0, capacity s
 `streams` tokens to scoring rounds of 256, the cap as configured: the steady shedding state); the gate bias is an
 artificial fault that shedding partly undoes, so this perplexity can fall. (2) The cost of shedding itself: the
 unbiased model with `max_share` of its busiest expert's slots moved to their next-best expert in every layer and
-round. `held_out_perplexity` is a plain function the lead can swap for ops/perplexity.py's.
+round. Scored with ops/perplexity.py, as every benchmark is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import platform
 import sys
@@ -47,9 +46,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from .measure import percentile
+from .perplexity import held_out_perplexity
 
 PPL_WINDOW = 256
 
@@ -112,17 +111,9 @@ def hot_model(hot_expert: int, bias: float):
     return model, EMBEDDED_MODEL_DIR
 
 
-def held_out_perplexity(model, ids: list[int], window: int = PPL_WINDOW) -> float:
-    """exp(mean next-token NLL) of `model` (an MoEDecoder) over `ids`, in windows of `window` tokens scored
-    independently. (Stand-in for ops/perplexity.py's `held_out_perplexity` until that lands.)"""
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(ids) - window + 1, window):
-            chunk = torch.tensor(ids[start:start + window], dtype=torch.int64)
-            logits = model.forward([chunk])[0]  # [W, V]
-            nll += float(F.cross_entropy(logits[:-1].float(), chunk[1:], reduction="sum"))
-            count += window - 1
-    return math.exp(nll / count)
+def _perplexity(model, ids: list[int]) -> float:
+    """ops/perplexity.py's held-out perplexity of `model` (an MoEDecoder) over `ids`, windows of PPL_WINDOW."""
+    return held_out_perplexity(model, ids=ids)["perplexity"]
 
 
 class _ShedEveryRound:
@@ -290,16 +281,16 @@ def run_shed_bench(streams: int = 24, max_tokens: int = 64, hot_expert: int = 0,
     scaled = replace(shed_config, window_s=0.0,
                      replica_tokens_per_step=max(1, round(capacity * PPL_WINDOW / streams)))
     shedder = _ShedEveryRound(model.experts, scaled, cfg.num_experts)
-    plain_ppl = held_out_perplexity(model, ids)
-    shed_ppl = held_out_perplexity(MoEDecoder(cfg, model.w, shedder), ids)
+    plain_ppl = _perplexity(model, ids)
+    shed_ppl = _perplexity(MoEDecoder(cfg, model.w, shedder), ids)
     # The biased gate is an artificial fault: shedding partly undoes it, so the biased model's perplexity can fall.
     # The cost of shedding itself: the unbiased model with the cap (max_share of the slots) moved off its
     # naturally busiest expert in every layer and round.
     unbiased, _ = hot_model(hot_expert, 0.0)
     busiest = _busiest_expert(unbiased, ids[:PPL_WINDOW])
     forced = _ShedFixedShare(unbiased.experts, busiest, max_share, cfg.num_experts)
-    unbiased_ppl = held_out_perplexity(unbiased, ids)
-    forced_ppl = held_out_perplexity(MoEDecoder(cfg, unbiased.w, forced), ids)
+    unbiased_ppl = _perplexity(unbiased, ids)
+    forced_ppl = _perplexity(MoEDecoder(cfg, unbiased.w, forced), ids)
     result["quality"] = {
         "held_out_tokens": len(ids), "window": PPL_WINDOW, "source": source["source"],
         "hot_expert_share_of_slots": round(_hot_share(model, ids[:PPL_WINDOW], hot_expert), 4),

@@ -74,7 +74,11 @@ def add_parser(sub) -> None:
                          "kept resident (1: no budget, the baseline)")
     offload.add_argument("--prefetch-modes", default="off,gate", help="comma-separated prefetch modes per level")
     offload.add_argument("--layers", type=int, default=4, help="layers of the benchmark model")
-    offload.add_argument("--quant", default="none", help="comma-separated expert quantisation modes (experts.quant)")
+    offload.add_argument("--quant", default="none,int8,int4",
+                         help="comma-separated expert quantisation modes (experts.quant), each against its own "
+                         "all-resident run")
+    offload.add_argument("--no-perplexity", action="store_true",
+                         help="skip the embedded model's held-out perplexity per mode, resident and offloaded")
     add_mesh_flags(offload, ("ray", "router"))
     _output_flags(offload)
     quant = bench_sub.add_parser("quant", help="quantised experts (experts.quant) per mode: held-out perplexity, "
@@ -141,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_offload_bench(tuple(float(r) for r in args.residency.split(",")),
                                    tuple(args.prefetch_modes.split(",")), layers=args.layers,
                                    quant=tuple(args.quant.split(",")), verbose=not args.json,
-                                   config=mesh_config_from_args(args))
+                                   config=mesh_config_from_args(args), perplexity=not args.no_perplexity)
     elif args.bench == "quant":
         from ..bench_quant import run_quant_bench
 
