@@ -18,6 +18,7 @@ def test_offload_bench_reports_each_mode_against_its_own_resident_run(monkeypatc
                                                       kv_heads=2, vocab=256))
     result = run_offload_bench(residency=(1.0, 0.5), prefetch=("off", "gate"), layers=2, quant=("none", "int8"),
                                verbose=False)
+    assert result["layout"] == "per-expert"  # budgets are shares of what each of the per-expert actors hosts
     runs = result["runs"]
     assert [(r["quant"], r["residency"], r["prefetch"]) for r in runs] == [
         ("none", 1.0, "off"), ("none", 0.5, "off"), ("none", 0.5, "gate"),
