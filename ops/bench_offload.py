@@ -54,12 +54,16 @@ def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch:
             print(msg, file=sys.stderr, flush=True)
 
     config = (config or MeshConfig()).replace(**{"controller.enabled": False, "model.dtype": "float32"})
+    if config.experts.layout == "auto":
+        # One actor per expert, hosting expert e of every layer, so "50 %" is half of what each of 8 actors hosts.
+        # (`auto` on a small box puts all 32 shards in one actor; the per-actor share below would then be wrong.)
+        config = config.replace(**{"experts.layout": "per-expert"})
     if config.router.transport == "compiled":
         prefetch = tuple(m for m in prefetch if m == "off")  # compiled graphs' actors take no prefetch calls
     torch.set_num_threads(os.cpu_count() or 1)
     model = dict(MODEL, layers=layers)
     result: dict = {"benchmark": "offload", "model": model, "prefill": PREFILL, "decode": DECODE,
-                    "transport": config.router.transport, "runs": [],
+                    "transport": config.router.transport, "layout": config.experts.layout, "runs": [],
                     "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
     gen = torch.Generator().manual_seed(0)
     prefill_ids = torch.randint(0, model["vocab"], (PREFILL["sequences"], PREFILL["tokens"]), generator=gen)
@@ -68,14 +72,19 @@ def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch:
         say("writing benchmark checkpoint ...")
         model_dir = write_bench_checkpoint(Path(tmp) / "model", layers=layers)
         reader = CheckpointReader(model_dir)
-        shard_bytes = load_expert_shards(reader, [(0, 0)])[(0, 0)].nbytes()
-        per_actor = len(reader.config.moe_layers)  # the default layout: expert e of every MoE layer per actor
-        result["shard_bytes"] = shard_bytes
+        per_actor = len(reader.config.moe_layers)  # per-expert layout: expert e of every MoE layer per actor
+        if config.experts.layout != "per-expert":
+            raise ValueError(f"experts.layout: bench offload sizes budgets for the per-expert layout, got "
+                             f"{config.experts.layout!r}")
+        result["shard_bytes"] = {}
         for q in quant:
             base = config.replace(**{"model.path": str(model_dir)})
             if q != "none":
                 base = base.replace(**{"experts.quant": q})  # issue 15 item 3's field
             baseline: dict | None = None  # each quantisation mode against its own all-resident run
+            # Budgets in this mode's shard size: a quantised shard is ~1/4 (int8) or ~1/8 (int4) of a float32 one.
+            shard_bytes = load_expert_shards(reader, [(0, 0)], quant=q)[(0, 0)].nbytes()
+            result["shard_bytes"][q] = shard_bytes
             first_run = len(result["runs"])
             for share in residency:
                 keep = max(1, round(share * per_actor))
