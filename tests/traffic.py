@@ -101,23 +101,54 @@ def code_prompts(count: int = 16) -> list[str]:
 
 
 def kill_and_wait(name: str, timeout: float = 60.0) -> None:
-    """Kill the actor and return once it is really gone (a call to it fails), so the next step finds it dead."""
+    """Kill the actor and return once it is really gone: a call to it fails and its process has exited. Ray marks
+    a killed actor dead in its control store before the worker process is gone, and until then a server the actor
+    runs on its own thread (its gRPC transport) can still answer; on a loaded machine a whole step fits in that gap,
+    so the next step would find the actor alive."""
     import ray
+    from ray._private import state
 
     from expertmesh.cluster.naming import NAMESPACE
 
     handle = ray.get_actor(name, namespace=NAMESPACE)
+    pid = state.actors(handle._actor_id.hex()).get("Pid") or None  # from the control store: no call to the actor
     ray.kill(handle, no_restart=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             ray.get(handle.ready.remote(), timeout=5)
         except ray.exceptions.RayActorError:
-            return
+            break
         except ray.exceptions.GetTimeoutError:
             pass
         time.sleep(0.05)
-    raise AssertionError(f"{name} still answers {timeout}s after ray.kill")
+    else:
+        raise AssertionError(f"{name} still answers {timeout}s after ray.kill")
+    while pid is not None and _process_alive(pid):  # every test cluster runs its workers on this machine
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{name}'s process {pid} still runs {timeout}s after ray.kill")
+        time.sleep(0.05)
+
+
+def _process_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """A dead child not yet reaped (the raylet reaps its workers): gone for every purpose here."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 def controller_state(mesh) -> dict:
