@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .alignment import CPU_ALIGN, aligned
+
 QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP = 128
 _ROW_BLOCK = 1024  # rows quantised at a time: bounds the float32 working copy
@@ -248,19 +250,14 @@ def _int4_weight(nibbles: torch.Tensor, scales: torch.Tensor, shape: tuple[int, 
 # and a K that is not a multiple of 16 reads past each row. So the kernel gets rows copied to a fresh allocation
 # (torch's CPU allocator aligns to 64 bytes) when they are not aligned, and weights with K % 16 != 0 dequantise.
 # The int4 kernel takes the same care; the copy does not change a value, so the bits still agree with the reference.
-_KERNEL_ALIGN = 64
-
-
 def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K], contiguous and starting on a _KERNEL_ALIGN-byte boundary (copied only when it is not)."""
-    if x.device.type == "cpu" and (not x.is_contiguous() or x.data_ptr() % _KERNEL_ALIGN):
-        return x.clone(memory_format=torch.contiguous_format)
-    return x.contiguous()
+    """x [T, K], contiguous and starting on a CPU_ALIGN-byte boundary (copied only when it is not)."""
+    return aligned(x)
 
 
 def _cpu_int8_shape_ok(weight: QuantizedLinear) -> bool:
     """Whether every row of the weight and of a bf16/fp16 activation stays aligned for the CPU int8 kernel."""
-    return weight.shape[1] % 16 == 0 and weight.qweight.data_ptr() % _KERNEL_ALIGN == 0
+    return weight.shape[1] % 16 == 0 and weight.qweight.data_ptr() % CPU_ALIGN == 0
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

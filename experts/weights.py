@@ -184,7 +184,7 @@ def load_expert_shards(
         if on_bytes is not None:
             on_bytes(sum(w.nbytes() for w in out.values()))  # stacked rows: reported once, at the end
         for shard in out:
-            out[shard] = quantize_mlp(out[shard], quant)
+            out[shard] = quantize_mlp(out[shard], quant).aligned()
         return out
     tensors = _cast_each(read_weights(reader, expert_shard_names(cfg, shards), cfg.fp8_block, progress=progress,
                                       on_bytes=on_bytes, device=device), dtype, device)
@@ -193,7 +193,8 @@ def load_expert_shards(
         names = expert_tensor_names(cfg, layer, expert)
         # pop: a shard's parts are dropped as soon as they are fused, so the device holds each weight once (+ a shard)
         parts = {role: tensors.pop(name) for role, (name, _) in names.items()}
-        out[(layer, expert)] = quantize_mlp(GatedMLPWeights.from_parts(**parts), quant)
+        # aligned: a weight read in place starts at its offset in the file; where it starts changes a gemv's bits
+        out[(layer, expert)] = quantize_mlp(GatedMLPWeights.from_parts(**parts), quant).aligned()
     return out
 
 

@@ -227,3 +227,25 @@ def test_status_shows_an_actors_tiers(reader):
     note = tier_note(admin_pb2.ReplicaState(tiers_json=json.dumps(store.stats())))
     assert "(2/12 shards, disk), 33% hits" in note and "prefetch 0/0 useful" in note
     assert tier_note(admin_pb2.ReplicaState()) == ""  # all resident: nothing to show
+
+
+def test_one_row_calls_offloaded_equal_resident_on_weights_stored_off_the_boundary(tmp_path, monkeypatch):
+    """The `bench offload` model shrunk to hidden 64: its down weights sit 24 bytes past a 64-byte boundary in the
+    file. A one-row product (a decode step's token) is a gemv whose sums depend on where the weight starts, so
+    before loads were aligned the offloaded shards (read in place) and the resident stacks (fresh allocations)
+    differed in the last bit. Every loaded weight now starts on the boundary, and the two agree bit for bit."""
+    from expertmesh.experts.alignment import CPU_ALIGN
+    from expertmesh.ops import bench_dispatch
+
+    monkeypatch.setattr(bench_dispatch, "MODEL", dict(bench_dispatch.MODEL, hidden=64, inter=128, heads=4,
+                                                      kv_heads=2, vocab=256))
+    reader = CheckpointReader(bench_dispatch.write_bench_checkpoint(tmp_path / "model", layers=2))
+    shards = [(layer, e) for layer in reader.config.moe_layers for e in range(reader.config.num_experts)]
+    tier = DiskTier(reader, torch.float32, torch.device("cpu"))
+    for weights in [*load_expert_shards(reader, shards).values(), *(tier.fetch(s) for s in shards[:4])]:
+        assert weights.gate_up.data_ptr() % CPU_ALIGN == 0 and weights.down.data_ptr() % CPU_ALIGN == 0
+    grouped = GroupedExperts(load_expert_shards(reader, shards), SILU)
+    gen = torch.Generator().manual_seed(0)
+    for layer, expert in shards:
+        x = torch.randn(1, 64, generator=gen)  # [1, H]
+        assert torch.equal(gated_mlp(x, tier.fetch((layer, expert)), SILU), grouped.run(layer, [expert], [1], x))
