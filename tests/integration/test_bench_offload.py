@@ -5,9 +5,11 @@ same resident in process and offloaded through actors."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from expertmesh.ops import bench_dispatch
+from expertmesh.ops import bench_dispatch, bench_offload, perplexity
 from expertmesh.ops.bench_offload import run_offload_bench
 
 pytestmark = pytest.mark.usefixtures("local_ray")
@@ -16,6 +18,11 @@ pytestmark = pytest.mark.usefixtures("local_ray")
 def test_offload_bench_reports_each_mode_against_its_own_resident_run(monkeypatch):
     monkeypatch.setattr(bench_dispatch, "MODEL", dict(bench_dispatch.MODEL, hidden=64, inter=128, heads=4,
                                                       kv_heads=2, vocab=256))
+    # Fewer tokens than the benchmark's (its figures need them, the code path does not): minutes of CI, not many.
+    monkeypatch.setattr(bench_offload, "PREFILL", dict(sequences=2, tokens=32, repeats=1))
+    monkeypatch.setattr(bench_offload, "DECODE", dict(sequences=4, context=8, steps=4))
+    monkeypatch.setattr(perplexity, "held_out_perplexity",
+                        functools.partial(perplexity.held_out_perplexity, tokens=512, window=128))
     result = run_offload_bench(residency=(1.0, 0.5), prefetch=("off", "gate"), layers=2, quant=("none", "int8"),
                                verbose=False)
     assert result["layout"] == "per-expert"  # budgets are shares of what each of the per-expert actors hosts
