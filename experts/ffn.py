@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .alignment import aligned
 from .quant import QuantizedLinear, linear, tensor_nbytes
+from .reproducible import aligned
 
 
 def activation(name: str):
@@ -58,7 +58,7 @@ class GatedMLPWeights:
         return sum(tensor_nbytes(t) for t in (self.gate_up, self.down, self.gate_up_bias, self.down_bias))
 
     def aligned(self) -> GatedMLPWeights:
-        """The same weights with each float matrix on a 64-byte boundary (experts/alignment.py: a one-row product's
+        """The same weights with each float matrix on a 64-byte boundary (experts/reproducible.py: a one-row product's
         bits depend on where its weight starts); quantised matrices are fresh allocations already."""
         def align(t):
             return aligned(t) if isinstance(t, torch.Tensor) else t

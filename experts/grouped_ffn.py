@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .ffn import GatedMLPWeights, gated_activation, gated_mlp
+from .reproducible import MIN_ROWS
 
 Shard = tuple[int, int]  # (layer, expert)
 _grouped_mm_ok: dict[tuple[str, torch.dtype], bool] = {}
@@ -89,20 +90,38 @@ def grouped_gated_mlp(x: torch.Tensor, stack: LayerStack, experts: list[int], co
     """down(act(gate(x)) * up(x)) per expert. x: [N, H] grouped by `experts` (ascending, each once) -> [N, H]."""
     if x.shape[0] == 0:
         return x.new_zeros((0, stack.down.shape[1]))
+    keep = None  # with padded groups: [N] rows of the padded x that are the call's own
     if _grouped_mm_runs(x):
         per_expert = [0] * len(stack.experts)
         for e, n in zip(experts, counts):
             per_expert[stack.local[e]] = n
+        if x.device.type == "cpu" and any(0 < n < MIN_ROWS for n in per_expert):
+            # Each group of at least MIN_ROWS rows (experts/reproducible.py): pad the short ones with zero rows.
+            x, keep, per_expert = _pad_groups(x, per_expert)
         offsets = torch.tensor(per_expert, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)
         try:
-            h = torch._grouped_mm(x, stack.gate_up.transpose(1, 2), offs=offsets)  # [N, 2I]
-            return torch._grouped_mm(gated_activation(h, act), stack.down.transpose(1, 2), offs=offsets)  # [N, H]
+            h = torch._grouped_mm(x, stack.gate_up.transpose(1, 2), offs=offsets)  # [N', 2I]
+            y = torch._grouped_mm(gated_activation(h, act), stack.down.transpose(1, 2), offs=offsets)  # [N', H]
+            return y if keep is None else y[keep]  # [N, H]
         except RuntimeError:
             # A kernel with shape or alignment limits (CUDA's) refused these weights: loop from now on, in this
             # process, for this device and dtype.
             _grouped_mm_ok[(x.device.type, x.dtype)] = False
+    if keep is not None:
+        x = x[keep]  # the padded rows of the attempt above, dropped again
     outs = [gated_mlp(rows, stack.weights(e), act) for e, rows in zip(experts, x.split(counts))]  # [n_e, H] each
     return torch.cat(outs)
+
+
+def _pad_groups(x: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """x: [N, H] in groups of `counts` rows -> (x with each non-empty group padded to MIN_ROWS rows by zero rows
+    [N', H], the [N] indices of the original rows in it, the padded counts)."""
+    padded = [max(n, MIN_ROWS) if n else 0 for n in counts]
+    starts = torch.tensor([0] + padded[:-1]).cumsum(0)  # [G]: each group's first row in the padded tensor
+    keep = torch.cat([torch.arange(n) + start for n, start in zip(counts, starts.tolist()) if n])  # [N]
+    out = x.new_zeros((sum(padded), x.shape[1]))  # [N', H]
+    out[keep] = x
+    return out, keep.to(x.device), padded
 
 
 def _grouped_mm_runs(x: torch.Tensor) -> bool:

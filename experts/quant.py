@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .alignment import CPU_ALIGN, aligned
+from .reproducible import CPU_ALIGN, aligned, padded_linear
 
 QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP = 128
@@ -132,7 +132,7 @@ class QuantizedLinear:
         elif self.layout == "cpu_int4pack" and x.dtype == self.dtype:
             y = torch._weight_int4pack_mm_for_cpu(_kernel_rows(x), self.qweight, self.group, self.scales)  # [T, N]
         else:
-            return F.linear(x, self.dequantize(x.dtype), bias)  # [T, N]
+            return padded_linear(x, self.dequantize(x.dtype), bias)  # [T, N]
         return y if bias is None else y + bias
 
     def _nibbles(self) -> torch.Tensor:
@@ -151,7 +151,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.
     """F.linear for a plain or a quantised weight. x: [T, K] -> [T, N]."""
     if isinstance(weight, QuantizedLinear):
         return weight.linear(x, bias)
-    return F.linear(x, weight, bias)
+    return padded_linear(x, weight, bias)  # experts/reproducible.py: a row's bits not depending on its call
 
 
 def tensor_nbytes(t: torch.Tensor | QuantizedLinear | None) -> int:

@@ -46,3 +46,30 @@ def test_without_the_mode_this_product_does_depend_on_threads():
     something. Another CPU's MKL kernels may happen to agree for this shape; then there is nothing to show."""
     if _run("") == "equal":
         pytest.skip("this CPU's MKL gives the same bits at 1 and 2 threads for this product even without the mode")
+
+
+ROWS_PROGRAM = """
+import torch
+from expertmesh.experts.reproducible import padded_linear
+torch.manual_seed(0)
+w = torch.randn(96, 32)  # [N, K]
+bad = 0
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    for m in (1, 2, 3, 5, 9, 17):
+        x = torch.randn(m, 32)  # [M, K]
+        whole = padded_linear(x, w)
+        bad += sum(not torch.equal(padded_linear(x[s:e].clone(), w), whole[s:e])
+                   for s in range(m) for e in range(s + 1, m + 1))
+print(bad)
+"""
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+def test_a_rows_bits_do_not_depend_on_how_many_rows_share_its_product():
+    """Every range of rows computed on its own equals the same rows inside the whole product, at 1 and 2 threads:
+    MKL computes products of 1-3 rows with other kernels, so padded_linear never gives it fewer than 4."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    done = subprocess.run([sys.executable, "-c", ROWS_PROGRAM], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
