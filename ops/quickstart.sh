@@ -8,7 +8,7 @@ LOG=$(mktemp -t expertmesh-serve.XXXXXX)
 .venv/bin/expertmesh serve --port 0 >"$LOG" 2>"$LOG.err" &
 SERVER=$!
 trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-echo "starting expertmesh (embedded Ray, one actor per expert; logs: $LOG.err) ..." >&2
+echo "starting expertmesh (embedded Ray, expert actors laid out for this machine's cores; logs: $LOG.err) ..." >&2
 for _ in $(seq 300); do
   grep -q "expertmesh serving" "$LOG" && break
   kill -0 $SERVER 2>/dev/null || { cat "$LOG.err" >&2; exit 1; }
