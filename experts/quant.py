@@ -128,9 +128,9 @@ class QuantizedLinear:
         elif self.mode == "int8" and x.dtype == self.dtype and _int8_kernel_dtype(x.device, x.dtype) and (
                 x.device.type != "cpu" or (x.shape[0] <= INT8_KERNEL_MAX_ROWS and _cpu_int8_shape_ok(self))) and (
                 _int8_runs(x.device, x.dtype)):
-            y = torch._weight_int8pack_mm(_kernel_rows(x), self.qweight, self.scales)  # [T, N]
+            y = torch._weight_int8pack_mm(aligned(x), self.qweight, self.scales)  # [T, N]
         elif self.layout == "cpu_int4pack" and x.dtype == self.dtype:
-            y = torch._weight_int4pack_mm_for_cpu(_kernel_rows(x), self.qweight, self.group, self.scales)  # [T, N]
+            y = torch._weight_int4pack_mm_for_cpu(aligned(x), self.qweight, self.group, self.scales)  # [T, N]
         else:
             return padded_linear(x, self.dequantize(x.dtype), bias)  # [T, N]
         return y if bias is None else y + bias
@@ -248,13 +248,9 @@ def _int4_weight(nibbles: torch.Tensor, scales: torch.Tensor, shape: tuple[int, 
 # and weight rows with *aligned* vector loads, 16 inputs at a time, and does not check: an activation that is not
 # 32-byte aligned (one that arrived over the wire, read in place from a gRPC or Ray buffer) faults with SIGSEGV,
 # and a K that is not a multiple of 16 reads past each row. So the kernel gets rows copied to a fresh allocation
-# (torch's CPU allocator aligns to 64 bytes) when they are not aligned, and weights with K % 16 != 0 dequantise.
-# The int4 kernel takes the same care; the copy does not change a value, so the bits still agree with the reference.
-def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [T, K], contiguous and starting on a CPU_ALIGN-byte boundary (copied only when it is not)."""
-    return aligned(x)
-
-
+# (torch's CPU allocator aligns to 64 bytes; `aligned`, experts/reproducible.py) when they are not aligned, and
+# weights with K % 16 != 0 dequantise. The int4 kernel takes the same care; the copy does not change a value, so the
+# bits still agree with the reference.
 def _cpu_int8_shape_ok(weight: QuantizedLinear) -> bool:
     """Whether every row of the weight and of a bf16/fp16 activation stays aligned for the CPU int8 kernel."""
     return weight.shape[1] % 16 == 0 and weight.qweight.data_ptr() % CPU_ALIGN == 0

@@ -26,17 +26,17 @@ print("equal" if torch.equal(out[0], out[1]) else "differ")
 """
 
 
-def _run(import_line: str) -> str:
+def _run(program: str) -> str:
+    """What `program` prints, run in a fresh interpreter with no MKL_CBWR of ours in its environment."""
     env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
-    done = subprocess.run([sys.executable, "-c", PROGRAM.format(import_line=import_line)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
 def test_products_give_the_same_bits_at_one_and_two_threads_after_importing_experts():
-    assert _run("import expertmesh.experts") == "equal"
+    assert _run(PROGRAM.format(import_line="import expertmesh.experts")) == "equal"
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available() or (os.cpu_count() or 1) < 2,
@@ -44,7 +44,7 @@ def test_products_give_the_same_bits_at_one_and_two_threads_after_importing_expe
 def test_without_the_mode_this_product_does_depend_on_threads():
     """The control: without the import the same program differs on this box's MKL, so the test above tests
     something. Another CPU's MKL kernels may happen to agree for this shape; then there is nothing to show."""
-    if _run("") == "equal":
+    if _run(PROGRAM.format(import_line="")) == "equal":
         pytest.skip("this CPU's MKL gives the same bits at 1 and 2 threads for this product even without the mode")
 
 
@@ -69,7 +69,4 @@ print(bad)
 def test_a_rows_bits_do_not_depend_on_how_many_rows_share_its_product():
     """Every range of rows computed on its own equals the same rows inside the whole product, at 1 and 2 threads:
     MKL computes products of 1-3 rows with other kernels, so padded_linear never gives it fewer than 4."""
-    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
-    done = subprocess.run([sys.executable, "-c", ROWS_PROGRAM], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "0"
+    assert _run(ROWS_PROGRAM) == "0"
