@@ -89,6 +89,7 @@ class ExpertActor:
         self.compute_s = 0.0  # time inside forward (benchmarks subtract it from a round to get the transport's cost)
         self.compute_cpu_s = 0.0  # CPU time of this thread inside forward: unlike wall time, not inflated by waiting
         self._grpc = None  # the gRPC transport server, started on first `grpc_address`
+        self._socket = None  # the socket transport server, started on first `socket_address`
         self._warm_up()
 
     def _lower_tier(self, reader, shards: list[Shard], quant: str):
@@ -193,6 +194,16 @@ class ExpertActor:
 
             self._grpc = ExpertGrpcServer(self.forward, ray.util.get_node_ip_address(), transport_secret())
         return self._grpc.address
+
+    def socket_address(self) -> str:
+        """host:port of this actor's socket transport server (experts/socket_server.py), started on the first ask,
+        like `grpc_address`."""
+        if self._socket is None:
+            from .socket_server import ExpertSocketServer
+            from .transport_secret import transport_secret
+
+            self._socket = ExpertSocketServer(self.forward, ray.util.get_node_ip_address(), transport_secret())
+        return self._socket.address
 
     def forward_step(self, step: tuple) -> HostTensor | None:
         """One layer step of a compiled graph that feeds every actor the same input:

@@ -224,7 +224,7 @@ def _model_dir(model: str | None, tmp: Path) -> tuple[str, str | None]:
 
 def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tokens: int = 32,
                     requests_per_stream: int = 2, model_dir: str | None = None, verbose: bool = True,
-                    transports=("refs",), reference: bool = True, chart: Path | None = None,
+                    transports=("socket",), reference: bool = True, chart: Path | None = None,
                     serve_args: tuple[str, ...] = (), reference_threads: int | None = None) -> dict:
     """Benchmark streaming generation against `target` (host:port), or against one server started here per transport
     when None; beside each level, the in-process `transformers` generate rate at the same batch size (reference) and

@@ -38,7 +38,9 @@ class ExpertBatch(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., x: _Optional[_Union[Tensor, _Mapping]] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ExpertOutput(_message.Message):
-    __slots__ = ("y",)
+    __slots__ = ("y", "error")
     Y_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     y: Tensor
-    def __init__(self, y: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    error: str
+    def __init__(self, y: _Optional[_Union[Tensor, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...

@@ -188,8 +188,8 @@ class ExpertsConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    # How expert calls travel: "refs" | "grpc" | "compiled", or "auto": grpc on an embedded Ray, refs on a joined
-    # cluster (README: Transports).
+    # How expert calls travel: "refs" | "grpc" | "socket" | "compiled", or "auto": socket on an embedded Ray, refs
+    # on a joined cluster (README: Transports).
     transport: str = "auto"
     overlap: bool = False  # ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap)
     capacity_factor: float | None = None  # None: no cap, no token is ever moved or dropped
@@ -333,8 +333,8 @@ class MeshConfig:
             raise ConfigError("experts.replicas_per_expert", "a planned placement (experts.placement or "
                                                              "controller.elastic) sets the replicas; leave it at 1")
         if self.experts.prefetch not in ("auto", "off") and self.router.transport == "compiled":
-            raise ConfigError("experts.prefetch", "prefetch hints travel as Ray actor calls, which a compiled "
-                                                  "graph's actors do not take; use router.transport refs or grpc")
+            raise ConfigError("experts.prefetch", "prefetch hints travel as Ray actor calls, which a compiled graph's "
+                                                  "actors do not take; use router.transport refs, grpc or socket")
         return self
 
     @classmethod

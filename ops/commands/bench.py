@@ -40,8 +40,8 @@ def add_parser(sub) -> None:
     serve_bench.add_argument("--model", metavar="embedded|mid|DIR",
                              help="embedded (the bundled model; the default), mid (bench dispatch's hidden-1024 "
                                   "Mixtral) or a checkpoint folder; with --target, the server's, for the reference")
-    serve_bench.add_argument("--transports", default="refs", help="comma-separated: refs,grpc,compiled; one fresh "
-                             "server each")
+    serve_bench.add_argument("--transports", default="socket", help="comma-separated: refs,grpc,socket,compiled; one "
+                             "fresh server each (default: socket, what `auto` picks on the embedded Ray it starts)")
     serve_bench.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
     serve_bench.add_argument("--max-tokens", type=int, default=32)
     serve_bench.add_argument("--requests-per-stream", type=int, default=2)

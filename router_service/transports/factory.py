@@ -8,6 +8,7 @@ from .base import Transport, check_transport
 from .compiled import CompiledGraphTransport
 from .grpc import GrpcTransport
 from .refs import RayRefTransport
+from .socket import SocketTransport
 
 
 def make_transport(name: str, actors: dict[str, ray.actor.ActorHandle], build_timeout_s: float = 120.0) -> Transport:
@@ -17,6 +18,10 @@ def make_transport(name: str, actors: dict[str, ray.actor.ActorHandle], build_ti
     check_transport(name)
     if name == "grpc":
         transport = GrpcTransport(actors)
+        transport.connect_all()
+        return transport
+    if name == "socket":
+        transport = SocketTransport(actors)
         transport.connect_all()
         return transport
     if name == "compiled":

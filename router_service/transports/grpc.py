@@ -31,7 +31,19 @@ LIVENESS_TIMEOUT_S = 5.0  # how long a liveness check through Ray may take befor
 
 
 class ExpertUnreachable(ConnectionError):
-    """The actor's gRPC server did not answer, but Ray does not (yet) report the actor dead."""
+    """The actor's transport server did not answer, but Ray does not (yet) report the actor dead."""
+
+
+def liveness_error(handle: ray.actor.ActorHandle, actor: str, address: str, detail: str) -> BaseException:
+    """A call to `actor`'s server failed to connect: Ray's RayActorError when Ray says the actor is dead (dispatch
+    marks it dead), else ExpertUnreachable (a failed call, retried elsewhere and counted by the breaker)."""
+    try:
+        ray.get(handle.ready.remote(), timeout=LIVENESS_TIMEOUT_S)
+    except ray.exceptions.RayActorError as dead:
+        return dead
+    except Exception as other:
+        return ExpertUnreachable(f"{actor} at {address}: {detail} ({other!r})")
+    return ExpertUnreachable(f"{actor} at {address}: {detail} (actor alive)")
 
 
 @dataclass
@@ -124,13 +136,7 @@ class GrpcTransport:
         # The server is gone or unreachable: ask Ray whether the actor itself is.
         if self.connections.get(call.actor) is call.connection:
             self.connections.pop(call.actor).channel.close()  # dial again next time (a restore has a new port)
-        try:
-            ray.get(self.actors[call.actor].ready.remote(), timeout=LIVENESS_TIMEOUT_S)
-        except ray.exceptions.RayActorError as dead:
-            return dead
-        except Exception as other:
-            return ExpertUnreachable(f"{call.actor} at {call.connection.address}: {exc.details()} ({other!r})")
-        return ExpertUnreachable(f"{call.actor} at {call.connection.address}: {exc.details()} (actor alive)")
+        return liveness_error(self.actors[call.actor], call.actor, call.connection.address, exc.details())
 
     def close(self) -> None:
         for conn in self.connections.values():

@@ -26,15 +26,15 @@ MAX_TOKENS = 6
 def mesh(request, checkpoints):
     """A pool of expert actors in the dtype, and a router per transport over it (refs: the mesh's own)."""
     config = MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"]), "dtype": request.param},
-                                   "controller": {"enabled": False}})
+                                   "controller": {"enabled": False}, "router": {"transport": "refs"}})
     with ExpertMesh(config) as mesh:
         routers = {"refs": mesh.router}
-        for name in ("grpc", "compiled"):
+        for name in ("grpc", "socket", "compiled"):
             routers[name] = Router(mesh.pool.spec, mesh.actors, config.replace(**{"router.transport": name}))
         try:
             yield request.param, mesh, routers
         finally:
-            for name in ("grpc", "compiled"):
+            for name in ("grpc", "socket", "compiled"):
                 routers[name].close()
 
 

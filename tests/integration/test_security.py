@@ -27,7 +27,7 @@ LISTEN = "0A"  # TCP state in /proc/net/tcp*
 
 @pytest.fixture(scope="module")
 def served(checkpoints):
-    server = start_server("--model", str(checkpoints["mixtral"]), "--transport", "grpc")
+    server = start_server("--model", str(checkpoints["mixtral"]))  # the default expert transport: socket
     yield server
     assert server.stop() == 0, server.log()
 
@@ -86,7 +86,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def test_everything_but_serves_replica_port_listens_on_loopback(served):
-    with grpc.insecure_channel(served.target) as channel:  # a generation over the gRPC expert transport
+    with grpc.insecure_channel(served.target) as channel:  # a generation over the socket expert transport
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_tokens=3)
         assert len(list(inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=60))) == 4
     sockets = listening_sockets(served.proc.pid)

@@ -1,8 +1,11 @@
-"""Every expert transport (Ray refs, gRPC, compiled graph) against the in-process reference, on one local Ray and
-one pool of expert actors (two replicas per expert, controller restoring): identical logits, failover when an actor
-is killed under a running compiled graph, a gRPC reconnect after a restore, and a teardown that leaves nothing."""
+"""Every expert transport (Ray refs, gRPC, socket, compiled graph) against the in-process reference, on one local
+Ray and one pool of expert actors (two replicas per expert, controller restoring): identical logits, failover when an
+actor is killed under a running compiled graph, gRPC and socket reconnects after a restore, servers that want the
+cluster secret, and a teardown that leaves nothing."""
 
 from __future__ import annotations
+
+from multiprocessing import AuthenticationError
 
 import grpc
 import pytest
@@ -20,6 +23,8 @@ from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.router import Router
 from expertmesh.router_service.transports.compiled import CompiledGraphTransport
 from expertmesh.router_service.transports.grpc import GrpcTransport
+from expertmesh.router_service.transports.socket import SocketTransport, split_address
+from tests.socket_peer import dial
 from tests.tiny_checkpoints import VOCAB, greedy_tokens
 from tests.traffic import kill_and_wait, wait_for
 
@@ -39,7 +44,8 @@ def expected(reference) -> list[int]:
 @pytest.fixture(scope="module")
 def mesh(checkpoints):
     experts = {"replicas_per_expert": 2, "layout": "per-expert"}
-    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])}, "experts": experts})) as mesh:
+    config = {"model": {"path": str(checkpoints["mixtral"])}, "experts": experts, "router": {"transport": "refs"}}
+    with ExpertMesh(MeshConfig.from_dict(config)) as mesh:
         names = list(mesh.pool.spec.actor_shards)
         yield mesh
 
@@ -59,10 +65,10 @@ def mesh(checkpoints):
 def routers(mesh):
     """A router per transport over the same actors (the refs one is the mesh's own)."""
     out = {"refs": mesh.router}
-    for name in ("grpc", "compiled"):
+    for name in ("grpc", "socket", "compiled"):
         out[name] = Router(mesh.pool.spec, mesh.actors, mesh.config.replace(**{"router.transport": name}))
     yield out
-    for name in ("grpc", "compiled"):
+    for name in ("grpc", "socket", "compiled"):
         out[name].close()
 
 
@@ -84,7 +90,7 @@ def test_every_transport_gives_the_reference_logits(routers, reference):
     assert isinstance(compiled, CompiledGraphTransport) and compiled.compiled_rounds > 0
     assert compiled.fallback_rounds == 0  # built before the first step: every round went through the graph
     assert isinstance(routers["grpc"].transport, GrpcTransport)
-
+    assert isinstance(routers["socket"].transport, SocketTransport)
 
 
 def test_expert_grpc_servers_listen_on_the_node_ip_and_want_the_cluster_secret(routers):
@@ -105,6 +111,22 @@ def test_expert_grpc_servers_listen_on_the_node_ip_and_want_the_cluster_secret(r
                                  timeout=10)
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, conn.address
 
+
+def test_expert_socket_servers_listen_on_the_node_ip_and_want_the_cluster_secret(routers):
+    """The socket transport's servers, likewise: on the node's cluster IP, and a peer that cannot answer the
+    challenge with the cluster secret is dropped before a request is read (the router's transport holds it)."""
+    transport: SocketTransport = routers["socket"].transport
+    assert transport.secret == transport_secret().encode()
+    assert transport.connections and set(transport.connections) == set(transport.actors)
+    node_ip = ray.util.get_node_ip_address()
+    for conn in transport.connections.values():
+        assert split_address(conn.address)[0] == node_ip
+        with pytest.raises(AuthenticationError):
+            dial(conn.address, b"not-the-secret")
+        with dial(conn.address, transport.secret) as peer:  # the secret is all it takes
+            reply = peer.forward(wire.encode_batch(0, [0], [1], pack(torch.zeros(1, 4))))
+            assert reply.error  # a wrong hidden size, answered as an error, not a dropped connection
+
 def test_generation_is_identical_on_every_transport(routers, expected):
     for name, router in routers.items():
         assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected, name
@@ -115,7 +137,7 @@ def test_overlap_gives_the_reference_logits_and_generations(mesh, reference):
     reference's logits, and a batched greedy decode (KV caches, sequences of different lengths) token for token."""
     seqs = sequences()
     want = reference.forward([torch.tensor(s) for s in seqs])
-    for name in ("refs", "grpc"):
+    for name in ("refs", "grpc", "socket"):
         config = mesh.config.replace(**{"router.transport": name, "router.overlap": True})
         router = Router(mesh.pool.spec, mesh.actors, config)
         try:
@@ -162,22 +184,22 @@ def test_killing_an_actor_under_the_compiled_graph_fails_over_then_rebuilds(rout
     assert transport.compiled_rounds > rounds
 
 
-def test_grpc_transport_reconnects_after_a_restore(routers, expected):
-    router = routers["grpc"]
-    transport: GrpcTransport = router.transport
-    victim = "expert-e1-r0"
+@pytest.mark.parametrize(("name", "victim"), [("grpc", "expert-e1-r0"), ("socket", "expert-e2-r0")])
+def test_grpc_and_socket_transports_reconnect_after_a_restore(routers, expected, name, victim):
+    router = routers[name]
+    transport: GrpcTransport | SocketTransport = router.transport
     assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
     old = transport.connections[victim]
     kill_and_wait(victim)
     assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
-    assert victim in router.backend.dead  # UNAVAILABLE was reported as Ray's actor death
+    assert victim in router.backend.dead  # a refused/reset connection was reported as Ray's actor death
 
     def reconnected() -> bool:
         assert router.generate(token_ids=PROMPT, max_tokens=2).token_ids == expected[:2]
         conn = transport.connections.get(victim)
         return not router.backend.dead and conn is not None and conn.actor_id != old.actor_id
 
-    wait_for(reconnected, 90, "the gRPC transport to dial the restored actor", every=0.2)
+    wait_for(reconnected, 90, f"the {name} transport to dial the restored actor", every=0.2)
     new = transport.connections[victim]
     assert new.actor_id == ray.get_actor(victim, namespace=NAMESPACE)._actor_id
     calls = ray.get(ray.get_actor(victim, namespace=NAMESPACE).info.remote())["calls"]

@@ -1,4 +1,4 @@
-"""router.transport "auto" (the default): grpc on an embedded Ray, refs on a joined cluster; a named transport as
+"""router.transport "auto" (the default): socket on an embedded Ray, refs on a joined cluster; a named transport as
 named; anything else refused naming the field."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from expertmesh.router_service.config import MeshConfig
 from expertmesh.router_service.transports.base import TRANSPORTS, resolve_transport
 
 
-def test_auto_is_grpc_on_an_embedded_ray_and_refs_on_a_joined_cluster():
+def test_auto_is_socket_on_an_embedded_ray_and_refs_on_a_joined_cluster():
     assert MeshConfig().router.transport == "auto"
-    assert resolve_transport("auto", "local") == "grpc"
+    assert resolve_transport("auto", "local") == "socket"
     assert resolve_transport("auto", "10.0.0.1:6379") == "refs"
     for name in TRANSPORTS:
         assert resolve_transport(name, "local") == name and resolve_transport(name, "10.0.0.1:6379") == name
