@@ -153,7 +153,8 @@ class MoEDecoder:
                 cache.reserve(n)
         device = self.device
         ids = torch.cat([t.reshape(-1) for t in tokens]).to(device)  # [T]
-        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)])  # [T]
+        positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)],
+                                 dtype=torch.int64, device=device)  # [T]; one tensor, not one per sequence
         cos, sin = self.rope.tables(positions, self.dtype)  # [T, R] each
 
         x = F.embedding(ids, self.w.embed)  # [T, H]
