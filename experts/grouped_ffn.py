@@ -21,6 +21,7 @@ the same code path whatever shares the call and however many threads run.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +118,9 @@ def _pad_groups(x: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch
     """x: [N, H] in groups of `counts` rows -> (x with each non-empty group padded to MIN_ROWS rows by zero rows
     [N', H], the [N] indices of the original rows in it, the padded counts)."""
     padded = [max(n, MIN_ROWS) if n else 0 for n in counts]
-    starts = torch.tensor([0] + padded[:-1]).cumsum(0)  # [G]: each group's first row in the padded tensor
-    keep = torch.cat([torch.arange(n) + start for n, start in zip(counts, starts.tolist()) if n])  # [N]
+    starts = accumulate(padded[:-1], initial=0)  # each group's first row in the padded tensor
+    # Indices as Python ints, one tensor at the end: this runs for every decode-sized call of an actor.
+    keep = torch.tensor([start + i for n, start in zip(counts, starts) for i in range(n)], dtype=torch.int64)  # [N]
     out = x.new_zeros((sum(padded), x.shape[1]))  # [N', H]
     out[keep] = x
     return out, keep.to(x.device), padded
