@@ -40,7 +40,7 @@ from . import client
 from .measure import percentile
 from .serve_chart import write_profile_chart
 from .serve_profile import eta_serve, profile_table, stage_deltas
-from .serve_reference import TransformersReference, combine_rates
+from .serve_reference import EngineReference, TransformersReference, combine_rates
 from .server_process import ServerProcess, start_server
 
 GOAL = "aggregate tokens/s at 32 streams >= 10x one stream"
@@ -267,6 +267,14 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
             say("loading the transformers reference ...")
             ref = TransformersReference(folder)
             ref.warm_up(_prompt(10_000, _vocab_size(folder)))
+        engine = None
+        if ref is not None:
+            say("timing expertmesh's decoder in process (every expert local) ...")
+            engine_ref = EngineReference(folder)
+            engine_ref.warm_up(_prompt(10_000, _vocab_size(folder)))
+            engine = _reference_rates(engine_ref, folder, concurrencies, max_tokens, requests_per_stream, say,
+                                      label="expertmesh in process")
+            del engine_ref
         before = None
         for transport in transports:
             # The reference runs with no server up (an idle server's processes still take some CPU on a small
@@ -275,11 +283,12 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
             # One transport's "after" is the next one's "before".
             if ref is not None and before is None:
                 before = _reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream, say)
+                result["in_process_engine"] = _engine_levels(engine, before)
             run = _run_transport(transport, target, folder, concurrencies, max_tokens, requests_per_stream,
                                  serve_args, say)
             if ref is not None:
                 after = _reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream, say)
-                _add_eta(run, before, after)
+                _add_eta(run, before, after, engine)
                 before = after
                 say(f"{transport}: eta_serve {run['eta_serve']}")
             result["runs"][transport] = run
@@ -357,23 +366,36 @@ def _run_transport(transport: str, target: str | None, folder: str | None, concu
     return run
 
 
-def _reference_rates(ref: TransformersReference, folder: str, concurrencies: list[int], max_tokens: int,
-                     requests_per_stream: int, say) -> dict[str, dict]:
-    """transformers generate at every level, on the prompts the served level sends."""
+def _reference_rates(ref: TransformersReference | EngineReference, folder: str, concurrencies: list[int],
+                     max_tokens: int, requests_per_stream: int, say, label: str = "transformers generate"
+                     ) -> dict[str, dict]:
+    """A reference's rate at every level, on the prompts the served level sends."""
     vocab = _vocab_size(folder)
     rates = {}
     for c in concurrencies:
         rounds = [[_prompt(slot * requests_per_stream + j, vocab) for slot in range(c)]
                   for j in range(requests_per_stream)]
         rates[str(c)] = ref.rate(rounds, max_tokens)
-        say(f"  transformers generate, batch {c}: {rates[str(c)]['tokens_per_s']} tok/s")
+        say(f"  {label}, batch {c}: {rates[str(c)]['tokens_per_s']} tok/s")
     return rates
 
 
-def _add_eta(run: dict, before: dict[str, dict], after: dict[str, dict]) -> None:
-    """Fill each level's reference rate (before and after its server ran, combined) and η_serve."""
+def _add_eta(run: dict, before: dict[str, dict], after: dict[str, dict], engine: dict[str, dict] | None = None
+             ) -> None:
+    """Fill each level's reference rate (before and after its server ran, combined) and η_serve; with the in-process
+    engine's rates, also served ÷ engine (what distribution keeps of the engine's rate)."""
     for c, level in run["levels"].items():
         theirs = combine_rates(before[c], after[c])
         level["transformers"] = theirs
         level["eta_serve"] = eta_serve({c: level["aggregate_tokens_per_s"]}, {c: theirs["tokens_per_s"]})[c]
         run["eta_serve"][c] = level["eta_serve"]
+        if engine is not None:
+            level["served_vs_engine"] = eta_serve({c: level["aggregate_tokens_per_s"]},
+                                                  {c: engine[c]["tokens_per_s"]})[c]
+
+
+def _engine_levels(engine: dict[str, dict], transformers: dict[str, dict]) -> dict[str, dict]:
+    """The in-process engine's rate per level and its ratio to transformers' (measured right after it)."""
+    return {c: rate | {"vs_transformers": eta_serve({c: rate["tokens_per_s"]},
+                                                    {c: transformers[c]["tokens_per_s"]})[c]}
+            for c, rate in engine.items()}

@@ -44,6 +44,36 @@ class TransformersReference:
                 "batch": len(rounds[0]), "rounds": len(rounds), "torch_threads": torch.get_num_threads()}
 
 
+class EngineReference:
+    """expertmesh's own decoder in this process with every expert local (experts/reference.py: the same dense code,
+    KV cache and expert math the router and the actors run, no process hop), timed like TransformersReference: the
+    served rate's upper bound on this machine, which splits η_serve into engine ÷ transformers (the math) and
+    served ÷ engine (what distribution costs)."""
+
+    def __init__(self, model_dir: str):
+        from ..experts.reference import load_reference_model
+
+        self.model = load_reference_model(model_dir)
+
+    def _generate(self, prompts: list[list[int]], max_tokens: int) -> int:
+        """Greedy, every sequence exactly max_tokens new tokens: one prefill step, then max_tokens - 1 decode steps
+        of the whole batch (continuous batching with nobody joining or leaving)."""
+        caches = [self.model.new_cache() for _ in prompts]
+        try:
+            logits = self.model.forward([torch.tensor(p) for p in prompts], caches, logits="last")
+            for _ in range(max_tokens - 1):
+                logits = self.model.forward([x[-1].argmax().reshape(1) for x in logits], caches, logits="last")
+        finally:
+            for cache in caches:
+                cache.free()
+        return len(prompts) * max_tokens
+
+    def warm_up(self, prompt: list[int]) -> None:
+        self._generate([prompt], 4)
+
+    rate = TransformersReference.rate
+
+
 def combine_rates(before: dict, after: dict) -> dict:
     """The reference measured before and after a served level: tokens over time of both, and each run's rate."""
     tokens, wall = before["tokens"] + after["tokens"], before["wall_s"] + after["wall_s"]

@@ -210,3 +210,17 @@ def test_expertmesh_status_prints_the_profile_line_from_router_stats():
     assert any(line.startswith("router step profile: 85.00 ms per busy step") for line in status_lines(state))
     fresh = admin_pb2.ClusterState(model="m", router=admin_pb2.RouterStats())
     assert not any("step profile" in line for line in status_lines(fresh))
+
+
+def test_the_in_process_engine_reference_counts_every_token_and_frees_its_cache(checkpoints):
+    """bench serve's second baseline: expertmesh's decoder with local experts, timed like transformers; every
+    sequence gets exactly max_tokens (no early stop) and the KV blocks go back to the pool."""
+    from expertmesh.ops.serve_reference import EngineReference
+
+    engine = EngineReference(str(checkpoints["mixtral"]))
+    allocator = engine.model.kv_pool.allocator
+    free = allocator.num_free
+    prompts = [[3, 14, 15, 92], [65, 35, 89, 79]]
+    got = engine.rate([prompts, prompts], max_tokens=5)
+    assert got["tokens"] == 2 * 2 * 5 and got["batch"] == 2 and got["rounds"] == 2 and got["tokens_per_s"] > 0
+    assert allocator.num_free == free
