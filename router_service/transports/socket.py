@@ -166,6 +166,7 @@ class SocketTransport:
             except (EOFError, OSError) as exc:  # the actor closed the connection or its process is gone
                 self._lost(call, exc)
                 return
+            # `call` is still in in_flight (only a reply or _break takes a call out), so the FIFO is not empty.
             conn.in_flight.popleft().reply = data
 
     def _lost(self, call: _Call, exc: BaseException) -> None:
