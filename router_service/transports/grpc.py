@@ -1,9 +1,8 @@
 """Expert calls over gRPC: one channel per expert actor, one unary Forward per actor per layer step, all in flight.
 
 Each actor serves its shards on a gRPC port it opens when first asked (`ExpertActor.grpc_address`); every call
-carries the cluster secret (experts/transport_secret.py), without which the actor answers UNAUTHENTICATED. Handles are
-looked up in `actors`, the same dict NameReviver swaps restored replicas into; a handle whose actor id changed
-means a new incarnation, so the transport asks it for its new address and dials again.
+carries the cluster secret (experts/transport_secret.py), without which the actor answers UNAUTHENTICATED. Channels
+are kept per actor incarnation (actor_connections.py: a restored replica is dialled again at its new address).
 
 Errors are mapped so dispatch's failover treats them like Ray's: when a channel is UNAVAILABLE (connection refused
 or reset) the transport asks Ray whether the actor is alive, and a dead actor comes back as Ray's own
@@ -26,6 +25,7 @@ from ...experts.arrays import HostTensor
 from ...experts.grpc_server import MESSAGE_OPTIONS, call_metadata
 from ...experts.transport_secret import transport_secret
 from ...protos import expert_transport_pb2_grpc as pb_grpc
+from .actor_connections import ActorConnections
 
 LIVENESS_TIMEOUT_S = 5.0  # how long a liveness check through Ray may take before the actor counts as unreachable
 
@@ -62,26 +62,15 @@ class _Call:
     error: BaseException | None = None  # failed before it was sent (e.g. the actor is gone)
 
 
-class GrpcTransport:
+class GrpcTransport(ActorConnections):
+    address_method = "grpc_address"
+
     def __init__(self, actors: dict[str, ray.actor.ActorHandle], address_timeout_s: float = 60.0,
                  secret: str | None = None):
         """secret: the cluster secret (None: read it from Ray's GCS, where the actors read theirs)."""
-        self.actors = actors
-        self.address_timeout_s = address_timeout_s
+        super().__init__(actors, address_timeout_s)
         self.metadata = call_metadata(secret if secret is not None else transport_secret())
-        self.connections: dict[str, _Connection] = {}
         self.reconnects = 0  # channels dialled again for a new incarnation (tests check restores)
-
-    def connect_all(self) -> None:
-        """Open every actor's server and channel now, so the first step does not pay for it."""
-        names = [n for n in self.actors if self._stale(n)]
-        refs = [self.actors[n].grpc_address.remote() for n in names]
-        for name, address in zip(names, ray.get(refs, timeout=self.address_timeout_s)):
-            self._dial(name, address)
-
-    def _stale(self, name: str) -> bool:
-        conn = self.connections.get(name)
-        return conn is None or conn.actor_id != self.actors[name]._actor_id
 
     def _dial(self, name: str, address: str) -> _Connection:
         old = self.connections.pop(name, None)
@@ -92,12 +81,6 @@ class GrpcTransport:
         conn = _Connection(self.actors[name]._actor_id, address, channel, pb_grpc.ExpertTransportStub(channel))
         self.connections[name] = conn
         return conn
-
-    def _connection(self, name: str) -> _Connection:
-        if self._stale(name):
-            address = ray.get(self.actors[name].grpc_address.remote(), timeout=self.address_timeout_s)
-            return self._dial(name, address)
-        return self.connections[name]
 
     def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
                trace: dict[str, str] | None = None) -> _Call:

@@ -10,8 +10,8 @@ MoE layer (README: Transports).
 The actor answers a connection's requests in order, so replies are matched to calls by position: a connection
 keeps its calls in flight in a FIFO (the decoder's overlap puts two micro-batches' calls on one connection).
 A call that times out closes its connection (a late reply would otherwise be read as the next call's); the next
-call dials again. Handles are looked up in `actors`, the dict NameReviver swaps restored replicas into; a handle
-whose actor id changed means a new incarnation, so the transport asks it for its new address and dials again.
+call dials again, as does the first call to a restored replica (actor_connections.py: connections are kept per actor
+incarnation).
 
 Errors are mapped as the gRPC transport maps them: a connection that is refused, reset or closed makes the
 transport ask Ray whether the actor is alive (a dead one comes back as Ray's RayActorError, so dispatch marks it
@@ -35,6 +35,7 @@ from ...experts.arrays import HostTensor
 from ...experts.socket_server import secure_connection
 from ...experts.transport_secret import transport_secret
 from ...protos import expert_transport_pb2 as pb
+from .actor_connections import ActorConnections
 from .grpc import ExpertUnreachable, liveness_error
 
 CONNECT_TIMEOUT_S = 10.0  # dialling an actor's port (a firewalled one would otherwise hang for minutes)
@@ -63,27 +64,16 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class SocketTransport:
+class SocketTransport(ActorConnections):
+    address_method = "socket_address"
+
     def __init__(self, actors: dict[str, ray.actor.ActorHandle], address_timeout_s: float = 60.0,
                  secret: str | None = None):
         """secret: the cluster secret (None: read it from Ray's GCS, where the actors read theirs)."""
-        self.actors = actors
-        self.address_timeout_s = address_timeout_s
+        super().__init__(actors, address_timeout_s)
         self.secret = (secret if secret is not None else transport_secret()).encode()
-        self.connections: dict[str, _Connection] = {}
         self.reconnects = 0  # actors dialled again (a new incarnation, or after a failure); tests check restores
         self._dialled: set[str] = set()
-
-    def connect_all(self) -> None:
-        """Open every actor's server and connection now, so the first step does not pay for it."""
-        names = [n for n in self.actors if self._stale(n)]
-        refs = [self.actors[n].socket_address.remote() for n in names]
-        for name, address in zip(names, ray.get(refs, timeout=self.address_timeout_s)):
-            self._dial(name, address)
-
-    def _stale(self, name: str) -> bool:
-        conn = self.connections.get(name)
-        return conn is None or conn.actor_id != self.actors[name]._actor_id
 
     def _dial(self, name: str, address: str) -> _Connection:
         self._drop(name)
@@ -109,12 +99,6 @@ class SocketTransport:
         while conn.in_flight:
             call = conn.in_flight.popleft()
             call.error = call.error or error
-
-    def _connection(self, name: str) -> _Connection:
-        if self._stale(name):
-            address = ray.get(self.actors[name].socket_address.remote(), timeout=self.address_timeout_s)
-            return self._dial(name, address)
-        return self.connections[name]
 
     def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
                trace: dict[str, str] | None = None) -> _Call:
