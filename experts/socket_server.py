@@ -1,11 +1,11 @@
 """The actor side of the socket transport: the same Forward as the gRPC server, over one plain TCP connection per
 router, framed and authenticated by the standard library's `multiprocessing.connection`.
 
-Why a second server: on the 2-core box an empty gRPC round trip between two Python processes takes ~0.6-0.75 ms
-(unary or streaming, any poll strategy), a framed TCP one ~0.03 ms; a decode step makes one round per MoE layer, so
-gRPC alone cost ~3 ms of a 15 ms embedded-model step (README: Transports). The messages are the gRPC transport's
-protobufs (ExpertBatch in, ExpertOutput out; an `error` instead of `y` when the forward failed), so both servers
-decode and encode the same bytes and the results are bit-identical.
+Why a second server: on the 2-core box an empty gRPC round trip between two Python processes takes ~0.6-0.8 ms
+unary (~0.47 ms on an open bidirectional stream), a framed TCP one ~0.03 ms; a decode step makes one round per MoE
+layer, so gRPC alone cost ~3 ms of a 15 ms embedded-model step (README: Transports). The messages are the gRPC
+transport's protobufs (ExpertBatch in, ExpertOutput out; an `error` instead of `y` when the forward failed), so both
+servers decode and encode the same bytes and the results are bit-identical.
 
 A connection is served by one thread that answers its requests in order (the router relies on that: replies come
 back in the order it sent, so a connection needs no request ids). It listens on the node's cluster address only;

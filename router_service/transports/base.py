@@ -28,7 +28,7 @@ TRANSPORT_SETTINGS = ("auto", *TRANSPORTS)
 def resolve_transport(setting: str, ray_address: str) -> str:
     """router.transport -> the transport to build. socket where it is surely reachable (every actor on this machine).
     Measured on the 2-core box: an empty round trip between two Python processes takes ~0.03 ms over a framed TCP
-    connection against ~0.6-0.75 ms over gRPC; a decode step through one expert actor took 17-25 ms over grpc
+    connection against ~0.6-0.8 ms over gRPC; a decode step through one expert actor took 17-25 ms over grpc
     against 17-26 ms over refs when quiet, and 22-40 ms against 160-640 ms at load average 22 (refs' calls go
     through Ray's scheduler threads, which a loaded machine starves); README: Transports has the served rates."""
     if setting != "auto":

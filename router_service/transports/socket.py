@@ -4,7 +4,7 @@ Each actor serves its shards on a port it opens when first asked (`ExpertActor.s
 experts/socket_server.py). The router dials it once, both ends prove they hold the cluster secret, and from then on a
 layer's call is one framed ExpertBatch written to the connection and one framed ExpertOutput read back
 (`multiprocessing.connection` does the framing and the challenge). Why: an empty gRPC round trip between two Python
-processes costs ~0.6-0.75 ms on the 2-core box, a framed TCP one ~0.03 ms, and a decode step makes one round per
+processes costs ~0.6-0.8 ms on the 2-core box, a framed TCP one ~0.03 ms, and a decode step makes one round per
 MoE layer (README: Transports).
 
 The actor answers a connection's requests in order, so replies are matched to calls by position: a connection
