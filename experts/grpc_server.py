@@ -27,7 +27,7 @@ MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_mess
 
 SECRET_METADATA_KEY = "x-expertmesh-cluster-secret"  # gRPC metadata keys are lower case
 
-Forward = Callable[..., HostTensor]  # forward(layer, experts, counts, x: HostTensor, trace=None) -> [rows, H]
+Forward = Callable[..., HostTensor]  # forward(layer, experts, counts, x: HostTensor, trace=, prefetch=) -> [rows, H]
 
 
 def call_metadata(secret: str) -> tuple[tuple[str, str], ...]:
@@ -63,8 +63,7 @@ class _Servicer(pb_grpc.ExpertTransportServicer):
 
     def Forward(self, request: pb.ExpertBatch, context: grpc.ServicerContext) -> pb.ExpertOutput:  # noqa: N802
         try:
-            layer, experts, counts, x, trace = wire.decode_batch(request)
-            y = self.forward(layer, experts, counts, x, trace) if trace else self.forward(layer, experts, counts, x)
+            y = wire.forward_batch(self.forward, request)
         except Exception as exc:  # the router retries elsewhere; say what failed
             context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         return pb.ExpertOutput(y=wire.encode_host(y))

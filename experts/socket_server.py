@@ -66,8 +66,7 @@ def _receive_timeout(fd: int, seconds: float) -> None:
 def answer(forward: Forward, request: bytes) -> bytes:
     """One serialized ExpertBatch -> one serialized ExpertOutput (the forward's error as text, never a raise)."""
     try:
-        layer, experts, counts, x, trace = wire.decode_batch(pb.ExpertBatch.FromString(request))
-        y = forward(layer, experts, counts, x, trace) if trace else forward(layer, experts, counts, x)
+        y = wire.forward_batch(forward, pb.ExpertBatch.FromString(request))
         return pb.ExpertOutput(y=wire.encode_host(y)).SerializeToString()
     except Exception as exc:  # the router retries elsewhere; say what failed
         return pb.ExpertOutput(error=f"{type(exc).__name__}: {exc}").SerializeToString()

@@ -45,13 +45,35 @@ def decode(tensor: pb.Tensor, device: str | torch.device | None = None) -> torch
 
 
 def encode_batch(layer: int, experts: list[int], counts: list[int], x: HostTensor,
-                 trace: dict[str, str] | None = None) -> pb.ExpertBatch:
+                 trace: dict[str, str] | None = None,
+                 prefetch: list[tuple[int, int]] | None = None) -> pb.ExpertBatch:
+    """prefetch: (layer, expert) shards to load ahead (offload), riding with this call."""
     if sum(counts) != x.shape[0] or len(counts) != len(experts):
         raise ValueError(f"counts {counts} for experts {experts} do not cover x of {x.shape[0]} rows")
-    return pb.ExpertBatch(layer=layer, experts=experts, counts=counts, x=encode_host(x), trace=trace or {})
+    hints = [pb.ShardId(layer=int(lyr), expert=int(e)) for lyr, e in prefetch or ()]
+    return pb.ExpertBatch(layer=layer, experts=experts, counts=counts, x=encode_host(x), trace=trace or {},
+                          prefetch=hints)
 
 
 def decode_batch(batch: pb.ExpertBatch) -> tuple[int, list[int], list[int], HostTensor, dict[str, str] | None]:
     """-> (layer, experts, counts, x, trace or None)."""
     return (batch.layer, list(batch.experts), [int(c) for c in batch.counts], decode_host(batch.x),
             dict(batch.trace) or None)
+
+
+def decode_prefetch(batch: pb.ExpertBatch) -> list[tuple[int, int]] | None:
+    """The (layer, expert) prefetch hints riding with a batch, None when there are none."""
+    return [(s.layer, s.expert) for s in batch.prefetch] or None
+
+
+def forward_batch(forward, batch: pb.ExpertBatch) -> HostTensor:
+    """Run an actor's forward(layer, experts, counts, x, trace=, prefetch=) on a received batch (what both of the
+    actor's transport servers do); trace and prefetch are passed only when the batch has them."""
+    layer, experts, counts, x, trace = decode_batch(batch)
+    extra = {}
+    if trace:
+        extra["trace"] = trace
+    hints = decode_prefetch(batch)
+    if hints:
+        extra["prefetch"] = hints
+    return forward(layer, experts, counts, x, **extra)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(expertmesh/protos/expert_transport.proto\x12\x16\x65xpertmesh.internal.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xd5\x01\n\x0b\x45xpertBatch\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x03\x12)\n\x01x\x18\x04 \x01(\x0b\x32\x1e.expertmesh.internal.v1.Tensor\x12=\n\x05trace\x18\x05 \x03(\x0b\x32..expertmesh.internal.v1.ExpertBatch.TraceEntry\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"H\n\x0c\x45xpertOutput\x12)\n\x01y\x18\x01 \x01(\x0b\x32\x1e.expertmesh.internal.v1.Tensor\x12\r\n\x05\x65rror\x18\x02 \x01(\t2i\n\x0f\x45xpertTransport\x12V\n\x07\x46orward\x12#.expertmesh.internal.v1.ExpertBatch\x1a$.expertmesh.internal.v1.ExpertOutput\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(expertmesh/protos/expert_transport.proto\x12\x16\x65xpertmesh.internal.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x88\x02\n\x0b\x45xpertBatch\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x03\x12)\n\x01x\x18\x04 \x01(\x0b\x32\x1e.expertmesh.internal.v1.Tensor\x12=\n\x05trace\x18\x05 \x03(\x0b\x32..expertmesh.internal.v1.ExpertBatch.TraceEntry\x12\x31\n\x08prefetch\x18\x06 \x03(\x0b\x32\x1f.expertmesh.internal.v1.ShardId\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"(\n\x07ShardId\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\"H\n\x0c\x45xpertOutput\x12)\n\x01y\x18\x01 \x01(\x0b\x32\x1e.expertmesh.internal.v1.Tensor\x12\r\n\x05\x65rror\x18\x02 \x01(\t2i\n\x0f\x45xpertTransport\x12V\n\x07\x46orward\x12#.expertmesh.internal.v1.ExpertBatch\x1a$.expertmesh.internal.v1.ExpertOutput\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=68
   _globals['_TENSOR']._serialized_end=120
   _globals['_EXPERTBATCH']._serialized_start=123
-  _globals['_EXPERTBATCH']._serialized_end=336
-  _globals['_EXPERTBATCH_TRACEENTRY']._serialized_start=292
-  _globals['_EXPERTBATCH_TRACEENTRY']._serialized_end=336
-  _globals['_EXPERTOUTPUT']._serialized_start=338
-  _globals['_EXPERTOUTPUT']._serialized_end=410
-  _globals['_EXPERTTRANSPORT']._serialized_start=412
-  _globals['_EXPERTTRANSPORT']._serialized_end=517
+  _globals['_EXPERTBATCH']._serialized_end=387
+  _globals['_EXPERTBATCH_TRACEENTRY']._serialized_start=343
+  _globals['_EXPERTBATCH_TRACEENTRY']._serialized_end=387
+  _globals['_SHARDID']._serialized_start=389
+  _globals['_SHARDID']._serialized_end=429
+  _globals['_EXPERTOUTPUT']._serialized_start=431
+  _globals['_EXPERTOUTPUT']._serialized_end=503
+  _globals['_EXPERTTRANSPORT']._serialized_start=505
+  _globals['_EXPERTTRANSPORT']._serialized_end=610
 # @@protoc_insertion_point(module_scope)

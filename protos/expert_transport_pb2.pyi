@@ -17,7 +17,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ExpertBatch(_message.Message):
-    __slots__ = ("layer", "experts", "counts", "x", "trace")
+    __slots__ = ("layer", "experts", "counts", "x", "trace", "prefetch")
     class TraceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,12 +30,22 @@ class ExpertBatch(_message.Message):
     COUNTS_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     layer: int
     experts: _containers.RepeatedScalarFieldContainer[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
     x: Tensor
     trace: _containers.ScalarMap[str, str]
-    def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., x: _Optional[_Union[Tensor, _Mapping]] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    prefetch: _containers.RepeatedCompositeFieldContainer[ShardId]
+    def __init__(self, layer: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., x: _Optional[_Union[Tensor, _Mapping]] = ..., trace: _Optional[_Mapping[str, str]] = ..., prefetch: _Optional[_Iterable[_Union[ShardId, _Mapping]]] = ...) -> None: ...
+
+class ShardId(_message.Message):
+    __slots__ = ("layer", "expert")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert: int
+    def __init__(self, layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
 
 class ExpertOutput(_message.Message):
     __slots__ = ("y", "error")

@@ -126,6 +126,7 @@ class RemoteExperts:
         # prediction rides with this layer's calls to the actors hosting those shards. None = off.
         self.prefetcher = None
         self.prefetch_calls = 0  # hints sent as calls of their own (to actors this layer does not call)
+        self.prefetch_riding = 0  # hints that rode with an actor's call of this layer
 
     # ---- health --------------------------------------------------------------------------------------------
 
@@ -407,8 +408,8 @@ class RemoteExperts:
         """Submit calls[i] for i in `which` through the transport; -> their handles.
         Every call's rows are gathered on the device and copied to host (non-blocking, into pinned buffers) first,
         then the one wait for all of them, then the sends: one host synchronisation per layer, not per call.
-        hints: actor -> shards to prefetch; they ride with the actor's call where the transport takes them
-        (refs), otherwise, and for actors without a call, go as `prefetch` calls of their own after the calls."""
+        hints: actor -> shards to prefetch; they ride with the actor's call where the transport takes them (refs,
+        grpc, socket), otherwise, and for actors without a call, go as `prefetch` calls of their own after the calls."""
         # `trace` only when tracing is on, so a transport without it still works with tracing off.
         extra = {} if trace is None else {"trace": trace}
         sending = time.perf_counter()
@@ -420,6 +421,7 @@ class RemoteExperts:
         for i, rows in zip(which, staged):
             call = calls[i]
             hint = {"prefetch": hints.pop(call.actor)} if rides and call.actor in hints else {}
+            self.prefetch_riding += bool(hint)
             handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, pack(rows), **extra,
                                                  **hint))
         for actor, shards in hints.items():

@@ -52,7 +52,9 @@ class Transport(Protocol):
                trace: dict[str, str] | None = None) -> Any:
         """Start one call with rows x ([n, H] as raw bytes + dtype tag, in host memory); returns a handle for
         `gather`. trace: a W3C carrier dict (opentelemetry.propagate.inject) naming the dispatch span as parent,
-        handed to ExpertActor.forward(..., trace=); None when off."""
+        handed to ExpertActor.forward(..., trace=); None when off. A transport whose class sets `takes_prefetch =
+        True` (refs, grpc, socket) also takes `prefetch=[(layer, expert), ...]`, offload hints that ride with the
+        call to ExpertActor.forward(..., prefetch=); the dispatcher sends hints as calls of their own otherwise."""
         ...
 
     def gather_settled(self, handles: list[Any], timeout: float) -> list[torch.Tensor | BaseException]:

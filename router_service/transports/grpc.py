@@ -64,6 +64,7 @@ class _Call:
 
 class GrpcTransport(ActorConnections):
     address_method = "grpc_address"
+    takes_prefetch = True  # prefetch hints ride in ExpertBatch.prefetch
 
     def __init__(self, actors: dict[str, ray.actor.ActorHandle], address_timeout_s: float = 60.0,
                  secret: str | None = None):
@@ -83,12 +84,12 @@ class GrpcTransport(ActorConnections):
         return conn
 
     def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
-               trace: dict[str, str] | None = None) -> _Call:
+               trace: dict[str, str] | None = None, prefetch: list | None = None) -> _Call:
         try:
             conn = self._connection(actor)
         except Exception as exc:  # a dead incarnation fails here with RayActorError
             return _Call(actor, None, error=exc)
-        request = wire.encode_batch(layer, experts, counts, x, trace)
+        request = wire.encode_batch(layer, experts, counts, x, trace, prefetch)
         return _Call(actor, conn, future=conn.stub.Forward.future(request, metadata=self.metadata))
 
     def gather_settled(self, handles: list[_Call], timeout: float) -> list[torch.Tensor | BaseException]:

@@ -66,6 +66,7 @@ def split_address(address: str) -> tuple[str, int]:
 
 class SocketTransport(ActorConnections):
     address_method = "socket_address"
+    takes_prefetch = True  # prefetch hints ride in ExpertBatch.prefetch
 
     def __init__(self, actors: dict[str, ray.actor.ActorHandle], address_timeout_s: float = 60.0,
                  secret: str | None = None):
@@ -101,7 +102,7 @@ class SocketTransport(ActorConnections):
             call.error = call.error or error
 
     def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
-               trace: dict[str, str] | None = None) -> _Call:
+               trace: dict[str, str] | None = None, prefetch: list | None = None) -> _Call:
         try:
             conn = self._connection(actor)  # a dead incarnation fails here with RayActorError
         except Exception as exc:
@@ -109,7 +110,7 @@ class SocketTransport(ActorConnections):
                          if isinstance(exc, OSError) else exc)
         call = _Call(actor, conn)
         try:
-            conn.conn.send_bytes(wire.encode_batch(layer, experts, counts, x, trace).SerializeToString())
+            conn.conn.send_bytes(wire.encode_batch(layer, experts, counts, x, trace, prefetch).SerializeToString())
         except OSError as exc:  # reset or refused: the actor's process may be gone
             self._lost(call, exc)
             return call

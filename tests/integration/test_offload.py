@@ -1,7 +1,8 @@
 """Expert memory tiers and prefetch through the real actors and routers (README: Offload): with a device budget of
 one shard per actor (half of what each hosts), served logits and greedy tokens equal the in-process all-resident
-reference bit for bit, on the refs transport with pre-gating prefetch (hints riding with calls) and on gRPC with
-history prefetch (hints as calls of their own); the actors stay within budget and count their misses and loads."""
+reference bit for bit, on the refs and socket transports with pre-gating prefetch and on gRPC with history prefetch
+(hints riding with each layer's calls on all three, and as calls of their own to actors a layer does not call); the
+actors stay within budget and count their misses and loads."""
 
 from __future__ import annotations
 
@@ -27,15 +28,19 @@ def shard_bytes(checkpoints) -> int:
 def mesh(checkpoints, shard_bytes):
     """One actor per expert (the per-expert layout, not the default sized to this machine's cores), each with a
     budget of one shard (they host two: expert e of both MoE layers); the mesh's own router
-    prefetches by pre-gating (auto), a second router over gRPC by history."""
+    prefetches by pre-gating (auto) over refs, a second router over the socket transport likewise, a third over gRPC
+    by history."""
     config = MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])}, "controller": {"enabled": False},
-                                   "experts": {"memory_gb": shard_bytes / 2**30, "layout": "per-expert"}})
+                                   "experts": {"memory_gb": shard_bytes / 2**30, "layout": "per-expert"},
+                                   "router": {"transport": "refs"}})
     with ExpertMesh(config) as mesh:
+        socket_router = Router(mesh.pool.spec, mesh.actors, config.replace(**{"router.transport": "socket"}))
         grpc_router = Router(mesh.pool.spec, mesh.actors,
                              config.replace(**{"router.transport": "grpc", "experts.prefetch": "history"}))
         try:
-            yield mesh, {"refs+gate": mesh.router, "grpc+history": grpc_router}
+            yield mesh, {"refs+gate": mesh.router, "socket+gate": socket_router, "grpc+history": grpc_router}
         finally:
+            socket_router.close()
             grpc_router.close()
 
 
@@ -55,7 +60,8 @@ def test_offloaded_serving_equals_the_resident_reference_bit_for_bit(mesh, refer
         assert router.generate(token_ids=PROMPT, max_tokens=6, stop_at_eos=False).token_ids == tokens, name
         stats = router.backend.prefetcher.stats()
         assert stats["actual_shards"] > 0 and stats["hit_shards"] > 0, (name, stats)
-    assert routers["grpc+history"].backend.prefetch_calls > 0  # gRPC calls carry no hints: they went on their own
+        # Hints ride with the layer's calls on every transport here; actors a layer does not call get their own.
+        assert router.backend.prefetch_riding > 0 and router.backend.prefetch_calls > 0, name
 
 
 def test_actors_keep_to_their_budget_and_count_loads(mesh, shard_bytes):

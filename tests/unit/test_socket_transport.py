@@ -105,3 +105,23 @@ def test_a_timeout_drops_the_connection_and_fails_every_call_on_it(server):
     assert "a" not in transport.connections and conn.broken is not None
     (after,) = transport.gather_settled([behind], timeout=10)
     assert isinstance(after, TimeoutError)  # its reply would come after the slow one's: never read
+
+
+def test_prefetch_hints_ride_with_the_call():
+    seen = []
+
+    def recording(layer, experts, counts, x, trace=None, prefetch=None):
+        seen.append(prefetch)
+        return x
+
+    srv = ExpertSocketServer(recording, "127.0.0.1", SECRET)
+    try:
+        transport = transport_at(srv)
+        assert transport.takes_prefetch
+        calls = [transport.submit("a", 0, [0], [1], pack(torch.ones(1, 2)), prefetch=[(1, 3)]),
+                 transport.submit("a", 0, [0], [1], pack(torch.ones(1, 2)))]
+        assert all(isinstance(y, torch.Tensor) for y in transport.gather_settled(calls, timeout=10))
+        assert seen == [[(1, 3)], None]
+        transport.close()
+    finally:
+        srv.stop()

@@ -87,6 +87,24 @@ def test_batch_round_trip_with_trace():
     assert wire.decode_batch(wire.encode_batch(0, [3], [3], pack(x)))[4] is None  # untraced: None, as for Ray calls
 
 
+def test_prefetch_hints_ride_with_a_batch_and_reach_the_forward():
+    x = torch.ones(2, 4)
+    seen = {}
+
+    def forward(layer, experts, counts, rows, **extra):
+        seen.update(extra, layer=layer)
+        return rows
+
+    batch = pb.ExpertBatch.FromString(
+        wire.encode_batch(1, [0], [2], pack(x), prefetch=[(2, 5), (2, 7)]).SerializeToString())
+    assert wire.decode_prefetch(batch) == [(2, 5), (2, 7)]
+    wire.forward_batch(forward, batch)
+    assert seen == {"layer": 1, "prefetch": [(2, 5), (2, 7)]}  # no trace key: the batch had none
+    seen.clear()
+    wire.forward_batch(forward, wire.encode_batch(1, [0], [2], pack(x), {"traceparent": "t"}))
+    assert seen == {"layer": 1, "trace": {"traceparent": "t"}}  # no prefetch key: the batch had none
+
+
 def test_batch_counts_must_cover_the_rows():
     with pytest.raises(ValueError, match="do not cover"):
         wire.encode_batch(0, [1, 2], [1, 1], pack(torch.zeros(3, 4)))
