@@ -199,10 +199,12 @@ def _perplexity(quant: tuple[str, ...], config: MeshConfig) -> dict:
         keep = max(1, hosted // 2)
         with ExpertMesh(mesh_config.replace(**{"experts.memory_gb": keep * shard_bytes / 2**30})) as mesh:
             offloaded = held_out_perplexity(mesh)
-            misses = sum((info.get("tiers") or {}).get("misses", 0) for info in mesh.actor_info())
+            tiers = [info.get("tiers") or {} for info in mesh.actor_info()]
+        misses, moved = (sum(t.get(key, 0) for t in tiers) for key in ("misses", "bytes_moved"))
         out[q] = {"resident": round(resident["perplexity"], 4), "offloaded": round(offloaded["perplexity"], 4),
                   "identical": resident["loss"] == offloaded["loss"], "tokens_scored": resident["tokens_scored"],
-                  "offloaded_residency": round(keep / hosted, 3), "offloaded_misses": int(misses)}
+                  "offloaded_residency": round(keep / hosted, 3), "offloaded_misses": int(misses),
+                  "offloaded_bytes_moved": int(moved)}
     return out
 
 

@@ -41,6 +41,8 @@ def test_offload_bench_reports_each_mode_against_its_own_resident_run(monkeypatc
     ppl = result["perplexity"]
     assert set(ppl) == {"none", "int8"}
     for row in ppl.values():
-        assert row["identical"] and row["resident"] == row["offloaded"] and row["offloaded_misses"] > 0
-        assert row["offloaded_residency"] <= 0.5
+        assert row["identical"] and row["resident"] == row["offloaded"]
+        # Shards really moved. Not "misses > 0": gate prefetch riding with the calls can load every shard in time
+        # over a few long prefill windows (measured: 0 or 2 misses in three runs of this test's 512 tokens).
+        assert row["offloaded_bytes_moved"] > 0 and row["offloaded_residency"] <= 0.5
     assert abs(ppl["int8"]["resident"] / ppl["none"]["resident"] - 1) < 0.01  # the INT8 bound
