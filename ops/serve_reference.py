@@ -37,11 +37,7 @@ class TransformersReference:
 
     def rate(self, rounds: list[list[list[int]]], max_tokens: int) -> dict:
         """rounds: per request round, the batch's prompts. -> tokens, seconds, tokens/s."""
-        started = time.perf_counter()
-        tokens = sum(self._generate(prompts, max_tokens) for prompts in rounds)
-        wall = time.perf_counter() - started
-        return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 3),
-                "batch": len(rounds[0]), "rounds": len(rounds), "torch_threads": torch.get_num_threads()}
+        return timed_rate(self._generate, rounds, max_tokens)
 
 
 class EngineReference:
@@ -75,7 +71,16 @@ class EngineReference:
         """As TransformersReference.rate, after one untimed round at this batch size (it runs once per level, not
         before and after every server, so nothing else warms its first steps at a new shape)."""
         self._generate(rounds[0], max_tokens)
-        return TransformersReference.rate(self, rounds, max_tokens)
+        return timed_rate(self._generate, rounds, max_tokens)
+
+
+def timed_rate(generate, rounds: list[list[list[int]]], max_tokens: int) -> dict:
+    """generate(prompts, max_tokens) -> tokens, run once per round: tokens, seconds, tokens/s."""
+    started = time.perf_counter()
+    tokens = sum(generate(prompts, max_tokens) for prompts in rounds)
+    wall = time.perf_counter() - started
+    return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 3),
+            "batch": len(rounds[0]), "rounds": len(rounds), "torch_threads": torch.get_num_threads()}
 
 
 def combine_rates(before: dict, after: dict) -> dict:
