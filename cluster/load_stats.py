@@ -228,7 +228,9 @@ class LoadWindow:
         `lengths` tokens each."""
         b = self._bucket()
         rows = np.array([self.row[layer] for layer in layers])
-        e = experts.numpy()  # [n, T, k]; numpy: these arrays are tiny, and numpy's per-op cost is a few times lower
+        # [n, T, k] (the router's are host tensors already); numpy: these arrays are tiny, and numpy's per-op cost
+        # is a few times lower
+        e = experts.cpu().numpy()
         n, tokens, _ = e.shape
         b.tokens[rows] += tokens
         b.steps[rows] += 1
@@ -241,7 +243,7 @@ class LoadWindow:
         hit[np.arange(n)[:, None], (e + 1).reshape(n, -1)] = True  # column 0 collects dropped slots (-1)
         b.hit_sum[rows] += hit[:, 1:].sum(axis=1)
         if probs is not None:
-            p = probs.float().numpy()
+            p = probs.float().cpu().numpy()
             b.entropy_sum[rows] += -(p * np.log(np.maximum(p, 1e-30))).sum(axis=(1, 2))
         # Top-1 switches along each sequence, the previous step's last token included.
         lens = np.asarray(lengths, dtype=np.int64)

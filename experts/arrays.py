@@ -72,8 +72,9 @@ def to_tensor(packed: HostTensor) -> torch.Tensor:
 class HostStager:
     """Copies tensors to host memory through pinned buffers: `stage` starts a non-blocking copy per tensor,
     `finish` waits once for all of them. Host tensors pass through untouched, and a batch of only host tensors needs
-    no wait. synchronize(device) is the one wait (torch.cuda.synchronize by default); always_stage=True stages host
-    tensors too (tests count the copies and waits of the code path on a CPU-only machine)."""
+    no wait. synchronize(device) is the one wait (by default an event on the device's current stream);
+    always_stage=True stages host tensors too (tests count the copies and waits
+    of the code path on a CPU-only machine)."""
 
     def __init__(self, synchronize: Callable[[torch.device], None] | None = None, always_stage: bool = False):
         self.synchronize = synchronize  # None: torch.cuda.synchronize, looked up at each wait
@@ -98,5 +99,13 @@ class HostStager:
         if self._waiting_on is None:
             return
         device, self._waiting_on = self._waiting_on, None
-        (self.synchronize or torch.cuda.synchronize)(device)
+        (self.synchronize or wait_for_stream)(device)
         self.syncs += 1
+
+
+def wait_for_stream(device: torch.device) -> None:
+    """Wait for the work queued so far on `device`'s current stream (the copies just staged), not for every stream
+    of the device as torch.cuda.synchronize would."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    event.synchronize()

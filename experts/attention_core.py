@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .device_rule import tensor_on, to_device
 from .kv_cache import KVCache, PagedKVPool
 
 # A layer's map from cache entries ({name: [B, L, *shape]}) to keys [B, L, kvh, Dqk] and values [B, L, kvh, Dv].
@@ -137,12 +138,11 @@ class StepLayout:
             prefill_table, _ = pool.block_table([caches[i] for i in prefill], [starts[i] + lengths[i] for i in prefill])
         return cls(
             lengths=lengths, starts=starts, pool=pool, slots=slots,
-            decode_rows=decode, decode_index=torch.tensor([offsets[i] for i in decode], dtype=torch.int64,
-                                                          device=device),
+            decode_rows=decode, decode_index=tensor_on([offsets[i] for i in decode], torch.int64, device),
             decode_table=decode_table, decode_kv_len=decode_kv_len,
-            prefill_rows=prefill, prefill_index=index.to(device), prefill_valid=valid.to(device),
+            prefill_rows=prefill, prefill_index=to_device(index, device), prefill_valid=to_device(valid, device),
             prefill_table=prefill_table,
-            prefill_kv_len=torch.tensor([starts[i] + lengths[i] for i in prefill], dtype=torch.int64, device=device),
+            prefill_kv_len=tensor_on([starts[i] + lengths[i] for i in prefill], torch.int64, device),
         )
 
     # ---- masks (True = attend), cached per window value ----------------------------------------------------
@@ -162,7 +162,7 @@ class StepLayout:
         key = ("prefill", window, num_keys)
         if key not in self._masks:
             device = self.prefill_valid.device
-            starts = torch.tensor([self.starts[i] for i in self.prefill_rows], dtype=torch.int64, device=device)
+            starts = tensor_on([self.starts[i] for i in self.prefill_rows], torch.int64, device)
             s = self.prefill_valid.shape[1]
             q_pos = starts[:, None] + torch.arange(s, device=device)[None, :]  # [Bp, S]
             # Keys: absolute positions when read from the pool; the new tokens (positions start..) otherwise.

@@ -36,6 +36,10 @@ class Routing:
     shed_per_token: torch.Tensor | None = None  # [T] int64 slots moved off an overloaded expert (shedding)
 
     @property
+    def device(self) -> torch.device:
+        return self.experts.device
+
+    @property
     def degraded(self) -> int:
         return 0 if self.degraded_per_token is None else int(self.degraded_per_token.sum())
 
@@ -48,9 +52,12 @@ class Routing:
         return self.experts.shape[0]
 
     def tokens_per_expert(self, num_experts: int) -> torch.Tensor:
-        """[E] int64: how many (token, slot) assignments each expert received."""
-        ids = self.experts[self.experts != DROPPED]
-        return torch.bincount(ids, minlength=num_experts)
+        """[E] int64: how many (token, slot) assignments each expert received, on the routing's device."""
+        # A scatter into E + 1 bins (dropped slots in bin 0) instead of masking: a boolean mask and bincount both
+        # read the device (a nonzero count, a max) on a GPU.
+        ids = (self.experts + 1).reshape(-1)  # [T*k]
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+        return counts.scatter_add_(0, ids, torch.ones_like(ids))[1:]
 
 
 def preference_order(probs: torch.Tensor) -> torch.Tensor:
@@ -202,7 +209,8 @@ def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -
     """group_scores [T, G] -> [T, E] bool: the experts of each token's best topk_group groups (ties: lower id)."""
     num_tokens, num_groups = group_scores.shape
     best = preference_order(group_scores)[:, :topk_group]  # [T, g]
-    chosen = torch.zeros(num_tokens, num_groups, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+    chosen = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=group_scores.device)
+    chosen.scatter_(1, best, True)  # [T, G]
     return chosen[:, :, None].expand(-1, -1, num_experts // num_groups).reshape(num_tokens, num_experts)
 
 
@@ -243,6 +251,7 @@ def degrade(routing: Routing, available: torch.Tensor) -> Routing:
     token keeps its routed mass, split in proportion to the sigmoid scores. Replacements are ranked by what the
     router ranked by (`selection`: score + correction bias, the token's chosen groups first), else by `probs`.
     """
+    available = available.to(routing.experts.device)  # [E]; the router degrades host routings (a no-op copy)
     lost = (routing.experts >= 0) & ~available[routing.experts.clamp(min=0)]  # [T, k]
     if not bool(lost.any()):
         return routing
@@ -257,6 +266,7 @@ def move_slots(routing: Routing, move: torch.Tensor, available: torch.Tensor, re
     assert routing.probs is not None, "moving slots needs the gate probabilities"
     assert reason in ("degraded", "shed"), f"unknown reason {reason!r}"
     ranking = routing.probs if routing.selection is None else routing.selection
+    move = move.to(routing.experts.device)  # [T, k]
     rows = torch.nonzero(move.any(dim=1)).flatten()  # [R] tokens with a slot to move (shedding moves few)
     order = preference_order(ranking[rows]).tolist()  # [R, E]
     chosen = routing.experts[rows].tolist()  # [R, k], edited in place
@@ -272,11 +282,12 @@ def move_slots(routing: Routing, move: torch.Tensor, available: torch.Tensor, re
                 continue  # shedding protects latency; it never drops a slot that has nowhere else to go
             row[slot] = pick
             moved_rows[i] += 1
+    device = routing.experts.device
     experts = routing.experts.clone()  # [T, k]
-    moved = torch.zeros(experts.shape[0], dtype=torch.int64)  # [T]
+    moved = torch.zeros(experts.shape[0], dtype=torch.int64, device=device)  # [T]
     if len(chosen):
-        experts[rows] = torch.tensor(chosen, dtype=torch.int64)
-        moved[rows] = torch.tensor(moved_rows, dtype=torch.int64)
+        experts[rows] = torch.tensor(chosen, dtype=torch.int64, device=device)
+        moved[rows] = torch.tensor(moved_rows, dtype=torch.int64, device=device)
     weights = torch.gather(routing.probs, 1, experts.clamp(min=0))
     weights = torch.where(experts == DROPPED, torch.zeros_like(weights), weights)
     total = routing.weights.sum(-1, keepdim=True)  # keep each token's gate mass as it was
@@ -310,8 +321,8 @@ def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple
             taken.append(pick)
     # A slot is rerouted when its expert is outside the token's uncapped top-k.
     rerouted = [sum(e != DROPPED and e not in prefs[t][:top_k] for e in chosen[t]) for t in range(num_tokens)]
-    experts = torch.tensor(chosen, dtype=torch.int64).reshape(num_tokens, top_k)
-    return experts, torch.tensor(rerouted, dtype=torch.int64)
+    experts = torch.tensor(chosen, dtype=torch.int64, device=order.device).reshape(num_tokens, top_k)
+    return experts, torch.tensor(rerouted, dtype=torch.int64, device=order.device)
 
 
 def concat_routings(parts: list[Routing]) -> Routing:
@@ -331,7 +342,7 @@ def concat_routings(parts: list[Routing]) -> Routing:
         if all(getattr(p, name) is None for p in parts):
             return None
         return torch.cat([getattr(p, name) if getattr(p, name) is not None
-                          else torch.zeros(p.num_tokens, dtype=torch.int64) for p in parts])
+                          else torch.zeros(p.num_tokens, dtype=torch.int64, device=p.device) for p in parts])
 
     return Routing(
         experts=torch.cat([p.experts for p in parts]),  # [T, k]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_allocator import BlockAllocator, OutOfBlocks, blocks_for
+from .device_rule import tensor_on
 
 __all__ = ["KVCache", "PagedKVPool", "KVCacheSettings", "OutOfBlocks", "DEFAULT_CPU_KV_BYTES", "blocks_for",
            "settings_for"]
@@ -124,7 +125,7 @@ class PagedKVPool:
         (uninitialised memory may hold NaN, and 0 × NaN is NaN even where attention masks it out)."""
         ids = self.allocator.allocate(n)
         if ids:
-            index = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            index = tensor_on(ids, torch.int64, self.device)
             for layer in self.storage:
                 for pool in layer.values():
                     pool.index_fill_(0, index, 0)
@@ -144,7 +145,7 @@ class PagedKVPool:
         out = [blocks[p // bs] * bs + p % bs
                for blocks, start, n in ((c.blocks, c.length, n) for c, n in zip(caches, lengths))
                for p in range(start, start + n)]
-        return torch.tensor(out, dtype=torch.int64, device=self.device)  # [T]
+        return tensor_on(out, torch.int64, self.device)  # [T]
 
     def write(self, layer: int, slots: torch.Tensor, entries: dict[str, torch.Tensor]) -> None:
         """entries: name -> [T, *shape] for the step's new tokens, stored at `slots` [T]."""
@@ -157,8 +158,8 @@ class PagedKVPool:
         nb = max(blocks_for(n, self.block_size) for n in upto)
         rows = [c.blocks[:blocks_for(n, self.block_size)] for c, n in zip(caches, upto)]
         # Pad with the row's own first block: allocated, so zeroed or written (finite; the caller masks it).
-        table = torch.tensor([r + r[:1] * (nb - len(r)) for r in rows], dtype=torch.int64, device=self.device)
-        return table, torch.tensor(upto, dtype=torch.int64, device=self.device)
+        table = tensor_on([r + r[:1] * (nb - len(r)) for r in rows], torch.int64, self.device)
+        return table, tensor_on(upto, torch.int64, self.device)
 
     def gather(self, layer: int, table: torch.Tensor, scratch: str = "") -> dict[str, torch.Tensor]:
         """name -> [B, nb * block_size, *shape]: the blocks of `table` [B, nb] side by side (one copy); positions

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from .attention import AttentionLayer, build_attention
 from .attention_core import StepLayout, attend
 from .config import MoEModelConfig
+from .device_rule import tensor_on, to_device
 from .ffn import activation, gated_mlp
 from .gating import Routing, concat_routings, route_for_model
 from .kv_cache import KVCache, KVCacheSettings, PagedKVPool
@@ -152,9 +153,10 @@ class MoEDecoder:
             for cache, n in zip(caches, lengths):
                 cache.reserve(n)
         device = self.device
-        ids = torch.cat([t.reshape(-1) for t in tokens]).to(device)  # [T]
-        positions = torch.tensor([p for s, n in zip(starts, lengths) for p in range(s, s + n)],
-                                 dtype=torch.int64, device=device)  # [T]; one tensor, not one per sequence
+        ids = torch.cat([t.reshape(-1) for t in tokens])  # [T]; token ids come from the host (or are on device)
+        ids = to_device(ids, device) if ids.device.type == "cpu" else ids
+        positions = tensor_on([p for s, n in zip(starts, lengths) for p in range(s, s + n)],
+                              torch.int64, device)  # [T]; one tensor, not one per sequence
         cos, sin = self.rope.tables(positions, self.dtype)  # [T, R] each
 
         x = F.embedding(ids, self.w.embed)  # [T, H]
@@ -194,7 +196,7 @@ class MoEDecoder:
                 picked.extend(take)
                 counts.append(len(take))
                 offset += n
-            x = x[torch.tensor(picked, dtype=torch.int64, device=x.device)]  # [R, H]
+            x = x[tensor_on(picked, torch.int64, x.device)]  # [R, H]
         x = rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps)
         out = F.linear(x, self.w.lm_head).float()  # [R, V]
         if self.profile is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .device_rule import to_device
 from .gating import Routing
 
 # Up to this many pieces, one index_add_ per piece (no copies: the pieces' outputs are views) beats the rank passes,
@@ -69,7 +70,7 @@ def slot_ranks(experts: torch.Tensor) -> torch.Tensor:
     key = torch.where(experts >= 0, experts, torch.iinfo(experts.dtype).max)  # [T, k]
     order = torch.sort(key, dim=1, stable=True).indices  # [T, k] slots in summation order
     ranks = torch.empty_like(order)
-    ranks.scatter_(1, order, torch.arange(k, dtype=order.dtype).expand(num_tokens, k))  # [T, k]
+    ranks.scatter_(1, order, torch.arange(k, dtype=order.dtype, device=order.device).expand(num_tokens, k))  # [T, k]
     return ranks
 
 
@@ -77,37 +78,56 @@ def combine_rows(hidden: torch.Tensor, routing: Routing, tokens: torch.Tensor, s
                  outputs: torch.Tensor) -> torch.Tensor:
     """sum over slots of weight * expert output, in the fixed order of `slot_ranks`.
 
-    hidden: [T, H] (shape and dtype of the result); tokens, slots: [N] the rows' (token, slot), in any order;
-    outputs: [N, H] the experts' unweighted outputs for those rows. The rows are grouped by rank (one stable sort);
-    rank by rank, each group - at most one row per token - is weighted and added into the result (from zeros, as
-    main's index_add_ per expert did). k small passes, each over at most [T, H]: no [N, H] temporaries, so the
-    combine stays in cache and does not page-fault fresh buffers in.
+    hidden: [T, H] (shape, dtype and device of the result); tokens, slots: [N] the rows' (token, slot), in any
+    order, on the routing's device; outputs: [N, H] the experts' unweighted outputs for those rows. The rows are
+    grouped by rank (one stable sort); rank by rank, each group - at most one row per token - is weighted and added
+    into the result (from zeros, as main's index_add_ per expert did). k small passes, each over at most [T, H]:
+    no [N, H] temporaries, so the combine stays in cache and does not page-fault fresh buffers in.
+    The router passes a host routing and host outputs (experts/device_rule.py): the grouping is host bookkeeping and
+    only the arithmetic runs on hidden's device.
     """
-    num_tokens, k = routing.experts.shape
-    result = torch.zeros_like(hidden)  # [T, H]
+    k = routing.experts.shape[1]
     if tokens.numel() == 0:
-        return result
+        return torch.zeros_like(hidden)
     ranks = slot_ranks(routing.experts)[tokens, slots]  # [N]
     by_rank = torch.sort(ranks, stable=True).indices  # [N]
     weights = routing.weights[tokens, slots]  # [N]
-    for rows in by_rank.split(torch.bincount(ranks, minlength=k).tolist()):
-        if rows.numel():
-            weighted = outputs.index_select(0, rows) * weights[rows, None]  # [n_r, H]
-            result.index_add_(0, tokens[rows], weighted.to(hidden.dtype))
-    return result
+    sizes = torch.bincount(ranks, minlength=k).tolist()  # a device read only for a device routing (the reference)
+    groups = [(tokens[rows], weights[rows], outputs.index_select(0, rows.to(outputs.device)))
+              for rows in by_rank.split(sizes) if rows.numel()]
+    return _accumulate(hidden, groups)
 
 
 def combine_pieces(hidden: torch.Tensor, routing: Routing, pieces: Sequence[Piece]) -> torch.Tensor:
     """sum over slots of weight * expert output, each token's outputs in ascending expert order (a repeated expert
-    in slot order): the one combine of the router and the reference. hidden: [T, H] (shape and dtype)."""
+    in slot order): the one combine of the router and the reference. hidden: [T, H] (shape, dtype, device); the
+    pieces' tokens and slots on the routing's device."""
     if len(pieces) > PIECE_LOOP_MAX:
         return combine_rows(hidden, routing, torch.cat([p.tokens for p in pieces]),
                             torch.cat([p.slots for p in pieces]), torch.cat([p.outputs for p in pieces]))
-    result = torch.zeros_like(hidden)  # [T, H]
     # Ascending expert; one expert's replica chunks by their first row (chunks are contiguous in (token, slot)).
+    # The keys are host reads only when the pieces' indices are on a device (the reference on a GPU).
     ordered = sorted((p for p in pieces if p.tokens.numel()),
                      key=lambda p: (p.expert, int(p.tokens[0]), int(p.slots[0])))
-    for p in ordered:
-        weighted = p.outputs * routing.weights[p.tokens, p.slots, None]  # [n, H]
-        result.index_add_(0, p.tokens, weighted.to(hidden.dtype))
+    return _accumulate(hidden, [(p.tokens, routing.weights[p.tokens, p.slots], p.outputs) for p in ordered])
+
+
+def _accumulate(hidden: torch.Tensor,
+                groups: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """zeros [T, H] on hidden's device + each group's weight * output, in the order given. groups: (tokens [n],
+    weights [n], outputs [n, H]). Groups held on the host (the router's) go to the device in one batch of
+    non-blocking copies; the products and sums are the same operations wherever the rows came from, so the same
+    bits."""
+    result = torch.zeros_like(hidden)  # [T, H]
+    device = hidden.device
+    if any(t.device != device or w.device != device or y.device != device for t, w, y in groups):
+        sizes = [t.numel() for t, _, _ in groups]
+        tokens = to_device(torch.cat([t.cpu() for t, _, _ in groups]), device).split(sizes)
+        weights = to_device(torch.cat([w.cpu() for _, w, _ in groups]), device).split(sizes)
+        outputs = to_device(torch.cat([y.cpu() for _, _, y in groups]), device).split(sizes)
+        groups = list(zip(tokens, weights, outputs))
+    for tokens, weights, outputs in groups:
+        weighted = outputs * weights[:, None]  # [n, H]
+        result.index_add_(0, tokens, weighted.to(hidden.dtype))
     return result
+

@@ -57,7 +57,7 @@ def profile_table(delta: dict[str, float], steps: int, wall_s: float,
     dispatch_total = g("dispatch.submit", 0.0) + g("dispatch.wait", 0.0)
     dispatch_parts = g("dispatch.plan", 0.0) + g("dispatch.send", 0.0) + gather + g("dispatch.combine", 0.0)
     model_parts = g("model.gating", 0.0) + g("model.lm_head", 0.0) + dispatch_total
-    post_parts = g("post.sampling", 0.0) + g("post.detokenise", 0.0)
+    post_parts = g("post.detokenise", 0.0)
     seconds = {
         "waiting for requests": g("loop.idle", 0.0),
         "scheduling": g("loop.schedule", 0.0),
@@ -70,9 +70,9 @@ def profile_table(delta: dict[str, float], steps: int, wall_s: float,
         "combine": g("dispatch.combine", 0.0),
         "dispatch bookkeeping": dispatch_total - dispatch_parts,
         "lm_head": g("model.lm_head", 0.0),
-        "routing statistics": g("forward.thread", 0.0) - g("forward.model", 0.0),
+        "routing statistics": g("forward.thread", 0.0) - g("forward.model", 0.0) - g("forward.sampling", 0.0),
         "event-loop hand-back": g("loop.executor", 0.0) - g("forward.thread", 0.0),
-        "sampling": g("post.sampling", 0.0),
+        "sampling": g("forward.sampling", 0.0),
         "detokenising": g("post.detokenise", 0.0),
         "streaming": g("loop.post", 0.0) - post_parts,
         "loop other": g("loop.busy", 0.0) - g("loop.schedule", 0.0) - g("loop.executor", 0.0) - g("loop.post", 0.0),

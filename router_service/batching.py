@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
+from ..experts.device_rule import routing_on_host
 from ..experts.kv_cache import KVCache, blocks_for
 from ..experts.modeling import MoEDecoder
 from .errors import RequestError
-from .sampling import SamplingParams, sample_next, skip_draws
+from .sampling import SamplingParams, sample_tokens, skip_draws
 from .step_profile import StageClock
 
 
@@ -130,6 +131,7 @@ def step_routing(routings: dict, lengths: list[int], skip: list[int], num_expert
     fresh = offset >= torch.tensor(skip)[seq_of]  # [T] not counted before
     per_seq = [_StepRouting() for _ in lengths]
     for layer, routing in routings.items():
+        routing = routing_on_host(routing)  # the router's already is (experts/device_rule.py); the reference's not
         experts = routing.experts  # [T, K], -1 = dropped
         owner = seq_of[:, None].expand_as(experts)[fresh]  # [F, K]
         chosen = experts[fresh]  # [F, K]
@@ -212,7 +214,7 @@ class ContinuousBatcher:
         self._check_fits(request)
         seq = _Sequence(request=request, events=asyncio.Queue(), cache=self.model.new_cache(),
                         next_input=torch.tensor(request.prompt_ids, dtype=torch.int64),
-                        generator=request.sampling.generator(), span=span)
+                        generator=request.sampling.generator(self.model.device), span=span)
         if request.resumed_ids:
             await asyncio.to_thread(self._resume, seq)
         self._waiting.append(seq)
@@ -290,7 +292,7 @@ class ContinuousBatcher:
             batch = [seq for seq, _ in plan]
             scheduled = profile.since("loop.schedule", began)
             try:
-                logits, routing = await loop.run_in_executor(self._executor, self._forward, plan)
+                logits, routing, tokens = await loop.run_in_executor(self._executor, self._forward, plan)
             except Exception as exc:  # an expert failure fails this step's sequences, not the server
                 for seq in batch:
                     seq.events.put_nowait(exc)
@@ -299,14 +301,14 @@ class ContinuousBatcher:
             forwarded = profile.since("loop.executor", scheduled)
             self.steps += 1
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
-            for (seq, n), seq_logits, seq_routing in zip(plan, logits, routing):
+            for (seq, n), seq_logits, seq_routing, token in zip(plan, logits, routing, tokens):
                 if seq.cancelled:
                     continue
                 try:
                     self._count_routing(seq, seq_routing)
                     seq.next_input = seq.next_input[n:]
-                    if seq_logits is not None:  # the step fed its last pending token: sample the next one
-                        self._advance(seq, seq_logits)
+                    if seq_logits is not None:  # the step fed its last pending token: take the next one
+                        self._advance(seq, seq_logits, token)
                 except Exception as exc:  # e.g. a failing detokenizer: fail this sequence, keep the loop alive
                     seq.events.put_nowait(exc)
                     self._finish(seq)
@@ -365,9 +367,12 @@ class ContinuousBatcher:
         self._active.remove(seq)
         self._waiting.appendleft(seq)
 
-    def _forward(self, plan: list[tuple[_Sequence, int]]) -> tuple[list[torch.Tensor | None], list[_StepRouting]]:
+    def _forward(self, plan: list[tuple[_Sequence, int]]
+                 ) -> tuple[list[torch.Tensor | None], list[_StepRouting], list[int | None]]:
         """One forward over the step; per sequence, its next-token logits [V] (None: a prompt chunk that is not the
-        prompt's last) and what the step routed for its tokens that were not counted before."""
+        prompt's last), what the step routed for its tokens that were not counted before, and its sampled next token
+        (None: no logits, or a resumed sequence replaying its last delivered token). The step's tokens are sampled
+        here, on the forward thread, with one device read for all of them."""
         started = time.perf_counter()
         batch = [seq for seq, _ in plan]
         lengths = [n for _, n in plan]
@@ -385,8 +390,17 @@ class ContinuousBatcher:
         for seq, start, n in zip(batch, starts, lengths):
             seq.routed = max(seq.routed, start + n)
         per_seq = step_routing(self.model.last_trace.routings, lengths, skip, self.model.cfg.num_experts)
+        last = [x[-1] if w == "last" else None for x, w in zip(logits, wanted)]
+        sampled = time.perf_counter()
+        draw = [i for i, (seq, x) in enumerate(zip(batch, last)) if x is not None and not seq.replaying]
+        chosen = sample_tokens([last[i] for i in draw], [batch[i].request.sampling for i in draw],
+                               [batch[i].generator for i in draw])
+        tokens: list[int | None] = [None] * len(batch)
+        for i, token in zip(draw, chosen):
+            tokens[i] = token
+        self.profile.since("forward.sampling", sampled)
         self.profile.since("forward.thread", started)
-        return [x[-1] if w == "last" else None for x, w in zip(logits, wanted)], per_seq
+        return last, per_seq, tokens
 
     @staticmethod
     def _count_routing(seq: _Sequence, routing: _StepRouting) -> None:
@@ -397,7 +411,8 @@ class ContinuousBatcher:
         seq.degraded += routing.degraded
         seq.shed += routing.shed
 
-    def _advance(self, seq: _Sequence, logits: torch.Tensor) -> None:
+    def _advance(self, seq: _Sequence, logits: torch.Tensor, sampled: int | None) -> None:
+        """Take the step's next token (`sampled` by _forward; a replaying sequence takes its last resumed one)."""
         req = seq.request
         replayed = seq.replaying
         if replayed:
@@ -405,9 +420,7 @@ class ContinuousBatcher:
             token = req.resumed_ids[-1]
             skip_draws(seq.generator, logits.numel(), len(req.resumed_ids))  # the draws the resumed tokens took
         else:
-            sampled = time.perf_counter()
-            token = sample_next(logits, req.sampling, seq.generator)
-            self.profile.since("post.sampling", sampled)
+            token = sampled
         seq.generated.append(token)
         seq.next_input = torch.tensor([token], dtype=torch.int64)
         finish = None

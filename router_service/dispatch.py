@@ -19,6 +19,7 @@ import torch
 from ..cluster.breaker import BreakerBoard
 from ..cluster.routing_table import RoutingTable, Shard, split_tokens
 from ..experts.arrays import HostStager, pack
+from ..experts.device_rule import layer_to_host
 from ..experts.gating import Routing, degrade
 from .dispatch_plan import ActorCall, add_rows, all_served, combine, plan_calls
 from .shedding import ShedConfig, ShedPolicy, apply_shed
@@ -57,8 +58,9 @@ class _PendingLayer:
     """A layer's expert round between `submit` and `wait`."""
 
     layer: int
-    hidden: torch.Tensor  # [T, H]
-    routing: Routing  # as the gate chose
+    hidden: torch.Tensor  # [T, H] on the router's device: where the combine adds up
+    host_hidden: torch.Tensor  # [T, H] the same in host memory: the rows every call sends are gathered from it
+    routing: Routing  # as the gate chose, in host memory (experts/device_rule.py)
     served: Routing  # after the no-replica policy
     calls: list[ActorCall]
     handles: list  # the first round's transport handles
@@ -92,7 +94,8 @@ class RemoteExperts:
         self._in_flight: list[_PendingLayer] = []  # submitted layers not yet waited for (their calls may be out)
         self._last_revive = 0.0
         self.calls_per_layer: dict[int, int] = {}  # of the most recent forward; tests check calls == actors hit
-        # Rows leave the router's device through pinned buffers, one synchronisation per send (tests count them).
+        # A layer's routing and rows leave the router's device through pinned buffers with one synchronisation
+        # (experts/device_rule.py; tests count them).
         self.stager = HostStager()
         self.round_seconds = 0.0  # wall time spent in expert rounds since creation (benchmarks read it)
         self.profile = StageClock()  # per-stage seconds (router_service/step_profile.py); the router shares one
@@ -257,8 +260,10 @@ class RemoteExperts:
 
     def submit(self, layer: int, hidden: torch.Tensor, routing: Routing) -> _PendingLayer:
         """Start a layer's expert round: apply the no-replica policy, plan the calls and send them. The
-        retries, failover and combine happen in `wait`; other work can run in between (the decoder's overlap)."""
+        retries, failover and combine happen in `wait`; other work can run in between (the decoder's overlap).
+        hidden [T, H] and routing are on the router's device; this is where they cross to the host, once."""
         started = time.perf_counter()
+        routing, (host_hidden,) = layer_to_host(routing, [hidden], self.stager, wide=self._needs_probs())
         span = None
         if self.tracer is not None:
             span = self.tracer.start_span("expertmesh.dispatch", attributes={"layer": layer})
@@ -283,13 +288,13 @@ class RemoteExperts:
             calls = plan_calls(layer, served, self.table, self._replicas_of())
             self.profile.since("dispatch.plan", planning)
             hints = self._prefetch_hints(layer, hidden, served) if self.prefetcher is not None else None
-            handles = self._send(layer, hidden, calls, range(len(calls)), carrier, hints)
+            handles = self._send(layer, host_hidden, calls, range(len(calls)), carrier, hints)
         except BaseException:
             if span is not None:
                 span.end()
             raise
-        pending = _PendingLayer(layer, hidden, routing, served, calls, handles, shed, deadline, give_up, carrier,
-                                span, started)
+        pending = _PendingLayer(layer, hidden, host_hidden, routing, served, calls, handles, shed, deadline, give_up,
+                                carrier, span, started)
         pending.busy_s = time.perf_counter() - started
         self.profile.add("dispatch.submit", pending.busy_s)
         self._in_flight.append(pending)
@@ -316,7 +321,7 @@ class RemoteExperts:
                         served = apply_shed(served, p.shed, self._shed_targets(p.layer, served))
                     calls = plan_calls(p.layer, served, self.table, self._replicas_of())
                     self.profile.since("dispatch.plan", planning)
-                outputs = self._execute(p.layer, p.hidden, calls, p.give_up, p.carrier,
+                outputs = self._execute(p.layer, p.host_hidden, calls, p.give_up, p.carrier,
                                         p.handles if attempt == 0 else None)
                 if outputs is not None:
                     break
@@ -327,8 +332,8 @@ class RemoteExperts:
             self.degraded_slots += served.degraded
             self.shed_slots += served.shed
             combining = time.perf_counter()
-            if p.hidden.device.type != "cpu":  # outputs arrive in host memory; combine runs where hidden lives
-                outputs = [out.to(p.hidden.device, non_blocking=True) for out in outputs]
+            # Outputs arrive in host memory and the plan is host bookkeeping: combine sends them to hidden's device
+            # in one batch of non-blocking copies and adds up there.
             result = combine(p.hidden, served, calls, outputs)
             self.profile.since("dispatch.combine", combining)
             # Time this thread spent on the round (submit + wait), not the work it did while the round flew.
@@ -346,6 +351,12 @@ class RemoteExperts:
                 p.span.end()
             if not self._steps_running:
                 self._last_active = time.monotonic()
+
+    def _needs_probs(self) -> bool:
+        """Whether a layer's gate probabilities ([T, E], and the selection scores) must come to the host with its
+        routing: for the load statistics' entropy, degrading around a lost shard, or shedding."""
+        return (self.observer is not None or self.failover.no_replica_policy == "degrade"
+                or self.failover.shed.enabled)
 
     def _replicas_of(self) -> Callable[[Shard], list[str]] | None:
         """How plan_calls picks a shard's replicas: None (the table's, planned without a Python step per expert)
@@ -406,15 +417,14 @@ class RemoteExperts:
     def _send(self, layer: int, hidden: torch.Tensor, calls: list[ActorCall], which, trace: dict[str, str] | None,
               hints: dict[str, list[Shard]] | None = None):
         """Submit calls[i] for i in `which` through the transport; -> their handles.
-        Every call's rows are gathered on the device and copied to host (non-blocking, into pinned buffers) first,
-        then the one wait for all of them, then the sends: one host synchronisation per layer, not per call.
+        hidden [T, H] is the layer's host copy (submit brought it over with the routing in one wait): every call's
+        rows are gathered from it here, on the host, with no further device work.
         hints: actor -> shards to prefetch; they ride with the actor's call where the transport takes them (refs,
         grpc, socket), otherwise, and for actors without a call, go as `prefetch` calls of their own after the calls."""
         # `trace` only when tracing is on, so a transport without it still works with tracing off.
         extra = {} if trace is None else {"trace": trace}
         sending = time.perf_counter()
-        staged = [self.stager.stage(hidden[calls[i].tokens]) for i in which]  # [n_i, H] each
-        self.stager.finish()
+        staged = [hidden[calls[i].tokens] for i in which]  # [n_i, H] each
         hints = dict(hints or {})
         rides = getattr(self.transport, "takes_prefetch", False)
         handles = []

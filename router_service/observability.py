@@ -54,7 +54,8 @@ class RouterObserver:
     # ---- hooks (forward thread) ----------------------------------------------------------------------------
 
     def on_layer(self, layer: int, served, calls: list, seconds: float) -> None:
-        slots = served.tokens_per_expert(self.num_experts).numpy()  # [E]
+        # The dispatcher's served routing is in host memory (experts/device_rule.py): no device read here.
+        slots = served.tokens_per_expert(self.num_experts).cpu().numpy()  # [E]
         replica: dict[str, int] = {}
         for call in calls:
             replica[call.actor] = replica.get(call.actor, 0) + sum(call.counts)

@@ -132,7 +132,7 @@ class Router:
     def check_token_ids(self, token_ids: list[int], field: str = "token_ids") -> torch.Tensor:
         cfg = self.model_config
         ids = check_token_ids(token_ids, cfg.vocab_size, cfg.max_position_embeddings, field)
-        return torch.tensor(ids, device=self.device)
+        return torch.tensor(ids, dtype=torch.int64)  # host: the decoder sends a step's ids up without a wait
 
     def check_budget(self, prompt_len: int, max_tokens: int) -> None:
         check_budget(prompt_len, max_tokens, self.model_config.max_position_embeddings)
@@ -200,5 +200,5 @@ class Router:
             if eos is not None and next_id == eos:
                 finish = "eos"
                 break
-            step_input = torch.tensor([next_id], device=self.device)
+            step_input = torch.tensor([next_id], dtype=torch.int64)
         return out, finish

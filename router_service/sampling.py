@@ -4,6 +4,12 @@ A sampled step draws exactly one exponential variate per vocabulary entry from t
 the distribution, so the generator's state after k steps is known without the logits of those steps: a request
 resumed after k tokens (router failover, router_service/continuation.py) skips k × vocabulary draws and samples the
 same tokens as the uninterrupted run.
+
+Devices (experts/device_rule.py): the generator lives on the logits' device (a CPU generator cannot drive a CUDA
+draw), and the choice stays a device tensor until `sample_tokens` reads every sequence's choice of a step at once:
+one device read per step, not one per sequence. A seed gives the same tokens on every run on the same kind of
+device, and after a resume on another replica of that kind; CPU and CUDA generators are different algorithms
+(mt19937 and Philox), so the same seed samples different tokens on a CPU router and a GPU router.
 """
 
 from __future__ import annotations
@@ -38,18 +44,33 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self) -> torch.Generator | None:
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """The request's generator on `device` (where its logits are), or None for greedy decoding."""
         if self.greedy:
             return None
-        gen = torch.Generator()
+        gen = torch.Generator(device=device)
         gen.manual_seed(self.seed if self.seed is not None else torch.seed())
         return gen
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """logits: [V] float32 -> the next token id."""
+    """logits: [V] float32 -> the next token id (one device read; `sample_tokens` reads a whole step's at once)."""
+    return int(choose(logits, params, generator))
+
+
+def sample_tokens(logits: list[torch.Tensor], params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> list[int]:
+    """A step's next tokens: per sequence logits [V] (on one device), its sampling and generator -> token ids, with
+    one device read for them all."""
+    if not logits:
+        return []
+    return torch.stack([choose(x, p, g) for x, p, g in zip(logits, params, generators)]).tolist()
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits: [V] float32 -> the next token id as a 0-dim int64 tensor on the logits' device (not read)."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     # Shift so the best logit is 0 before dividing, in float64: a tiny temperature then sends the others to -inf
     # (greedy in the limit) instead of overflowing to inf and making softmax NaN.
     logits = logits.double()
@@ -61,21 +82,22 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         sorted_logits, order = torch.sort(scaled, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p  # [V] in sorted order
         drop[0] = False
-        scaled = scaled.clone()
-        scaled[order[drop]] = float("-inf")
+        # Back to vocabulary order with a scatter: indexing with the mask would read the device (a nonzero count).
+        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)  # [V]
     # torch.multinomial(probs, 1) spelled out (the exponential race: argmax p / q with q ~ Exp(1)), the same tokens
     # from the same generator, written here so the number of draws per step is ours to rely on (skip_draws).
     race = torch.empty_like(probs).exponential_(generator=generator)  # [V]
-    return int(torch.argmax(probs / race))
+    return torch.argmax(probs / race)
 
 
 def skip_draws(generator: torch.Generator | None, vocab_size: int, steps: int) -> None:
     """Advance `generator` past `steps` sampled steps over a vocabulary of `vocab_size`, as sample_next would."""
     if generator is None or steps <= 0:
         return
-    scratch = torch.empty(vocab_size, dtype=torch.float64)  # sample_next's probabilities are float64
+    # sample_next's probabilities are float64, on the generator's device
+    scratch = torch.empty(vocab_size, dtype=torch.float64, device=generator.device)
     for _ in range(steps):
         scratch.exponential_(generator=generator)

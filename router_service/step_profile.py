@@ -12,11 +12,11 @@ Raw stages (all wall seconds, each measured on the thread that does the work):
   loop.busy           batcher loop iterations that ran a step, whole
   loop.schedule       releasing, admitting and planning the step (inside loop.busy)
   loop.executor       awaiting the forward on the forward thread (inside loop.busy)
-  loop.post           the per-sequence work after the forward: sampling, text, token events (inside loop.busy)
-  post.sampling       choosing each next token (inside loop.post)
+  loop.post           the per-sequence work after the forward: text, token events (inside loop.busy)
   post.detokenise     turning generated ids into the text to stream (inside loop.post)
-  forward.thread      the forward thread's whole job: forward + routing statistics (inside loop.executor)
+  forward.thread      the forward thread's whole job: forward + routing statistics + sampling (inside loop.executor)
   forward.model       MoEDecoder.forward (inside forward.thread)
+  forward.sampling    choosing every sequence's next token, one device read for the step (inside forward.thread)
   model.gating        router logits + top-k (inside forward.model)
   model.lm_head       final norm + lm_head (inside forward.model)
   dispatch.submit     RemoteExperts.submit, whole (inside forward.model)
@@ -36,8 +36,8 @@ import time
 __all__ = ["StageClock", "STAGES"]
 
 STAGES = (
-    "loop.idle", "loop.busy", "loop.schedule", "loop.executor", "loop.post", "post.sampling", "post.detokenise",
-    "forward.thread", "forward.model", "model.gating", "model.lm_head", "dispatch.submit", "dispatch.wait",
+    "loop.idle", "loop.busy", "loop.schedule", "loop.executor", "loop.post", "post.detokenise",
+    "forward.thread", "forward.model", "forward.sampling", "model.gating", "model.lm_head", "dispatch.submit", "dispatch.wait",
     "dispatch.plan", "dispatch.send", "dispatch.gather", "dispatch.combine", "serve.emit", "front.relay",
 )
 

@@ -62,7 +62,7 @@ def test_router_stats_carry_the_step_profile_stage_clocks(channel):
     after = router_stats(channel)
     grew = {k for k, v in after.stage_seconds.items() if v > before.get(k, 0.0)}
     assert {"loop.busy", "loop.executor", "forward.model", "model.gating", "model.lm_head", "dispatch.send",
-            "dispatch.gather", "dispatch.combine", "post.sampling", "serve.emit", "front.relay"} <= grew, grew
+            "dispatch.gather", "dispatch.combine", "forward.sampling", "serve.emit", "front.relay"} <= grew, grew
     stages = after.stage_seconds
     assert stages["forward.model"] <= stages["loop.executor"] <= stages["loop.busy"]
 
