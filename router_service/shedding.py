@@ -106,6 +106,7 @@ def choose_shed_slots(routing: Routing, shed: torch.Tensor) -> torch.Tensor:
     routing.experts: [T, k]; shed: [E] int64 -> [T, k] bool."""
     assert routing.probs is not None, "shedding needs the gate probabilities"
     experts = routing.experts  # [T, k]
+    shed = shed.to(experts.device)  # the policy's counts are host bookkeeping; the router's routing is too
     candidate = (experts >= 0) & (shed[experts.clamp(min=0)] > 0)  # [T, k]
     where = torch.nonzero(candidate)  # [n, 2] (token, slot), row-major: token order
     expert = experts[where[:, 0], where[:, 1]]  # [n]
@@ -114,7 +115,8 @@ def choose_shed_slots(routing: Routing, shed: torch.Tensor) -> torch.Tensor:
     by_prob = torch.sort(prob, stable=True).indices  # [n]
     order = by_prob[torch.sort(expert[by_prob], stable=True).indices]  # [n]
     grouped = expert[order]  # [n] ascending
-    rank = torch.arange(grouped.numel()) - torch.searchsorted(grouped, grouped)  # [n] position inside its group
+    # [n] position inside its group
+    rank = torch.arange(grouped.numel(), device=grouped.device) - torch.searchsorted(grouped, grouped)
     pick = order[rank < shed[grouped]]
     move = torch.zeros_like(experts, dtype=torch.bool)  # [T, k]
     move[where[pick, 0], where[pick, 1]] = True

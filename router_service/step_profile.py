@@ -37,8 +37,9 @@ __all__ = ["StageClock", "STAGES"]
 
 STAGES = (
     "loop.idle", "loop.busy", "loop.schedule", "loop.executor", "loop.post", "post.detokenise",
-    "forward.thread", "forward.model", "forward.sampling", "model.gating", "model.lm_head", "dispatch.submit", "dispatch.wait",
-    "dispatch.plan", "dispatch.send", "dispatch.gather", "dispatch.combine", "serve.emit", "front.relay",
+    "forward.thread", "forward.model", "forward.sampling", "model.gating", "model.lm_head", "dispatch.submit",
+    "dispatch.wait", "dispatch.plan", "dispatch.send", "dispatch.gather", "dispatch.combine", "serve.emit",
+    "front.relay",
 )
 
 

@@ -86,9 +86,11 @@ def test_gated_mlp_on_cuda(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_wire_format_with_cuda_tensors(dtype):
-    pytest.importorskip("google.protobuf")
-    from expertmesh.experts import wire
-    from expertmesh.protos import expert_transport_pb2 as pb
+    try:  # protobuf missing, or older than the committed generated code needs: skip, not error
+        from expertmesh.experts import wire
+        from expertmesh.protos import expert_transport_pb2 as pb
+    except Exception as exc:  # noqa: BLE001 - ImportError or protobuf's VersionError
+        pytest.skip(f"the wire test needs protobuf >= the generated code's version: {exc}")
 
     x = (torch.randn(33, 64, device=CUDA) * 50).to(dtype)
     x[0, 0], x[0, 1] = float("nan"), float("-inf")

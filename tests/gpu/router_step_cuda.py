@@ -1,0 +1,114 @@
+"""The router's step on a real GPU, Ray-free (the GPU machine has torch, transformers and safetensors, not Ray).
+
+    bash ops/gpu_check.sh            # runs this among the GPU tests
+    python tests/gpu/router_step_cuda.py [--families mixtral,gpt_oss] [--gpu-memory-utilization 0.5]
+
+One line per check. For every family (tiny checkpoints written by transformers, as the CPU tests use): the router's
+decoder with its dense weights, paged KV pool, gates and sampling on cuda:0 in bf16 (and fp32), dispatching through
+`RemoteExperts` to in-process expert actors computing on the GPU, against the in-process reference on the CPU in
+fp32: logits within bf16 tolerance (fp32: 1e-4) and greedy tokens equal; served through the continuous batcher
+(chunked prefill, seeded sampling at temperature > 0) twice with the same tokens, and a resumed stream equal to the
+uninterrupted one; the paged pool sized by --gpu-memory-utilization. The same scenarios run under the fake-CUDA
+double in CPU CI (tests/unit/test_router_step_fake_cuda.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path, for `tests.`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.router_step import (  # noqa: E402
+    StepSetup,
+    build_router,
+    prefill_then_decode,
+    prompts,
+    resumed,
+    serve,
+    serving_requests,
+)
+
+FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2_grouped", "glm4_moe", "many_experts")
+
+
+def write_checkpoint(family: str, out: Path) -> Path:
+    from tests.tiny_checkpoints import write_hf_checkpoint
+    from tests.tiny_deepseek import write_deepseek_checkpoint
+
+    if family.startswith("deepseek") or family == "glm4_moe":
+        return write_deepseek_checkpoint(family, out)
+    if family == "many_experts":  # 128 experts, top-8: > 16 pieces per layer, the rank-pass combine
+        return write_hf_checkpoint("qwen3_moe", out, num_experts=128, num_experts_per_tok=8)
+    return write_hf_checkpoint(family, out)
+
+
+def check_family(family: str, model_dir: Path, utilization: float, say) -> bool:
+    from expertmesh.experts.reference import load_reference_model
+
+    ok = True
+    reference = load_reference_model(model_dir)  # CPU, fp32
+    vocab = reference.cfg.vocab_size
+    want = prefill_then_decode(reference, prompts(vocab))
+    want_tokens = [x.argmax(-1) for x in want]
+    for dtype, tol in ((torch.bfloat16, None), (torch.float32, 1e-4)):
+        started = time.perf_counter()
+        model, backend = build_router(model_dir, "cuda", dtype, StepSetup(gpu_memory_utilization=utilization))
+        got = prefill_then_decode(model, prompts(vocab))
+        gap = max(float((g.float() - w).abs().max()) for g, w in zip(got, want))
+        scale = max(float(w.abs().max()) for w in want)
+        bound = tol if tol is not None else 0.05 * max(scale, 1.0)
+        greedy = all(torch.equal(g.argmax(-1), t) for g, t in zip(got, want_tokens))
+        passed = gap <= bound and (greedy or tol is None)
+        ok &= passed
+        say(f"{'PASS' if passed else 'FAIL'} {family:<20} {str(dtype)[6:]:<9} router step on cuda vs CPU reference: "
+            f"max|Δlogit| {gap:.2e} (bound {bound:.1e}), greedy tokens {'equal' if greedy else 'differ'}, "
+            f"{backend.transport.calls} expert calls, {time.perf_counter() - started:.1f}s")
+    model, _ = build_router(model_dir, "cuda", torch.bfloat16, StepSetup(gpu_memory_utilization=utilization))
+    requests = serving_requests(vocab)
+    first, second = serve(model, requests), serve(model, requests)
+    again = serve(model, [resumed(requests[1], first[1][:2])])[0]
+    passed = first == second and again == first[1][2:]
+    ok &= passed
+    say(f"{'PASS' if passed else 'FAIL'} {family:<20} bfloat16  batcher on cuda: chunked prefill + seeded sampling "
+        f"repeatable ({first == second}), resumed stream equal ({again == first[1][2:]})")
+    return ok
+
+
+def check_pool(model_dir: Path, utilization: float, say) -> bool:
+    torch.cuda.empty_cache()
+    model, _ = build_router(model_dir, "cuda", torch.bfloat16, StepSetup(gpu_memory_utilization=utilization))
+    free, total = torch.cuda.mem_get_info()
+    used_share = 1 - free / total
+    passed = used_share <= utilization + 0.02 and model.kv_pool.num_blocks > 0
+    say(f"{'PASS' if passed else 'FAIL'} paged KV pool at --gpu-memory-utilization {utilization}: "
+        f"{model.kv_pool.num_blocks} blocks, process uses {used_share:.1%} of {total / 2**30:.0f} GiB")
+    return passed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("SKIP no CUDA device")
+        return 0
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}", flush=True)
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {f: write_checkpoint(f, Path(tmp) / f) for f in args.families.split(",")}
+        for family, model_dir in dirs.items():
+            ok &= check_family(family, model_dir, args.gpu_memory_utilization, lambda line: print(line, flush=True))
+        ok &= check_pool(next(iter(dirs.values())), args.gpu_memory_utilization, lambda line: print(line, flush=True))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
