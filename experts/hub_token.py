@@ -10,9 +10,8 @@ own reads it from there.
 
 Not through the actors' `runtime_env.env_vars`: Ray 2.60's runtime-env agent writes every runtime env it creates,
 env vars included, verbatim into each node's `runtime_env_agent.log` ("Creating runtime env: {...}"; seen in a local
-run), and the dashboard shows actors' runtime envs. The key-value store is readable only by holders of the Ray token
-when token authentication is on (cluster/configs turn it on), which is also who can run code on the cluster anyway.
-The token is never logged here.
+run). The key-value store is readable only by holders of the Ray token when token authentication is on
+(cluster/configs turn it on), who can run code on the cluster anyway. The token is never logged here.
 
 Which token a download uses: the process's own HF_TOKEN (or HUGGING_FACE_HUB_TOKEN) first, as huggingface_hub does;
 else the published one; else huggingface_hub's token file (HF_TOKEN_PATH, default $HF_HOME/token).
