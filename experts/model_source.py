@@ -18,6 +18,7 @@ from pathlib import Path
 from .checkpoint import CheckpointReader
 from .config import MoEModelConfig, load_model_config
 from .errors import CheckpointError
+from .hub_token import download_token
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -135,7 +136,8 @@ def _download(repo_id: str, filename: str, revision: str | None, required: bool 
 
     where = f"{repo_id}" + (f"@{revision}" if revision else "")
     try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision))
+        # token: the process's own HF_TOKEN, else the one the mesh's driver published (experts/hub_token.py)
+        return Path(hf_hub_download(repo_id, filename, revision=revision, token=download_token()))
     except LocalEntryNotFoundError:
         if not required:
             return None

@@ -1,15 +1,21 @@
 """Joining an existing Ray cluster, token authentication included, with one clear line when it cannot work.
 
-Ray 2.60 clusters started with `RAY_AUTH_MODE=token` (the default of Ray's own cluster launchers and KubeRay from that
-release on) refuse every unauthenticated GCS call. A driver joins only when *it* runs in token mode and has the
-token (`RAY_AUTH_TOKEN`, the file at `RAY_AUTH_TOKEN_PATH`, or `~/.ray/auth_token`); otherwise `ray.init` retries
-for ~20 s, printing a screen of `InvalidAuthToken` warnings, and ends in a ConnectionError that names neither cause.
+A Ray 2.60 cluster with token authentication refuses every unauthenticated GCS call. Ray 2.60 turns it on only when
+asked: `RAY_AUTH_MODE=token` in the environment of `ray start`, or a token that already exists when `ray start
+--head` runs with RAY_AUTH_MODE unset (a worker's `ray start --address` never turns it on by itself); `ray.init()`
+starting a local cluster is the one default-on case (unless RAY_AUTH_MODE is set). Ray's cluster launcher (`ray up`)
+sets nothing, and KubeRay only with `authOptions: {mode: token}` (KubeRay >= 1.5.1); cluster/configs/ turn it on in
+both (RAY_AUTH_MODE=token in every `ray up` container, authOptions in the RayService). Ray 2.61 turns it on for all
+clusters. A driver joins only when *it* runs in token mode and has the token (`RAY_AUTH_TOKEN`, the file at
+`RAY_AUTH_TOKEN_PATH`, or `~/.ray/auth_token`); otherwise `ray.init` retries for ~20 s, printing a screen of
+`InvalidAuthToken` warnings, and ends in a ConnectionError that names neither cause.
 
 So before `ray.init`, one GCS call (`GetClusterId`, no auth needed on an open cluster) tells an open cluster from a
 token-protected one from nothing listening, and a token we found from a wrong one. A token-protected cluster with a
 working token gets `RAY_AUTH_MODE=token` in this process's environment (Ray reads it there; workers we start inherit
 it, and Ray's cached configuration is refreshed), so the user only has to provide the token the way Ray documents.
-Ray itself turns token mode on from an existing token only for `address="auto"`, never for an explicit address.
+Ray itself turns a driver's token mode on from an existing token only when `ray.init` looks for a local cluster
+(address None or "auto"), never for an explicit address.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ _GET_CLUSTER_ID = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 
 def find_auth_token(env: dict[str, str] | None = None, home: Path | None = None) -> tuple[str, str] | None:
     """(token, where it came from) as Ray looks for it: RAY_AUTH_TOKEN, the file at RAY_AUTH_TOKEN_PATH,
-    ~/.ray/auth_token; None when there is none."""
+    ~/.ray/auth_token; None when there is none. (Ray aborts when RAY_AUTH_TOKEN_PATH names an unreadable or empty
+    file; here ~/.ray/auth_token is still tried, and a token the cluster refuses gets prepare_join's one line.)"""
     env = os.environ if env is None else env
     if env.get("RAY_AUTH_TOKEN", "").strip():
         return env["RAY_AUTH_TOKEN"].strip(), "RAY_AUTH_TOKEN"

@@ -22,6 +22,7 @@ from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import read_table
 from ..experts.checkpoint import CheckpointReader
+from ..experts.hub_token import publish_hub_token
 from ..experts.model_source import dense_tensors, open_checkpoint
 from ..experts.transport_secret import transport_secret
 from ..experts.weights import check_checkpoint
@@ -117,6 +118,7 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
     runtime = MeshRuntime(config, reader, owns_ray)
     try:
         transport_secret()  # the expert transport's cluster secret exists before any actor or router needs it
+        publish_hub_token()  # this driver's HF_TOKEN, for nodes started without one (gated repos)
         elastic = config.controller.elastic
         groups, slots = pool_layout(reader.config, config.experts.replicas_per_expert,
                                     config.experts.num_cpus_per_actor, config.experts.placement, elastic,
