@@ -293,8 +293,8 @@ def _as_tensor(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
 def _sdpa(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
     """scaled_dot_product_attention on the CPU kernels the CPU path picks (bit-identical), after CUDA's checks.
 
-    Through the dispatcher, the C++ would see device cuda, find no CUDA fused kernel in a CPU build and run the
-    math fallback, whose rounding differs from the CPU flash kernel's.
+    Its C++ composite, seeing device cuda, would allocate (the causal mask) with the query's CUDA options, which a
+    CPU build cannot do, and would take the math fallback, whose rounding differs from the CPU kernel's.
     """
     q, k, v = args[:3]
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
@@ -309,6 +309,16 @@ def _sdpa(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
     inner_args, inner_kwargs = tree_map_only(FakeCudaTensor, ft._unwrap, (args, kwargs))
     with ft.drawing_from(ft.default_generator):
         return FakeCudaTensor(func(*inner_args, **inner_kwargs))
+
+
+def _one_hot(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
+    """F.one_hot: its composite allocates with the input's CUDA options; without num_classes it reads the max."""
+    if not isinstance(args[0], FakeCudaTensor):
+        return func(*args, **kwargs)
+    num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    if num_classes == -1:
+        ft.record("read", "one_hot")  # num_classes = self.max().item() + 1
+    return FakeCudaTensor(func(args[0]._elem, *args[1:], **kwargs))
 
 
 def _on_device(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -331,6 +341,7 @@ _HANDLERS = {
     torch.Tensor.is_pinned: _tensor_is_pinned,
     torch.as_tensor: _as_tensor,
     F.scaled_dot_product_attention: _sdpa,
+    F.one_hot: _one_hot,
 }
 
 
@@ -358,7 +369,19 @@ class _FakeCudaMode(TorchFunctionMode):
                 if isinstance(t, torch.Tensor):
                     self.fc.pin(t)
             return out
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            # a binding that takes a CUDA device guard before any op (copy_, nonzero, ...): a CPU build has none
+            if "not linked with support for cuda devices" not in str(e) or not _has_fake(args, kwargs):
+                raise
+        except NotImplementedError as e:
+            if "from the 'CUDA' backend" not in str(e):
+                raise
+            raise NotImplementedError(f"fake_cuda: {getattr(func, '__name__', func)} allocates a CUDA tensor inside "
+                                      "its C++ implementation, which a CPU build cannot; the double needs a handler "
+                                      "for it (see _HANDLERS in tests/fake_cuda.py)") from e
+        return ft.call_through_proxies(func, args, kwargs)
 
 
 _MISSING = object()

@@ -141,6 +141,12 @@ class FakeCudaTensor(torch.Tensor):
         if packet == "copy_":
             return _copy_(args, kwargs)
         rng = _random_stream(func, kwargs)
+        to_host = False
+        if kwargs.get("device") is not None:  # new_*/*_like given a device: the CPU one keeps its result
+            to_host = torch.device(kwargs["device"]).type == "cpu"
+            if not to_host:
+                check_cuda_device(kwargs["device"])
+            kwargs = {**kwargs, "device": _CPU}
         inner_args, inner_kwargs = tree_map_only(FakeCudaTensor, _unwrap, (args, kwargs))
         with drawing_from(rng) if rng is not None else contextlib.nullcontext():
             out = func(*inner_args, **inner_kwargs)
@@ -148,7 +154,7 @@ class FakeCudaTensor(torch.Tensor):
             record("read", packet)
         for _ in range(effects.shape_syncs):
             record("shape_sync", packet)
-        return _wrap_outputs(func, args, kwargs, out)
+        return out if to_host else _wrap_outputs(func, args, kwargs, out)
 
     # --- what CUDA tensors do differently from CPU ones at the Python surface -----------------------------------
 
@@ -204,12 +210,12 @@ class FakeCudaTensor(torch.Tensor):
     def __getitem__(self, index: Any) -> Any:
         # Python indexing is C++ (python_variable_indexing.cpp) that first takes a device guard, which a CPU build
         # has none of for CUDA. A CPU-device proxy lets that code run; every aten op it issues (select, slice,
-        # index, index_put_, copy_, ...) is forwarded to this tensor, so CUDA's rules and autograd apply.
-        out = torch.Tensor.__getitem__(_IndexProxy(self), index)
-        return out._target if isinstance(out, _IndexProxy) else out
+        # index, index_put_, copy_, ...) is forwarded to this tensor, so CUDA's rules apply.
+        out = torch.Tensor.__getitem__(HostProxy(self), index)
+        return out._target if isinstance(out, HostProxy) else out
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        torch.Tensor.__setitem__(_IndexProxy(self), index, value)
+        torch.Tensor.__setitem__(HostProxy(self), index, value)
 
     def requires_grad_(self, requires_grad: bool = True) -> FakeCudaTensor:
         return self  # see the class docstring: a fake-CUDA tensor never requires grad
@@ -263,14 +269,18 @@ class FakeCudaTensor(torch.Tensor):
         return FakeCudaTensor(cpu)
 
 
-class _IndexProxy(torch.Tensor):
-    """A fake-CUDA tensor's metadata on device cpu, for FakeCudaTensor.__getitem__/__setitem__ only."""
+class HostProxy(torch.Tensor):
+    """A fake-CUDA tensor's metadata on device cpu, forwarding every aten op to the fake tensor.
+
+    For the C++ Python bindings that take a CUDA device guard before calling any op (indexing, copy_, nonzero,
+    ...): a CPU build has no CUDA guard, but a CPU one is a no-op, and the ops reach the fake tensor all the same.
+    """
 
     _target: FakeCudaTensor
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, target: FakeCudaTensor) -> _IndexProxy:
+    def __new__(cls, target: FakeCudaTensor) -> HostProxy:
         r = torch.Tensor._make_wrapper_subclass(cls, target.size(), strides=target.stride(),
                                                 storage_offset=target.storage_offset(), dtype=target.dtype,
                                                 layout=target.layout, device=_CPU)
@@ -280,8 +290,14 @@ class _IndexProxy(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: torch._ops.OpOverload, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        args, kwargs = tree_map_only(_IndexProxy, lambda p: p._target, (args, kwargs or {}))
+        args, kwargs = tree_map_only(HostProxy, lambda p: p._target, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def call_through_proxies(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Call a Python binding with fake tensors behind HostProxy (see there); proxies in the result are unwrapped."""
+    args, kwargs = tree_map_only(FakeCudaTensor, HostProxy, (args, kwargs))
+    return tree_map_only(HostProxy, lambda p: p._target, func(*args, **kwargs))
 
 
 def check_cuda_device(device: Any) -> None:
