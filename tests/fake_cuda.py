@@ -21,39 +21,52 @@ Use::
 What it emulates
 - Tensors: ``FakeCudaTensor`` (tests/fake_cuda_tensor.py), a ``_make_wrapper_subclass`` reporting cuda:0 around a
   CPU tensor. Every aten operator on it is checked as CUDA's kernel checks devices (tests/fake_cuda_rules.py: the
-  generated ExactSame check, TensorIterator's 0-dim CPU scalar rule, index/index_put_/masked_fill_/where/copy_
-  rules, each taken from PyTorch's source), then run on the CPU tensors; outputs are wrapped where CUDA would put
-  them. Views wrap views (writes through them reach the base); in-place ops return the caller's tensor.
+  generated ExactSame check, TensorIterator's 0-dim CPU scalar rule, index/index_put_/masked_fill_/where/fill_/
+  copy_ rules, each taken from PyTorch's source and native_functions.yaml), then run on the CPU tensors; outputs
+  are wrapped where CUDA would put them. Composite operators decompose first with ``is_cuda()`` true, so they take
+  CUDA's branch. Views wrap views (writes through them reach the base); in-place ops return the caller's tensor.
 - Python surface: ``.numpy()`` raises CUDA's TypeError; ``.item()``, ``int()``, ``float()``, ``bool()``, index use,
-  ``.tolist()``, ``.cpu()``/``.to("cpu")``, ``copy_`` into a CPU tensor, ``torch.equal`` are device-to-host reads.
-  ``.to("cpu", non_blocking=True)`` (its result is pinned, as CUDA pins it) and ``copy_(non_blocking=True)`` into
-  pinned memory are not; into pageable memory the copy is a read (cudaMemcpyAsync waits for pageable memory).
+  ``.tolist()``, ``.cpu()``/``.to("cpu")``, ``copy_`` into a CPU tensor, ``torch.equal``, pickling are
+  device-to-host reads. ``.to("cpu", non_blocking=True)`` (its result is pinned, as CUDA pins it) and
+  ``copy_(non_blocking=True)`` into pinned memory are not; into pageable memory the copy is a read
+  (cudaMemcpyAsync returns only when a device-to-pageable copy is done). Python bindings that take a CUDA device
+  guard before any op (indexing, ``copy_``, ``nonzero``, ...) run against a CPU-device proxy of the fake tensor
+  that forwards every op to it (``HostProxy``): a CPU build has no CUDA guard.
 - Factories and moves (a TorchFunctionMode, since the C++ argument parser would initialise CUDA): ``device="cuda"``,
-  ``"cuda:0"``, ``torch.device("cuda")`` or ``0`` give fake tensors; ``.to("cuda")``, ``.cuda()``,
-  ``.to(fake_tensor)``, ``nn.Module.to("cuda")``; ``*_like``/``new_*`` follow their input. ``pin_memory=True`` and
-  ``.pin_memory()`` mark CPU tensors pinned (``is_pinned()`` answers True); nothing is really pinned.
+  ``"cuda:0"``, ``torch.device("cuda")`` or ``0`` give fake tensors (``cuda:1``: invalid device ordinal);
+  ``.to("cuda")``, ``.cuda()``, ``.to(fake_tensor)``, ``nn.Module.to("cuda")`` (new Parameters, as with
+  ``torch.__future__.set_overwrite_module_params_on_conversion(True)``); ``*_like``/``new_*`` follow their input.
+  ``pin_memory=True`` and ``.pin_memory()`` mark CPU tensors pinned (``is_pinned()`` answers True); nothing is
+  really pinned. ``scaled_dot_product_attention`` and ``one_hot``, whose C++ allocates with the input's CUDA options,
+  run on the CPU tensors (after CUDA's checks); another such op raises a NotImplementedError that says so.
 - Randomness: ``torch.Generator(device="cuda")`` is a ``FakeCudaGenerator`` (a CPU generator reporting cuda:0).
   Random ops on the device refuse a CPU generator and CPU ops refuse a fake-CUDA one ("Expected a 'cuda' device type
   for generator but found 'cpu'"). Without a generator, device ops draw from a fake CUDA default generator, seeded
-  by ``torch.manual_seed``/``torch.cuda.manual_seed`` and separate from the CPU one, as on CUDA.
+  by ``torch.manual_seed``/``torch.cuda.manual_seed`` and separate from the CPU one, as on CUDA (each context starts
+  it at CUDA's default seed). Draws are the CPU's (mt19937): a seed gives what the CPU gives, not what CUDA's
+  Philox gives.
 - ``torch.cuda``: is_available, device_count, current_device, get_device_name/capability/properties (configurable
-  total_memory), mem_get_info and memory_allocated (bytes held by live fake tensors), synchronize, Stream, Event,
-  current_stream, stream(), manual_seed and RNG state, empty_cache; ``torch.accelerator`` likewise. All restored on
-  exit, also after an exception.
+  total_memory), mem_get_info and memory_allocated (bytes of storages under live fake tensors), synchronize,
+  Stream, Event (elapsed_time from host clocks), current_stream, stream(), device(), manual_seed and RNG state,
+  empty_cache; ``torch.accelerator`` and ``torch.backends.cuda.is_built`` likewise. All restored on exit, also
+  after an exception.
 
 Counters (``fc`` and each ``fc.counting()`` block): ``host_reads`` (a device value brought to the host),
 ``syncs`` (torch.cuda.synchronize, Stream/Event synchronize and query), ``shape_syncs`` (ops whose output size
 depends on device data, which CUDA must read back: nonzero, a device boolean mask as index, masked_select, unique,
-bincount, repeat_interleave without output_size); each with a Counter of call sites (``read_sites``,
-``sync_sites``, ``shape_sync_sites``: "file:line" of the first frame outside torch and this double).
-``fc.reset()`` zeroes, ``fc.snapshot()`` copies.
+bincount, repeat_interleave without output_size); ``total`` sums them; each with a Counter of call sites
+(``read_sites``, ``sync_sites``, ``shape_sync_sites``: "file:line" of the innermost frame outside torch and this
+double). ``fc.reset()`` zeroes, ``fc.snapshot()`` copies. Printing (repr/str) is not counted.
 
-What it does not emulate: kernels (CUDA's numerics, TF32, cuBLAS/flash attention choices: results are CPU's), memory
+What it does not emulate: kernels (CUDA's numerics, TF32, cuBLAS/flash choices: results are the CPU's), memory
 limits (nothing raises OutOfMemoryError), asynchrony (an error surfaces at the op, not at a later sync), more than one
 device, CUDA graphs, autocast, storages (``untyped_storage()``, ``torch.load(map_location="cuda")``),
-``torch.set_default_device("cuda")``. The TorchFunctionMode is per thread: factories in another thread need
-``fc.in_this_thread()``. Functions imported before entering (``from torch.cuda import is_available``) are not
-patched. Autograd through a CPU-to-CUDA move is cut (the moved tensor is a new leaf). Printing is not counted.
+``torch.set_default_device("cuda")``, ``param.data = fake``. No autograd on the device: a fake tensor never
+requires grad (``requires_grad_(True)`` is ignored) because PyTorch's autograd asks for the CUDA device guard a
+CPU build lacks and aborts the process; test serving code as it runs, without gradients. The TorchFunctionMode is
+per thread: factories in another thread need ``with fc.in_this_thread():``. Functions bound before entering
+(``from torch.cuda import is_available``) are not patched. Fake tensors outliving the context still compute, but
+count nothing and factories no longer make them.
 """
 
 from __future__ import annotations
@@ -290,6 +303,23 @@ def _as_tensor(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
+def _tensor_ctor(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
+    """torch.tensor(data): device values inside ``data`` are read to the host one by one, as on CUDA."""
+    data = args[0]
+    if isinstance(data, FakeCudaTensor):  # copy construction keeps the source's device unless told otherwise
+        device = kwargs.get("device")
+        if device is None or _is_cuda(device):
+            check_cuda_device(device)
+            dtype = kwargs.get("dtype") or data.dtype
+            return data.detach().to(dtype=dtype, copy=True)
+    elif isinstance(data, (list, tuple)):
+        data = tree_map_only(FakeCudaTensor, lambda t: t.cpu(), data)
+    args = (data, *args[1:])
+    if _is_cuda(kwargs.get("device")):
+        return _on_device(fc, func, args, kwargs)
+    return func(*args, **kwargs)
+
+
 def _sdpa(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
     """scaled_dot_product_attention on the CPU kernels the CPU path picks (bit-identical), after CUDA's checks.
 
@@ -340,6 +370,7 @@ _HANDLERS = {
     torch.Tensor.pin_memory: _tensor_pin_memory,
     torch.Tensor.is_pinned: _tensor_is_pinned,
     torch.as_tensor: _as_tensor,
+    torch.tensor: _tensor_ctor,
     F.scaled_dot_product_attention: _sdpa,
     F.one_hot: _one_hot,
 }

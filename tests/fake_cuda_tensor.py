@@ -12,6 +12,7 @@ operators return the very wrapper they were given.
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -163,6 +164,22 @@ class FakeCudaTensor(torch.Tensor):
         inner = repr(self._elem)
         grad = f", grad_fn=<{type(self.grad_fn).__name__}>" if self.grad_fn is not None else ""
         return f"{inner[:-1]}, device='cuda:0'{grad})"
+
+    __str__ = __repr__
+
+    def __deepcopy__(self, memo: dict) -> FakeCudaTensor:
+        # Tensor.__deepcopy__ would rebuild a CUDA storage; a device-to-device copy is no host read
+        new = FakeCudaTensor(copy.deepcopy(self._elem, memo))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():  # _is_param of parameters, user attributes
+            if key != "_elem":
+                setattr(new, key, copy.deepcopy(value, memo))
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        # pickling (torch.save, multiprocessing) copies the data to the host, as for a CUDA tensor
+        record("read", "pickle")
+        return FakeCudaTensor, (self._elem,)
 
     def numpy(self, *, force: bool = False) -> Any:
         if not force:  # tensor_numpy.cpp: TORCH_CHECK_TYPE, a TypeError

@@ -4,6 +4,8 @@ are counted where CUDA makes the host wait, nothing else is, and everything is p
 
 from __future__ import annotations
 
+import copy
+import io
 import threading
 
 import pytest
@@ -53,6 +55,22 @@ def test_each_device_to_host_read_counts_once(fc, read):
     assert counted(fc, lambda: read(t)) == (1, 0, 0)
 
 
+def test_python_surface_reads(fc):
+    x = torch.arange(4.0, device="cuda")
+    model = torch.nn.Linear(4, 2).cuda()
+    assert counted(fc, lambda: (repr(x), str(x), copy.deepcopy(model), x.shape, len(x), list(x))) == (0, 0, 0)
+    clone = copy.deepcopy(model)
+    assert isinstance(clone.weight, FakeCudaTensor) and isinstance(clone.weight, torch.nn.Parameter)
+    buffer = io.BytesIO()
+    assert counted(fc, lambda: torch.save(x, buffer)) == (1, 0, 0)  # pickling copies to the host
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded, FakeCudaTensor) and torch.equal(loaded._elem, x._elem)
+    with fc.counting() as c:
+        built = torch.tensor([x[1], x[2]], device="cuda")  # each device value is read to build the list
+    assert c.host_reads == 2 and isinstance(built, FakeCudaTensor) and built._elem.tolist() == [1.0, 2.0]
+
+
 def test_non_blocking_copies_to_pinned_memory_are_not_reads(fc):
     t = torch.rand(4, device="cuda")
     pinned, pageable = torch.empty(4, pin_memory=True), torch.empty(4)
@@ -98,6 +116,8 @@ def test_syncs_count_separately(fc):
     (lambda x: torch.repeat_interleave(x), 0, 1), (lambda x: torch.repeat_interleave(x, x, output_size=9), 0, 0),
     (lambda x: torch.unique(x), 0, 1), (lambda x: x[x.cpu() > 1], 1, 0), (lambda x: x.masked_fill(x > 1, 0), 0, 0),
     (lambda x: F.one_hot(x, 4), 0, 0),
+    (lambda x: x.__setitem__(x > 1, 0), 0, 0),  # a CPU scalar into a device mask: masked_fill_, no nonzero
+    (lambda x: x.__setitem__(x > 1, torch.full((3,), 9, device="cuda")), 0, 1),  # index_put_ through nonzero
 ])
 def test_data_dependent_shapes_count_as_shape_syncs(fc, op, reads, shape_syncs):
     x = torch.tensor([0, 2, 2, 1, 3, 1], device="cuda")
