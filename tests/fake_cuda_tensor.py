@@ -135,6 +135,12 @@ class FakeCudaTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: torch._ops.OpOverload, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            # Under inference_mode composite operators arrive whole (no autograd key decomposed them): decompose
+            # here, so their parts meet CUDA's rules as they do on CUDA (linear -> mm, true_divide -> div, ...)
+            out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         effects = rules.check(func, args, kwargs)
         packet = func._schema.name.split("::", 1)[-1]
         if packet == "_to_copy":

@@ -175,6 +175,17 @@ def test_where_moves_every_0dim_cpu_operand_but_no_other(fc):
         torch.where(cond_cpu, a.cuda(), a.cuda())
 
 
+def test_composites_decompose_under_inference_mode_too(fc):
+    # inference_mode skips the autograd keys that decompose composite ops; the double decomposes them itself, so
+    # float_power's TensorIterator parts take a 0-dim CPU exponent and linear's mm refuses a CPU weight
+    x, w = torch.arange(1.0, 4.0), torch.ones(2, 3)
+    with torch.inference_mode():
+        assert_same(torch.float_power(x.cuda(), torch.tensor(2.0)), torch.float_power(x, torch.tensor(2.0)))
+        with pytest.raises(RuntimeError, match=MISMATCH + r" \(when checking argument for argument mat2 in method "
+                                                          r"wrapper_CUDA_mm\)"):
+            F.linear(x[None].cuda(), w)
+
+
 # --- generated ExactSame checks: matmul, cat, gather/scatter/index_* ------------------------------------------------
 
 def test_matmul_and_linear_refuse_mixed_devices(fc):
