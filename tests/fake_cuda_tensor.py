@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
+from torch.utils._pytree import tree_map, tree_map_only
 
 from tests import fake_cuda_rules as rules
 
@@ -107,6 +107,25 @@ def _unwrap(t: FakeCudaTensor) -> torch.Tensor:
     return t._elem
 
 
+def _unwrap_value(v: Any) -> Any:
+    """An aten argument with its fake tensors replaced by their CPU data (aten nests at most a list of tensors)."""
+    if isinstance(v, FakeCudaTensor):
+        return v._elem
+    if isinstance(v, (list, tuple)) and any(isinstance(x, FakeCudaTensor) for x in v):
+        return type(v)(x._elem if isinstance(x, FakeCudaTensor) else x for x in v)
+    return v
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    out = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
+
+
 class FakeCudaTensor(torch.Tensor):
     """A tensor on "cuda:0" whose data is the CPU tensor ``_elem`` (same sizes, strides and offset).
 
@@ -154,7 +173,8 @@ class FakeCudaTensor(torch.Tensor):
             if not to_host:
                 check_cuda_device(kwargs["device"])
             kwargs = {**kwargs, "device": _CPU}
-        inner_args, inner_kwargs = tree_map_only(FakeCudaTensor, _unwrap, (args, kwargs))
+        inner_args = tuple(_unwrap_value(v) for v in args)
+        inner_kwargs = {k: _unwrap_value(v) for k, v in kwargs.items()}
         with drawing_from(rng) if rng is not None else contextlib.nullcontext():
             out = func(*inner_args, **inner_kwargs)
         for _ in range(effects.host_reads):
@@ -384,7 +404,7 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _wrap_outputs(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> Any:
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    inputs = _tensor_args(args, kwargs)
     inners = [t._elem if isinstance(t, FakeCudaTensor) else t for t in inputs]
     host_inputs = [t for t in inputs if not isinstance(t, FakeCudaTensor)]
 
@@ -401,7 +421,7 @@ def _wrap_outputs(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: A
                 return o
         return FakeCudaTensor(o)
 
-    return tree_map(wrap, out)
+    return wrap(out) if isinstance(out, torch.Tensor) else tree_map(wrap, out)
 
 
 def _check_same_metadata(func: torch._ops.OpOverload, t: FakeCudaTensor) -> None:
