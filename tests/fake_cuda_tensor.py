@@ -228,7 +228,8 @@ class FakeCudaTensor(torch.Tensor):
 
     def __bool__(self) -> bool:
         if self.numel() != 1:
-            raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
+            many = "no values" if self.numel() == 0 else "more than one value"
+            raise RuntimeError(f"Boolean value of Tensor with {many} is ambiguous")
         return bool(self.item())
 
     def __int__(self) -> int:

@@ -242,6 +242,16 @@ def test_embedding_needs_ids_on_the_weights_device(fc):
     assert_same(F.embedding(ids.cuda(), weight.cuda()), F.embedding(ids, weight))
 
 
+def test_attention_needs_query_key_value_and_mask_on_one_device(fc):
+    q, mask = torch.randn(1, 2, 3, 4), torch.ones(3, 3, dtype=torch.bool).tril()
+    with pytest.raises(RuntimeError, match="Expected query, key, and value to have the same device type"):
+        F.scaled_dot_product_attention(q.cuda(), q, q.cuda())  # sdp_utils validate_sdpa_input
+    with pytest.raises(RuntimeError, match=MISMATCH):
+        F.scaled_dot_product_attention(q.cuda(), q.cuda(), q.cuda(), attn_mask=mask)
+    assert_same(F.scaled_dot_product_attention(q.cuda(), q.cuda(), q.cuda(), attn_mask=mask.cuda()),
+                F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+
+
 # --- indexing (TensorAdvancedIndexing.cpp) --------------------------------------------------------------------------
 
 def test_a_cpu_tensor_refuses_device_indices_and_masks(fc):
