@@ -108,6 +108,8 @@ class StepLayout:
     prefill_rows: list[int]
     prefill_index: torch.Tensor  # [Bp, S] token of [T] at each padded query slot (clamped into the row)
     prefill_valid: torch.Tensor  # [Bp, S] True where a real query is
+    prefill_flat: torch.Tensor  # [T_p] where the real queries are in the [Bp * S] padded rows, row-major
+    prefill_tokens: torch.Tensor  # [T_p] their tokens in [T]
     prefill_table: torch.Tensor | None  # [Bp, nb] when a row has history; None: keys are the new tokens
     prefill_kv_len: torch.Tensor  # [Bp] keys each row attends (start + S_i)
     _masks: dict = field(default_factory=dict)  # (group, window) -> mask, built once per step
@@ -132,6 +134,7 @@ class StepLayout:
         first = torch.tensor([offsets[i] for i in prefill], dtype=torch.int64)  # [Bp]
         valid = col[None, :] < n_p[:, None]  # [Bp, S]
         index = first[:, None] + torch.minimum(col[None, :], (n_p - 1).clamp(min=0)[:, None])  # [Bp, S]
+        flat = valid.reshape(-1).nonzero().flatten()  # [T_p] (host tensors: no device read)
         history = any(starts[i] > 0 for i in prefill)
         prefill_table = None
         if history:
@@ -141,6 +144,8 @@ class StepLayout:
             decode_rows=decode, decode_index=tensor_on([offsets[i] for i in decode], torch.int64, device),
             decode_table=decode_table, decode_kv_len=decode_kv_len,
             prefill_rows=prefill, prefill_index=to_device(index, device), prefill_valid=to_device(valid, device),
+            # Picked with host-made indices, not the boolean mask: a device mask as an index reads its count back.
+            prefill_flat=to_device(flat, device), prefill_tokens=to_device(index.reshape(-1)[flat], device),
             prefill_table=prefill_table,
             prefill_kv_len=tensor_on([starts[i] + lengths[i] for i in prefill], torch.int64, device),
         )
@@ -209,9 +214,11 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
             o = _sdpa(qp, k, v, None, True, scale, None)  # [1, nh, S, Dv]
         else:
             o = _sdpa(qp, k, v, layout.prefill_mask(window, k.shape[2]), False, scale, sinks)  # [Bp, nh, S, Dv]
-        o = o.transpose(1, 2)[layout.prefill_valid]  # [T_p, nh, Dv] real queries, row-major = token order
-        parts.append((layout.prefill_index[layout.prefill_valid], o))
-    if len(parts) == 1 and torch.equal(parts[0][0], torch.arange(t, device=q.device)):
+        o = o.transpose(1, 2).flatten(0, 1).index_select(0, layout.prefill_flat)  # [T_p, nh, Dv] real queries
+        parts.append((layout.prefill_tokens, o))
+    if len(parts) == 1:
+        # One kind of row only: its rows are every token, in order (decode rows ascending, or prefill rows ascending
+        # with their queries row-major), so the part is the output as it stands.
         out = parts[0][1]
     else:
         out = q.new_empty((t, nh, parts[0][1].shape[-1]))

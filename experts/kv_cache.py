@@ -172,6 +172,10 @@ class PagedKVPool:
         b, nb = table.shape
         out = {}
         for name, pool in self.storage[layer].items():
+            if pool.device.type != "cpu":
+                # A GPU's caching allocator hands a fresh tensor back without page faults: no scratch to keep.
+                out[name] = pool.index_select(0, table.reshape(-1)).view(b, nb * self.block_size, *pool.shape[2:])
+                continue
             buf = self._scratch.get((scratch, name))
             if buf is None or buf.dtype != pool.dtype:
                 buf = self._scratch[(scratch, name)] = pool.new_empty(0)

@@ -142,9 +142,13 @@ class FakeCudaTensor(torch.Tensor):
     def __new__(cls, elem: torch.Tensor) -> FakeCudaTensor:
         assert type(elem) is torch.Tensor and elem.device == _CPU, f"wraps plain CPU tensors, got {type(elem)}"
         elem = elem.detach() if elem.requires_grad else elem
-        r = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(),
-                                                storage_offset=elem.storage_offset(), dtype=elem.dtype,
-                                                layout=elem.layout, device=CUDA0, requires_grad=False)
+        # The wrapper is an inference tensor exactly when the CPU tensor it wraps is: a view of a normal tensor
+        # made under inference_mode is normal, and PyTorch shares the base's version counter with it, which an
+        # inference tensor cannot take ("Cannot set version_counter for inference tensor").
+        with torch.inference_mode(elem.is_inference()):
+            r = torch.Tensor._make_wrapper_subclass(cls, elem.size(), strides=elem.stride(),
+                                                    storage_offset=elem.storage_offset(), dtype=elem.dtype,
+                                                    layout=elem.layout, device=CUDA0, requires_grad=False)
         r._elem = elem
         if _recorder is not None:
             _recorder.track(r)
@@ -291,13 +295,18 @@ class FakeCudaTensor(torch.Tensor):
 
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         copy = bool(kwargs.pop("copy", False))
-        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        # Called straight (a method of this class, not through torch's dispatch), with the double's mode active:
+        # parse without it, or the mode rewrites device="cuda" to the CPU.
+        with torch._C.DisableTorchFunction():
+            device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         fmt = {} if memory_format is None else {"memory_format": memory_format}
         if device is not None and device.type != "cuda":
             return super().to(device=device, dtype=dtype, non_blocking=non_blocking, copy=copy, **fmt)
         check_cuda_device(device)  # the C++ would look for a CUDA device guard, which a CPU build lacks
         if dtype is None:
             dtype = self.dtype
+        if dtype == self.dtype and not copy and memory_format in (None, torch.preserve_format):
+            return self  # as CUDA's `to` does for a no-op (the C++ no-op path handed back the unwrapped CPU tensor)
         return super().to(dtype=dtype, non_blocking=non_blocking, copy=copy, **fmt)
 
     def new_tensor(self, data: Any, dtype: torch.dtype | None = None, device: Any = None,
@@ -325,9 +334,10 @@ class HostProxy(torch.Tensor):
 
     @staticmethod
     def __new__(cls, target: FakeCudaTensor) -> HostProxy:
-        r = torch.Tensor._make_wrapper_subclass(cls, target.size(), strides=target.stride(),
-                                                storage_offset=target.storage_offset(), dtype=target.dtype,
-                                                layout=target.layout, device=_CPU)
+        with torch.inference_mode(target.is_inference()):  # as FakeCudaTensor.__new__ (version counters)
+            r = torch.Tensor._make_wrapper_subclass(cls, target.size(), strides=target.stride(),
+                                                    storage_offset=target.storage_offset(), dtype=target.dtype,
+                                                    layout=target.layout, device=_CPU)
         r._target = target
         return r
 

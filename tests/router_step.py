@@ -30,8 +30,8 @@ from expertmesh.router_service.dispatch import FailoverConfig, RemoteExperts
 from expertmesh.router_service.sampling import SamplingParams
 from expertmesh.router_service.shedding import ShedConfig
 
-# Sheds from the first round: every shard is "overloaded" above one slot per replica.
-EAGER_SHED = ShedConfig(enabled=True, replica_tokens_per_step=1, threshold=0.5, window_s=0.0, off_threshold=0.0,
+# Sheds from the first round: a shard is "overloaded" above 8 slots per replica (the busier ones at prefill).
+EAGER_SHED = ShedConfig(enabled=True, replica_tokens_per_step=8, threshold=1.0, window_s=0.0, off_threshold=0.0,
                         off_window_s=0.0)
 
 
@@ -69,24 +69,28 @@ class StepSetup:
     actors: int = 2  # expert actors per layer (each hosts a contiguous slice of the experts)
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.9
+    actor_device: str | None = None  # where the in-process actors compute (None: the router's device)
 
 
 def build_router(model_dir: Path, device: torch.device | str, dtype: torch.dtype,
                  setup: StepSetup | None = None) -> tuple[MoEDecoder, RemoteExperts]:
-    """The router's decoder on `device` over in-process expert actors (whose experts also compute on `device`)."""
+    """The router's decoder on `device` over in-process expert actors (computing on setup.actor_device, by default
+    `device` too)."""
     setup = setup or StepSetup()
     device = torch.device(device)
+    actor_device = torch.device(setup.actor_device or device)
     reader = CheckpointReader(model_dir)
     cfg = reader.config
     dense = load_dense_weights(reader, dtype, device=device)
     shards = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
-    experts = GroupedExperts(load_expert_shards(reader, shards, dtype, device=device), activation(cfg.hidden_act))
+    experts = GroupedExperts(load_expert_shards(reader, shards, dtype, device=actor_device),
+                             activation(cfg.hidden_act))
     per_actor = -(-cfg.num_experts // setup.actors)
     layout = {f"expert-a{a}": [(layer, e) for layer in cfg.moe_layers
                                for e in range(a * per_actor, min(cfg.num_experts, (a + 1) * per_actor))]
               for a in range(setup.actors)}
     table = RoutingTable.from_actor_shards(layout)
-    backend = RemoteExperts(table, InProcessActors(table, experts, device), setup.failover)
+    backend = RemoteExperts(table, InProcessActors(table, experts, actor_device), setup.failover)
     kv = (settings_for(device, setup.kv_cache_gb, setup.gpu_memory_utilization) if device.type == "cuda"
           else KVCacheSettings(max_tokens=4096))
     model = MoEDecoder(cfg, dense, backend, setup.capacity_factor, overlap=setup.overlap, kv_cache=kv)

@@ -15,6 +15,7 @@ double in CPU CI (tests/unit/test_router_step_fake_cuda.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -70,19 +71,28 @@ def check_family(family: str, model_dir: Path, utilization: float, say) -> bool:
         say(f"{'PASS' if passed else 'FAIL'} {family:<20} {str(dtype)[6:]:<9} router step on cuda vs CPU reference: "
             f"max|Δlogit| {gap:.2e} (bound {bound:.1e}), greedy tokens {'equal' if greedy else 'differ'}, "
             f"{backend.transport.calls} expert calls, {time.perf_counter() - started:.1f}s")
+        del model, backend
+        _release()  # each router's pool takes its share of the GPU: free it before the next is sized
     model, _ = build_router(model_dir, "cuda", torch.bfloat16, StepSetup(gpu_memory_utilization=utilization))
     requests = serving_requests(vocab)
     first, second = serve(model, requests), serve(model, requests)
     again = serve(model, [resumed(requests[1], first[1][:2])])[0]
     passed = first == second and again == first[1][2:]
+    del model
+    _release()
     ok &= passed
     say(f"{'PASS' if passed else 'FAIL'} {family:<20} bfloat16  batcher on cuda: chunked prefill + seeded sampling "
         f"repeatable ({first == second}), resumed stream equal ({again == first[1][2:]})")
     return ok
 
 
-def check_pool(model_dir: Path, utilization: float, say) -> bool:
+def _release() -> None:
+    gc.collect()
     torch.cuda.empty_cache()
+
+
+def check_pool(model_dir: Path, utilization: float, say) -> bool:
+    _release()
     model, _ = build_router(model_dir, "cuda", torch.bfloat16, StepSetup(gpu_memory_utilization=utilization))
     free, total = torch.cuda.mem_get_info()
     used_share = 1 - free / total
