@@ -27,7 +27,9 @@ from .hub_fetch import hub_error
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Read when present; none is required (a checkpoint without a tokenizer serves token ids).
-OPTIONAL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+OPTIONAL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "chat_template.jinja")
+METADATA_FILES = ("config.json", INDEX_FILE, *OPTIONAL_FILES)  # the whole files every process of a repo fetches
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9_.\-]+$")
 
 # Which tensors a process reads, from the model's config and the checkpoint's tensor names; None = all of them.

@@ -14,7 +14,7 @@ import torch
 
 from expertmesh.experts.checkpoint import CheckpointReader
 from expertmesh.experts.errors import CheckpointError
-from expertmesh.experts.model_source import dense_tensors, open_checkpoint, shard_tensors
+from expertmesh.experts.model_source import METADATA_FILES, dense_tensors, open_checkpoint, shard_tensors
 from expertmesh.experts.weights import (
     check_checkpoint,
     dense_tensor_names,
@@ -113,9 +113,7 @@ def test_the_driver_fetches_config_index_and_headers_only(hub, mixed):
     per_tensor, other, total = _fetched(hub, mixed)
     assert per_tensor == {}
     files = {s.file for s in hub.served()}
-    assert files == {"config.json", "model.safetensors.index.json", "generation_config.json", "tokenizer.json",
-                     "tokenizer_config.json", "special_tokens_map.json"} | {
-        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
+    assert files == set(METADATA_FILES) | {f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
     assert total == other == (sum((mixed / f).stat().st_size for f in ("config.json", "model.safetensors.index.json"))
                               + local.header_bytes())
     assert reader.header_bytes() == local.header_bytes()
@@ -235,3 +233,18 @@ def test_an_unsharded_repo_reads_ranges_of_its_one_file(hub, checkpoints):
     assert _equal_shards(load_expert_shards(reader, [(1, 2)]), load_expert_shards(local, [(1, 2)]))
     per_tensor, _, _ = _fetched(hub, folder)
     assert set(per_tensor) == set(expert_shard_names(local.config, [(1, 2)]))
+
+
+def test_plan_cluster_on_a_repo_reads_headers_only(hub, mixed, capsys):
+    from expertmesh.ops.cli import main
+
+    hub.add(REPO, mixed)
+    args = ["plan-cluster", "--gpu-type", "L4", "--gpus-per-node", "4", "--json"]
+    assert main([*args, "--model", REPO]) == 0
+    from_hub = json.loads(capsys.readouterr().out)
+    assert main([*args, "--model", str(mixed)]) == 0
+    from_folder = json.loads(capsys.readouterr().out)
+    assert from_hub["disk_bytes"] == from_folder["disk_bytes"]
+    assert from_hub["fits"][0]["expert_node_disk_bytes"] == from_folder["fits"][0]["expert_node_disk_bytes"]
+    per_tensor, other, total = _fetched(hub, mixed)
+    assert per_tensor == {} and total == from_hub["disk_bytes"]["head"]  # the head's figure is what it fetched
