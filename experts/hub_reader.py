@@ -27,6 +27,7 @@ from .hub_fetch import HubRanges, offline
 from .hub_ranges import TensorEntry
 
 SINGLE_FILE = "model.safetensors"
+HEADER_THREADS = 16  # header reads in flight: two small requests per file, bound by latency (DeepSeek-V3: 163 files)
 
 
 class HubCheckpointReader(CheckpointReader):
@@ -75,7 +76,7 @@ class HubCheckpointReader(CheckpointReader):
             for filename in files:
                 self.ranges.header(filename)
             return
-        with ThreadPoolExecutor(max_workers=min(self.ranges.threads, len(files))) as pool:
+        with ThreadPoolExecutor(max_workers=min(HEADER_THREADS, len(files))) as pool:
             for done in [pool.submit(self.ranges.header, filename) for filename in files]:
                 done.result()
 

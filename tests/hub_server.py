@@ -128,7 +128,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, body: bool) -> None:
         match = _RESOLVE.match(self.path.split("?")[0])
         if not match:
-            return self._error(404, "RepoNotFound", "", "", None)
+            return self._error(404, "RepoNotFound", "", self.path, None)  # file: the whole path asked
         repo_id, revision, filename = match.groups()
         repo = self.owner.repos.get(repo_id)
         if repo is None:
