@@ -31,6 +31,8 @@ HEADER_THREADS = 16  # header reads in flight: two small requests per file, boun
 
 
 class HubCheckpointReader(CheckpointReader):
+    """CheckpointReader's surface over a Hub repo at one commit: tensors fetched by ranges when read."""
+
     def __init__(self, snapshot: Path, repo_id: str, commit: str, ranges: HubRanges | None = None,
                  where: str | None = None):
         """snapshot: the Hub cache's snapshot folder of `commit` (config.json in it, the index when the repo is
