@@ -153,3 +153,58 @@ def missing_gpus_line(fit: ClusterFit, available_gpus: int) -> str:
     return (f"the model needs {need} GPUs of {fit.gpu_memory_gib:.0f} GiB ({fit.expert_gpus} for experts at "
             f"{fit.expert_gib_per_gpu:.1f} GiB each, {fit.router_gpus} for routers at {fit.router_gib:.1f} GiB); the "
             f"cluster has {available_gpus}: {need - available_gpus} missing")
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """A checkpoint's bytes as stored (its safetensors headers' sizes: the checkpoint's dtype, FP8/MXFP4 packed),
+    which is what a node's Hub cache holds; experts/model_source.py:stored_bytes reads them."""
+
+    dense: int  # everything but the routed experts (FP8 scales included)
+    shard: int  # one (layer, expert)
+    metadata: int  # config, tokenizer files, index, and every safetensors file's header
+    moe_layers: int
+    experts: int
+
+    @property
+    def whole(self) -> int:
+        return self.metadata + self.dense + self.shard * self.moe_layers * self.experts
+
+
+def stored_bytes(reader) -> StoredBytes:
+    """StoredBytes of the checkpoint a CheckpointReader opened (folder or Hub repo), from headers and file sizes."""
+    from ..experts.fp8 import scale_names
+    from ..experts.model_source import METADATA_FILES
+    from ..experts.weights import dense_tensor_names, expert_layout, expert_shard_bytes
+
+    cfg = reader.config
+    dense = dense_tensor_names(cfg, expert_layout(cfg, reader.has))
+    if cfg.fp8_block is not None:
+        dense |= scale_names(reader, dense, cfg.fp8_block)
+    shards = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+    files = sum(path.stat().st_size for name in METADATA_FILES if (path := reader.model_dir / name).is_file())
+    return StoredBytes(dense=reader.nbytes(dense), shard=expert_shard_bytes(reader, shards) // max(1, len(shards)),
+                       metadata=files + reader.header_bytes(), moe_layers=len(cfg.moe_layers),
+                       experts=cfg.num_experts)
+
+
+def disk_per_node(stored: StoredBytes, slots_per_gpu: int, expert_gpus: int, gpus_per_node: int,
+                  replicas: int = 1) -> dict[str, int]:
+    """Bytes each node's Hub cache needs when every process fetches only what it reads (experts/hub_fetch.py):
+
+      head         config, tokenizer, index and headers (the driver checks shapes; it reads no tensor)
+      router_node  + the dense tensors (per node hosting a router replica)
+      expert_node  + the shards of a full node of expert GPUs: each GPU hosts min(slots, experts x replicas /
+                   expert GPUs) experts of every MoE layer (plan_fit's layout); replicas of one expert on one node
+                   share its cached bytes, so a node never needs more than every expert once
+      whole        the whole checkpoint, what whole-file downloads put on every node
+    A node hosting a router and expert actors needs router_node + expert_node - head."""
+    assert slots_per_gpu >= 1 and expert_gpus >= 1 and gpus_per_node >= 1 and replicas >= 1
+    per_gpu = min(slots_per_gpu, math.ceil(stored.experts * replicas / expert_gpus))
+    node_experts = min(stored.experts, min(gpus_per_node, expert_gpus) * per_gpu)
+    return {
+        "head": stored.metadata,
+        "router_node": stored.metadata + stored.dense,
+        "expert_node": stored.metadata + node_experts * stored.moe_layers * stored.shard,
+        "whole": stored.whole,
+    }

@@ -20,11 +20,11 @@ from tqdm import tqdm
 
 from .config import MoEModelConfig, load_model_config
 from .errors import CheckpointError
+from .hub_ranges import DTYPE_BYTES as _DTYPE_BYTES
+from .hub_ranges import HEADER_PREFIX_BYTES, header_length
 
 INDEX_FILE = "model.safetensors.index.json"
 READ_THREADS = 4  # files of a sharded checkpoint read at once
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @contextmanager
@@ -46,6 +46,8 @@ def _tensor(handle, path: Path, key: str, header_only: bool = False):
 
 class CheckpointReader:
     """Maps tensor names to the `.safetensors` file that holds them, and reads them one by one."""
+
+    commit: str | None = None  # the Hub commit read (experts/hub_reader.py); None for a folder
 
     def __init__(self, model_dir: str | Path, partial: bool = False):
         """partial: the folder holds only some of the files its index lists (a Hub snapshot fetched for one
@@ -94,6 +96,10 @@ class CheckpointReader:
             raise CheckpointError(f"{self.model_dir}: tensor '{key}' is missing (searched {', '.join(files)})")
         return self._where[key]
 
+    def _read_path(self, key: str) -> Path:
+        """The local file read_many opens for `key` (a Hub reader's cached piece; experts/hub_reader.py)."""
+        return self.file_of(key)
+
     def read(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """One tensor by name; `shape`, when given, is checked so a wrong config fails here, naming file and key."""
         return self.read_many({key: shape})[key]
@@ -108,7 +114,7 @@ class CheckpointReader:
         on_bytes(n) is called after each tensor (load progress). Shows a progress bar on a terminal."""
         by_file: dict[Path, list[str]] = {}
         for key in wanted:
-            by_file.setdefault(self.file_of(key), []).append(key)
+            by_file.setdefault(self._read_path(key), []).append(key)
         for path, keys in by_file.items():
             if not path.is_file():
                 raise CheckpointError(f"{path}: file holding tensor '{keys[0]}' is missing (not fetched here)")
@@ -213,6 +219,16 @@ class CheckpointReader:
                     for n in view.get_shape():
                         numel *= n
                     total += numel * _DTYPE_BYTES.get(view.get_dtype(), 4)
+        return total
+
+    def header_bytes(self) -> int:
+        """Bytes of every `.safetensors` file's header (files absent here count 0): what a process that reads only
+        headers stores of the weights."""
+        total = 0
+        for path in set(self._where.values()):
+            if path.is_file():
+                with path.open("rb") as f:
+                    total += HEADER_PREFIX_BYTES + header_length(f.read(HEADER_PREFIX_BYTES))
         return total
 
     def keys(self) -> Iterable[str]:

@@ -131,7 +131,8 @@ class RouterDeployment:
         self._verdict: tuple[float, HealthVerdict] | None = None
         self._controller = None  # cached handle; dropped when a call to it fails
         try:
-            self.chat_template = load_chat_template(spec.model_dir)  # None: chat requests get a 400
+            # the reader's folder: for a Hub repo id, the snapshot holding tokenizer_config.json
+            self.chat_template = load_chat_template(self.router.reader.model_dir)  # None: chat requests get a 400
         except (OSError, ValueError) as exc:  # an unreadable tokenizer_config.json must not stop the server
             log.warning("no chat template: cannot read tokenizer_config.json (%s)", exc)
             self.chat_template = None

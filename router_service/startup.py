@@ -111,9 +111,10 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
     the controller. detached/reuse: for a Serve-config deployment, whose builder process exits (actors and
     controller outlive it; a redeploy adopts the running ones)."""
     config.validate()
-    # Fetch only the dense files of a Hub repo here: the experts' files are fetched by the nodes that host them.
+    # Of a Hub repo this process fetches config, tokenizer, index and the safetensors headers (the dense tensors only
+    # if it routes itself, ExpertMesh); each node fetches the bytes of its own processes' tensors.
     reader = open_checkpoint(config.model.source, config.model.revision, dense_tensors)
-    check_checkpoint(reader)  # fail here, naming file and key, before any actor starts
+    check_checkpoint(reader)  # fail here, naming file and key, before any actor starts (headers only)
     owns_ray = connect_ray(config.ray)
     runtime = MeshRuntime(config, reader, owns_ray)
     try:
@@ -128,7 +129,10 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
         tracing = config.tracing
         runtime.spec = PoolSpec(config.model.source, config.model.dtype, groups,
                                 tracing=tracing.as_dict() if tracing.enabled else None,
-                                revision=config.model.revision, memory_gb=config.experts.memory_gb,
+                                # the commit `model.revision` resolved to: every actor and router, restored ones
+                                # too, reads the same weights even if the branch moves (and finds its node's cache
+                                # without asking the Hub)
+                                revision=reader.commit or config.model.revision, memory_gb=config.experts.memory_gb,
                                 quant=config.experts.quant)
         runtime.pool = ExpertPool(runtime.spec, config.experts.num_cpus_per_actor, config.experts.start_timeout_s,
                                   detached=detached, reuse=reuse, slots=slots)

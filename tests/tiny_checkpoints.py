@@ -137,6 +137,32 @@ def write_direct_mixtral(out: Path, seed: int = 0, layers: int = 2, experts: int
     return out
 
 
+def write_mixed_shards(out: Path, files: int = 3, seed: int = 0, **sizes) -> Path:
+    """A Mixtral checkpoint (write_direct_mixtral's tensors; `sizes` as its keyword arguments) split into `files`
+    `.safetensors` files the way published Mixtral and Qwen3 shards are: by bytes in name order, so a file holds the
+    experts of one layer beside the attention of another, plus model.safetensors.index.json. Written with
+    safetensors alone."""
+    from safetensors.torch import load_file, save_file
+
+    write_direct_mixtral(out, seed=seed, **sizes)
+    single = out / "model.safetensors"
+    tensors = load_file(str(single))
+    single.unlink()
+    names = sorted(tensors)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    weight_map: dict[str, str] = {}
+    done = 0
+    for name in names:  # cut by bytes, not by layer: boundaries fall inside layers
+        weight_map[name] = f"model-{min(files - 1, done * files // total) + 1:05d}-of-{files:05d}.safetensors"
+        done += tensors[name].numel() * tensors[name].element_size()
+    for filename in sorted(set(weight_map.values())):
+        save_file({n: tensors[n] for n in names if weight_map[n] == filename}, str(out / filename),
+                  metadata={"format": "pt"})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
 def greedy_tokens(model, prompt: list[int], max_tokens: int) -> list[int]:
     """Plain greedy decoding on an in-process MoEDecoder with a KV cache: the oracle for served generations."""
     cache = model.new_cache()

@@ -54,10 +54,12 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"node_type": name, **fit.as_dict()})
         except ValueError as exc:
             rows.append({"node_type": name, "gpu_type": gpu, "error": str(exc)})
+    disk = _disk(args, rows)
     summary = {"model": args.model, "family": cfg.family, "dtype": args.dtype, "replicas": args.replicas,
                "dense_gib": round(mem.dense_bytes / GIB, 2), "experts_gib": round(mem.expert_bytes / GIB, 2),
                "shard_mib": round(mem.shard_bytes / (1 << 20), 2), "moe_layers": mem.moe_layers,
-               "experts": mem.experts, "kv_kib_per_token": round(mem.kv_bytes_per_token / 1024, 1), "fits": rows}
+               "experts": mem.experts, "kv_kib_per_token": round(mem.kv_bytes_per_token / 1024, 1), "fits": rows,
+               "disk_bytes": disk}
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -78,4 +80,31 @@ def run(args: argparse.Namespace) -> int:
               f"{row['slots_per_gpu']:>7}{row['expert_gpus']:>13}{row['nodes']:>7}{row['expert_gib_per_gpu']:>16.1f}"
               f"{row['router_gib']:>12.1f}  {'yes' if row['transition_room'] else 'no'}"
               f"{'' if row['router_fits'] else '  (router does not fit one GPU)'}", file=out)
+    _print_disk(disk, rows, out)
     return 0
+
+
+def _disk(args: argparse.Namespace, rows: list[dict]) -> dict[str, int]:
+    """Bytes each node's Hub cache needs (cluster/memory_plan.py:disk_per_node), from the checkpoint's headers (for a
+    repo id: two small range requests per file); each fitting row gets its expert node's figure."""
+    from ...cluster.memory_plan import disk_per_node, stored_bytes
+    from ...experts.model_source import open_checkpoint
+
+    stored = stored_bytes(open_checkpoint(args.model, args.revision))
+    for row in rows:
+        if "error" not in row:
+            row["expert_node_disk_bytes"] = disk_per_node(stored, row["slots_per_gpu"], row["expert_gpus"],
+                                                          row["gpus_per_node"], args.replicas)["expert_node"]
+    return {"head": stored.metadata, "router_node": stored.metadata + stored.dense, "whole_checkpoint": stored.whole}
+
+
+def _print_disk(disk: dict[str, int], rows: list[dict], out) -> None:
+    experts = ", ".join(f"{row['node_type']} {_size(row['expert_node_disk_bytes'])}" for row in rows
+                        if "expert_node_disk_bytes" in row)
+    print(f"disk per node (Hub cache, as stored): head {_size(disk['head'])} (config, tokenizer, index, headers); "
+          f"router node {_size(disk['router_node'])} (+ dense); expert node: {experts or '-'}; the whole checkpoint "
+          f"{_size(disk['whole_checkpoint'])}", file=out)
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"

@@ -1,5 +1,5 @@
-"""Model sources: a folder, or a Hub repo id fetched file by file from an offline cache — each process fetching only
-the files that hold its tensors."""
+"""Model sources: a folder, or a Hub repo id resolved from an offline cache (whole files pre-populated in it). What a
+process downloads from an online Hub is tested against a stand-in Hub in test_hub_download.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from expertmesh.experts.model_source import (
     open_checkpoint,
     shard_tensors,
 )
-from expertmesh.experts.weights import dense_tensor_names, expert_shard_names, load_expert_shards
+from expertmesh.experts.weights import check_checkpoint, dense_tensor_names, expert_shard_names, load_expert_shards
 from expertmesh.router_service.config import MeshConfig
 from tests.hub_cache import populate_hub_cache
 
@@ -55,54 +55,58 @@ def test_repo_ids_and_folders(tmp_path):
     assert fetch_checkpoint(str(tmp_path)) == tmp_path
 
 
-def test_an_actor_fetches_only_the_files_of_its_shards(checkpoints, offline_hub):
+def test_whole_files_in_an_offline_cache_are_read_in_place(checkpoints, offline_hub):
+    """A pre-populated cache (whole files in the snapshot): nothing is downloaded, the files are read as a folder's.
+    What each process downloads online is tested against a stand-in Hub (test_hub_download.py)."""
     cache, asked = offline_hub
     folder = checkpoints["mixtral_sharded"]
     populate_hub_cache(cache, "acme/tiny-mixtral", folder)
     shards = [(1, 2), (1, 3)]
     reader = open_checkpoint("acme/tiny-mixtral", None, shard_tensors(shards))
-    cfg = reader.config
-    weight_map = _weight_map(folder)
-    expected = {weight_map[name] for name in expert_shard_names(cfg, shards)}
-    fetched = {name for name in asked if name.endswith(".safetensors")}
-    assert fetched == expected and len(expected) < len(set(weight_map.values()))
+    assert not [name for name in asked if name.endswith(".safetensors")]
     assert "config.json" in asked and "model.safetensors.index.json" in asked
+    assert all(reader.remote_file(name) is None for name in expert_shard_names(reader.config, shards))
     got = load_expert_shards(reader, shards)
     want = load_expert_shards(CheckpointReader(folder), shards)
     for shard in shards:
         assert torch.equal(got[shard].gate_up, want[shard].gate_up) and torch.equal(got[shard].down, want[shard].down)
 
 
-def test_the_router_fetches_only_dense_files(checkpoints, offline_hub):
-    cache, asked = offline_hub
+def test_an_offline_cache_needs_only_the_files_a_process_reads(checkpoints, offline_hub):
+    """A node pre-populated per role: an actor's cache holds its shards' files, the router's the dense files."""
+    cache, _ = offline_hub
     folder = checkpoints["mixtral_sharded"]
-    populate_hub_cache(cache, "acme/tiny-mixtral", folder)
-    reader = open_checkpoint("acme/tiny-mixtral", None, dense_tensors)
     weight_map = _weight_map(folder)
-    expected = {weight_map[name] for name in dense_tensor_names(reader.config)}
-    assert {name for name in asked if name.endswith(".safetensors")} == expected
+    shards = [(1, 2), (1, 3)]
+    cfg = CheckpointReader(folder).config
+    actor_files = {weight_map[name] for name in expert_shard_names(cfg, shards)}
+    dense_files = {weight_map[name] for name in dense_tensor_names(cfg)}
+    populate_hub_cache(cache, "acme/tiny-mixtral", folder,
+                       only={"config.json", "model.safetensors.index.json"} | actor_files)
+    assert load_expert_shards(open_checkpoint("acme/tiny-mixtral", None, shard_tensors(shards)), shards)
+    if dense_files - actor_files:
+        with pytest.raises(CheckpointError, match="acme/tiny-mixtral: model-.* is not in this node's Hugging Face"):
+            open_checkpoint("acme/tiny-mixtral", None, dense_tensors)
+    populate_hub_cache(cache, "acme/tiny-mixtral", folder, only=dense_files)
+    router = open_checkpoint("acme/tiny-mixtral", None, dense_tensors)
+    check_checkpoint(router)  # files neither whole nor with a cached header are skipped offline (their readers check)
+    assert router.has("model.layers.0.block_sparse_moe.gate.weight")
 
 
-def test_a_stacked_checkpoint_from_the_hub_fetches_by_its_own_names(tmp_path, offline_hub):
+def test_a_stacked_checkpoint_from_the_hub_reads_by_its_own_names(tmp_path, offline_hub):
     """transformers' stacked layout: the selectors name `mlp.experts.gate_up_proj` and Mixtral's `mlp.gate`."""
     from expertmesh.experts.weights import FUSED, expert_layout
     from tests.tiny_checkpoints import write_hf_checkpoint
 
-    cache, asked = offline_hub
+    cache, _ = offline_hub
     folder = write_hf_checkpoint("mixtral", tmp_path / "fused", seed=4, max_shard_size="40KB", fused=True)
     populate_hub_cache(cache, "acme/stacked", folder)
     shards = [(1, 0), (1, 3)]
     reader = open_checkpoint("acme/stacked", None, shard_tensors(shards))
     assert expert_layout(reader.config, reader.has) == FUSED
-    weight_map = _weight_map(folder)
-    expected = {weight_map[name] for name in expert_shard_names(reader.config, shards, FUSED)}
-    assert {name for name in asked if name.endswith(".safetensors")} == expected
-    assert len(expected) < len(set(weight_map.values()))
     got, want = load_expert_shards(reader, shards), load_expert_shards(CheckpointReader(folder), shards)
     assert all(torch.equal(got[s].gate_up, want[s].gate_up) for s in shards)
-    asked.clear()
     router = open_checkpoint("acme/stacked", None, dense_tensors)
-    assert weight_map["model.layers.0.mlp.gate.weight"] in {name for name in asked if name.endswith(".safetensors")}
     assert router.has("model.layers.0.mlp.gate.weight")
 
 

@@ -34,6 +34,9 @@ PURE_MODULES = (
     "expertmesh.experts.fp8",
     "expertmesh.experts.gating",
     "expertmesh.experts.grouped_ffn",  # a call's experts in grouped matmuls (actors and reference)
+    "expertmesh.experts.hub_fetch",  # range reads of Hub files into the node's piece cache (huggingface_hub on use)
+    "expertmesh.experts.hub_ranges",  # which bytes of a safetensors file, in which requests
+    "expertmesh.experts.hub_reader",  # the checkpoint reader over a Hub repo that fetches what it reads
     "expertmesh.experts.kv_cache",
     "expertmesh.experts.load_progress",  # actors' load progress records (the KV store passed in)
     "expertmesh.experts.mla_attention",
