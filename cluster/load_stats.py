@@ -105,14 +105,14 @@ def top1_switches(top1: torch.Tensor, lengths: list[int], previous: list[int]) -
         return 0, 0, list(previous)
     prev = torch.empty_like(top1)
     prev[1:] = top1[:-1]
-    lens = torch.tensor(lengths, dtype=torch.int64)
+    lens = torch.tensor(lengths, dtype=torch.int64)  # host: statistics
     starts = torch.cumsum(lens, 0) - lens  # [B]
     nonempty = lens > 0
-    prev[starts[nonempty]] = torch.tensor(previous, dtype=top1.dtype)[nonempty]
+    prev[starts[nonempty]] = torch.tensor(previous, dtype=top1.dtype)[nonempty]  # host: statistics
     valid = (prev >= 0) & (top1 >= 0)  # a dropped top slot (-1) makes no pair
     switches = int((valid & (prev != top1)).sum())
     last_idx = (starts + lens - 1).clamp(min=0)
-    last = torch.where(nonempty, top1[last_idx], torch.tensor(previous, dtype=top1.dtype))
+    last = torch.where(nonempty, top1[last_idx], torch.tensor(previous, dtype=top1.dtype))  # host: statistics
     return switches, int(valid.sum()), last.tolist()
 
 

@@ -129,9 +129,9 @@ class StepLayout:
         if decode:
             decode_table, decode_kv_len = pool.block_table([caches[i] for i in decode], [starts[i] + 1 for i in decode])
         s_max = max((lengths[i] for i in prefill), default=0)
-        col = torch.arange(s_max)  # [S]
-        n_p = torch.tensor([lengths[i] for i in prefill], dtype=torch.int64)  # [Bp]
-        first = torch.tensor([offsets[i] for i in prefill], dtype=torch.int64)  # [Bp]
+        col = torch.arange(s_max)  # host: built here, sent up once; [S]
+        n_p = torch.tensor([lengths[i] for i in prefill], dtype=torch.int64)  # host: built here, sent up once; [Bp]
+        first = torch.tensor([offsets[i] for i in prefill], dtype=torch.int64)  # host: built here, sent up once; [Bp]
         valid = col[None, :] < n_p[:, None]  # [Bp, S]
         index = first[:, None] + torch.minimum(col[None, :], (n_p - 1).clamp(min=0)[:, None])  # [Bp, S]
         flat = valid.reshape(-1).nonzero().flatten()  # [T_p] (host tensors: no device read)

@@ -89,7 +89,7 @@ class PagedKVPool:
     @staticmethod
     def bytes_per_token(specs: list[CacheSpec], dtype: torch.dtype) -> int:
         """KV bytes one token takes over every layer (GQA: layers × 2 × kvh × D × dtype bytes)."""
-        item = torch.empty((), dtype=dtype).element_size()
+        item = torch.empty((), dtype=dtype).element_size()  # host: a size probe
         return sum(math.prod(shape) * item for spec in specs for shape in spec.values())
 
     @classmethod

@@ -124,11 +124,12 @@ def step_routing(routings: dict, lengths: list[int], skip: list[int], num_expert
     """What one step routed, per sequence: routings layer -> Routing over the step's tokens (sequences' tokens
     consecutive, `lengths` each); a sequence's first skip[i] tokens were counted before (a recompute). Whole-step
     tensor ops per layer, not a Python loop per sequence (at 32 streams that loop was ~7% of a router's CPU)."""
-    lengths_t = torch.tensor(lengths)  # [B]
+    lengths_t = torch.tensor(lengths)  # host: step bookkeeping; [B]
     batch = len(lengths)
-    seq_of = torch.repeat_interleave(torch.arange(batch), lengths_t)  # [T] the sequence of each token
-    offset = torch.arange(seq_of.numel()) - torch.repeat_interleave(torch.cumsum(lengths_t, 0) - lengths_t, lengths_t)
-    fresh = offset >= torch.tensor(skip)[seq_of]  # [T] not counted before
+    seq_of = torch.repeat_interleave(torch.arange(batch), lengths_t)  # host: bookkeeping; [T] each token's sequence
+    firsts = torch.repeat_interleave(torch.cumsum(lengths_t, 0) - lengths_t, lengths_t)  # [T]
+    offset = torch.arange(seq_of.numel()) - firsts  # host: step bookkeeping
+    fresh = offset >= torch.tensor(skip)[seq_of]  # host: step bookkeeping; [T] not counted before
     per_seq = [_StepRouting() for _ in lengths]
     for layer, routing in routings.items():
         routing = routing_on_host(routing)  # the router's already is (experts/device_rule.py); the reference's not
@@ -213,7 +214,7 @@ class ContinuousBatcher:
             raise QueueFullError(f"{len(self._waiting)} requests already waiting (max_waiting)")
         self._check_fits(request)
         seq = _Sequence(request=request, events=asyncio.Queue(), cache=self.model.new_cache(),
-                        next_input=torch.tensor(request.prompt_ids, dtype=torch.int64),
+                        next_input=torch.tensor(request.prompt_ids, dtype=torch.int64),  # host: step bookkeeping
                         generator=request.sampling.generator(self.model.device), span=span)
         if request.resumed_ids:
             await asyncio.to_thread(self._resume, seq)
@@ -256,7 +257,8 @@ class ContinuousBatcher:
         strings and held-back text continue exactly where they were.
         """
         resumed = list(seq.request.resumed_ids)
-        seq.next_input = torch.tensor(seq.request.prompt_ids + resumed[:-1], dtype=torch.int64)
+        ids = seq.request.prompt_ids + resumed[:-1]
+        seq.next_input = torch.tensor(ids, dtype=torch.int64)  # host: step bookkeeping
         for n in range(1, len(resumed)):
             seq.generated = resumed[:n]
             self._new_text(seq)
@@ -363,7 +365,8 @@ class ContinuousBatcher:
         """Free a running sequence's blocks and queue it first, to recompute prompt + generated tokens later."""
         self.preemptions += 1
         seq.cache.free()
-        seq.next_input = torch.tensor(list(seq.request.prompt_ids) + seq.generated, dtype=torch.int64)
+        ids = list(seq.request.prompt_ids) + seq.generated
+        seq.next_input = torch.tensor(ids, dtype=torch.int64)  # host: step bookkeeping
         self._active.remove(seq)
         self._waiting.appendleft(seq)
 
@@ -422,7 +425,7 @@ class ContinuousBatcher:
         else:
             token = sampled
         seq.generated.append(token)
-        seq.next_input = torch.tensor([token], dtype=torch.int64)
+        seq.next_input = torch.tensor([token], dtype=torch.int64)  # host: step bookkeeping
         finish = None
         if req.eos_token_id is not None and token == req.eos_token_id:
             finish = "eos"

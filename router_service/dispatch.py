@@ -389,8 +389,9 @@ class RemoteExperts:
         per_layer = self._replica_counts[1]
         if layer not in per_layer:
             replicas = self.table.replicas
-            per_layer[layer] = torch.tensor([sum(1 for a in replicas.get((layer, e), ()) if a not in self.dead)
-                                             for e in range(num_experts)], dtype=torch.int64)
+            per_layer[layer] = torch.tensor([  # host: policy bookkeeping
+                sum(1 for a in replicas.get((layer, e), ()) if a not in self.dead) for e in range(num_experts)
+            ], dtype=torch.int64)
         return per_layer[layer]
 
     def _apply_policy(self, layer: int, routing: Routing, deadline: float) -> Routing:
@@ -403,7 +404,8 @@ class RemoteExperts:
             if not missing:
                 return routing
             if self.failover.no_replica_policy == "degrade":
-                available = torch.tensor([self.has_live_replica((layer, e)) for e in range(routing.probs.shape[1])])
+                available = torch.tensor(  # host: policy bookkeeping
+                    [self.has_live_replica((layer, e)) for e in range(routing.probs.shape[1])])
                 return degrade(routing, available)
             if self._apply_staged_while_held():
                 continue  # a stand-in for the lost replicas may be in the new table

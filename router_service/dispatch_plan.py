@@ -23,7 +23,7 @@ from ..cluster.routing_table import RoutingTable, Shard, split_tokens
 from ..experts.gating import Routing
 from ..experts.routed_rows import PIECE_LOOP_MAX, Piece, SortedRows, combine_pieces, combine_rows, sort_rows
 
-_NO_ROWS = torch.zeros(0, dtype=torch.int64)
+_NO_ROWS = torch.zeros(0, dtype=torch.int64)  # host: plan indices
 
 
 @dataclass
@@ -107,7 +107,7 @@ def plan_calls(
             (start, end), = ranges[call.actor]
             call.tokens, call.slots = rows.tokens[start:end], rows.slots[start:end]
         return ordered
-    row_actor = torch.repeat_interleave(torch.tensor(piece_actor), torch.tensor(piece_rows))  # [N]
+    row_actor = torch.repeat_interleave(torch.tensor(piece_actor), torch.tensor(piece_rows))  # host: plan indices; [N]
     # Stable: within an actor its rows stay grouped by expert ascending, and chunks of one expert in token order.
     by_actor = torch.sort(row_actor, stable=True).indices  # [N]
     sizes = [sum(c.counts) for c in ordered]
@@ -126,7 +126,7 @@ def _single_replica_calls(layer: int, rows: SortedRows, table: RoutingTable) -> 
     names, index = lookup
     if not rows.experts:
         return []
-    hit = torch.tensor(rows.experts)  # [n_hit]
+    hit = torch.tensor(rows.experts)  # host: plan indices; [n_hit]
     if int(hit[-1]) >= index.numel():
         return None
     ids = index[hit]  # [n_hit] actor of each hit expert
@@ -154,7 +154,7 @@ def all_served(table: RoutingTable, layer: int, experts: torch.Tensor) -> bool:
     mask = cache.get(layer)
     if mask is None:
         served = [expert for (shard_layer, expert), actors in table.replicas.items() if shard_layer == layer and actors]
-        mask = cache[layer] = torch.zeros(max(served, default=-1) + 1, dtype=torch.bool)
+        mask = cache[layer] = torch.zeros(max(served, default=-1) + 1, dtype=torch.bool)  # host: plan indices
         mask[served] = True
     ids = experts[experts >= 0]
     return ids.numel() == 0 or (int(ids.max()) < mask.numel() and bool(mask[ids].all()))
@@ -178,7 +178,7 @@ def _actor_lookup(table: RoutingTable, layer: int) -> tuple[list[str], torch.Ten
             experts[expert] = position.setdefault(actors[0], len(position))
         if single:
             names = list(position)
-            index = torch.full((max(experts, default=-1) + 1,), -1, dtype=torch.int64)
+            index = torch.full((max(experts, default=-1) + 1,), -1, dtype=torch.int64)  # host: plan indices
             for expert, actor in experts.items():
                 index[expert] = actor
             cache[layer] = (names, index)

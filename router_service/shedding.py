@@ -68,9 +68,9 @@ class LayerShedState:
 
     @classmethod
     def empty(cls, num_experts: int) -> LayerShedState:
-        nan = torch.full((num_experts,), math.nan, dtype=torch.float64)
-        return cls(nan.clone(), nan.clone(), torch.zeros(num_experts, dtype=torch.bool),
-                   torch.zeros(num_experts, dtype=torch.float64))
+        nan = torch.full((num_experts,), math.nan, dtype=torch.float64)  # host: policy state
+        return cls(nan.clone(), nan.clone(), torch.zeros(num_experts, dtype=torch.bool),  # host: policy state
+                   torch.zeros(num_experts, dtype=torch.float64))  # host: policy state
 
 
 def decide(config: ShedConfig, now: float, offered: torch.Tensor, replicas: torch.Tensor,
@@ -148,7 +148,9 @@ class ShedPolicy:
     def shedding(self, layer: int) -> torch.Tensor:
         """[E] bool: the layer's shards shedding now (no replacement goes to them)."""
         state = self.layers.get(layer)
-        return torch.zeros(self.num_experts, dtype=torch.bool) if state is None else state.shedding
+        if state is None:
+            return torch.zeros(self.num_experts, dtype=torch.bool)  # host: policy state
+        return state.shedding
 
     def gauges(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """layer -> (utilisation [E] of its last round, shedding [E] bool)."""

@@ -86,8 +86,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-from tests import fake_cuda_device as dev
-from tests import fake_cuda_tensor as ft
+import tests.fake_cuda_device as dev
+import tests.fake_cuda_tensor as ft
 from tests.fake_cuda_patches import patches
 from tests.fake_cuda_tensor import FakeCudaGenerator, FakeCudaTensor, check_cuda_device, generator_mismatch
 

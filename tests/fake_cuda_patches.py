@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from tests import fake_cuda_device as dev
-from tests import fake_cuda_tensor as ft
+import tests.fake_cuda_device as dev
+import tests.fake_cuda_tensor as ft
 from tests.fake_cuda_tensor import FakeCudaGenerator, check_cuda_device
 
 _RealGenerator = torch.Generator

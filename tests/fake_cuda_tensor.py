@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_map, tree_map_only
 
-from tests import fake_cuda_rules as rules
+import tests.fake_cuda_rules as rules
 
 CUDA0 = torch.device("cuda", 0)
 _CPU = torch.device("cpu")

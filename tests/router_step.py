@@ -1,5 +1,5 @@
 """The router's whole step on a chosen device, without Ray: the scenarios that the fake-CUDA test
-(tests/unit/test_router_step_fake_cuda.py) and the GPU script (tests/gpu/router_step_cuda.py) both run.
+(tests/unit/test_router_step_fake_cuda.py) and the GPU script (tests/router_step_cuda.py) both run.
 
 The router here is the real one minus Ray: dense weights, paged KV pool, gates and sampling on `device`
 (router_service/router.py does the same), `RemoteExperts` (router_service/dispatch.py: the device crossing, no-replica
@@ -70,6 +70,7 @@ class StepSetup:
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     actor_device: str | None = None  # where the in-process actors compute (None: the router's device)
+    observe: bool = True  # load statistics per layer and step, as a real router keeps them (no metrics, no Ray)
 
 
 def build_router(model_dir: Path, device: torch.device | str, dtype: torch.dtype,
@@ -94,6 +95,11 @@ def build_router(model_dir: Path, device: torch.device | str, dtype: torch.dtype
     kv = (settings_for(device, setup.kv_cache_gb, setup.gpu_memory_utilization) if device.type == "cuda"
           else KVCacheSettings(max_tokens=4096))
     model = MoEDecoder(cfg, dense, backend, setup.capacity_factor, overlap=setup.overlap, kv_cache=kv)
+    if setup.observe:
+        from expertmesh.router_service.observability import RouterObserver
+
+        backend.observer = RouterObserver(cfg, backend, "router-step")
+        model.step_observer = backend.observer.on_step
     return model, backend
 
 

@@ -1,4 +1,4 @@
-"""The router's whole step on CUDA for every family (tests/gpu/router_step_cuda.py), as a GPU test: skips cleanly
+"""The router's whole step on CUDA for every family (tests/router_step_cuda.py), as a GPU test: skips cleanly
 without CUDA or without transformers (which writes the tiny checkpoints)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_router_step_on_cuda_matches_the_cpu_reference_for_every_family(capsys):
     pytest.importorskip("transformers")
-    from tests.gpu.router_step_cuda import main
+    from tests.router_step_cuda import main
 
     code = main([])
     lines = capsys.readouterr().out.splitlines()

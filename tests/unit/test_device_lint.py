@@ -13,8 +13,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER_PATH = [
     "experts/gating.py", "experts/routed_rows.py", "router_service/dispatch_plan.py", "router_service/dispatch.py",
@@ -72,8 +70,6 @@ def test_the_scan_flags_unmarked_factories_and_honours_the_marker():
                                                 "m.py:6: torch.arange(...) without device="]
 
 
-@pytest.mark.xfail(strict=False, reason="router-path modules still allocate without device= (the device-mixing fixes "
-                                        "are in progress on main); flip to a plain test once they are fixed")
 def test_router_path_factories_name_their_device():
     offenders = [hit for rel in ROUTER_PATH for hit in device_offenders((ROOT / rel).read_text(), rel)]
     assert not offenders, "tensor factories without device= (mark deliberate host tensors '# host: why'):\n" + \

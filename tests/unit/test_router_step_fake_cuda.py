@@ -15,7 +15,6 @@ import torch
 
 from expertmesh.router_service.dispatch import FailoverConfig
 from tests.fake_cuda import fake_cuda
-from tests.gpu.router_step_cuda import write_checkpoint
 from tests.router_step import (
     EAGER_SHED,
     StepSetup,
@@ -26,6 +25,7 @@ from tests.router_step import (
     serve,
     serving_requests,
 )
+from tests.router_step_cuda import write_checkpoint
 
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2_grouped", "glm4_moe", "many_experts")
 # On the fake device: a small KV pool (the default would take 90 % of the fake 80 GiB), actors on the host (their
@@ -67,6 +67,8 @@ def test_prefill_and_decode_on_the_device_equal_the_cpu_router_with_one_read_per
             logits = model.forward([torch.tensor([1]) for _ in ids], caches, logits="last")
         assert all(x.device.type == "cuda" for x in logits)
     assert _equal(got, want)
+    snapshot = backend.observer.snapshot()  # load statistics were kept from the device's routings
+    assert sum(snapshot["counts"]["shard_load"][0]) > 0
     moe_layers = len(model.cfg.moe_layers)
     # One wait per MoE layer (the routing and hidden state come to the host together), no other read of any kind.
     assert decode.syncs == moe_layers, decode.sync_sites
@@ -156,9 +158,9 @@ def test_the_overlap_schedule_on_the_device(models):
 
 
 def test_the_gpu_script_runs_under_the_double(capsys):
-    """tests/gpu/router_step_cuda.py, the script for the day a GPU is lent, runs end to end on the fake device."""
+    """tests/router_step_cuda.py, the script for the day a GPU is lent, runs end to end on the fake device."""
     pytest.importorskip("transformers")
-    from tests.gpu.router_step_cuda import main
+    from tests.router_step_cuda import main
 
     with fake_cuda(total_memory=2**30):
         code = main(["--families", "mixtral,gpt_oss", "--gpu-memory-utilization", "0.5"])

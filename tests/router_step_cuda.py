@@ -1,7 +1,7 @@
 """The router's step on a real GPU, Ray-free (the GPU machine has torch, transformers and safetensors, not Ray).
 
     bash ops/gpu_check.sh            # runs this among the GPU tests
-    python tests/gpu/router_step_cuda.py [--families mixtral,gpt_oss] [--gpu-memory-utilization 0.5]
+    python tests/router_step_cuda.py [--families mixtral,gpt_oss] [--gpu-memory-utilization 0.5]
 
 One line per check. For every family (tiny checkpoints written by transformers, as the CPU tests use): the router's
 decoder with its dense weights, paged KV pool, gates and sampling on cuda:0 in bf16 (and fp32), dispatching through
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 if __package__ in (None, ""):  # run as a script: the repository root on the path, for `tests.`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.router_step import (  # noqa: E402
     StepSetup,
