@@ -20,7 +20,7 @@ The crossings, and only these:
                    ids and positions) go up from pinned memory without waiting: the stream orders the copy before
                    the kernels that read it.
 
-Nothing else in the router's hot path reads a device value; `tests/fake_cuda.py` runs the whole step under a
+Nothing else in the router's hot path reads a device value; `ops/fake_cuda/` runs the whole step under a
 fake-CUDA double that raises on mixed devices and counts every read (tests/unit/test_router_step_fake_cuda.py).
 Pure torch: no Ray.
 """

@@ -116,10 +116,52 @@ def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool =
             if workload in ("decode", "both"):
                 say("decode ...")
                 result["decode"] = _with_floor(_bench_decode(hf, mesh, repeats, model), result["noop_round_ms"])
+            say("device reads (router step on a fake GPU) ...")
+            result["device_reads"] = device_reads(mesh, model_dir, getattr(torch, dtype), model)
             stats = {k: getattr(mesh.router.transport, k, None) for k in ("builds", "compiled_rounds",
                                                                             "fallback_rounds", "reconnects")}
             result["transport_stats"] = {k: v for k, v in stats.items() if v is not None}
     return result
+
+
+def device_reads(mesh, model_dir: Path, dtype: torch.dtype, model: dict = MODEL) -> dict:
+    """How often the router's step reads the device (README: The router on a GPU), counted by running it with its
+    dense weights, KV pool and gates on a fake GPU (ops/fake_cuda: CUDA's device rules on the CPU, every
+    device->host read and wait counted) against the mesh's live expert actors: one prefill forward and one decode
+    step of the decode workload. -> per phase: waits and reads per MoE layer, and where they happen."""
+    from ..experts.checkpoint import CheckpointReader
+    from ..experts.kv_cache import KVCacheSettings
+    from ..experts.modeling import MoEDecoder
+    from ..experts.weights import load_dense_weights
+    from .fake_cuda import fake_cuda
+
+    n, ctx = DECODE["sequences"], DECODE["context"]
+    ids = torch.randint(0, model["vocab"], (n, ctx), generator=torch.Generator().manual_seed(1))
+    out: dict = {"method": "router step on a fake GPU (ops/fake_cuda) against the live expert actors",
+                 "sequences": n, "context": ctx}
+    with fake_cuda() as fc:
+        reader = CheckpointReader(model_dir)
+        decoder = MoEDecoder(reader.config, load_dense_weights(reader, dtype, device="cuda"), mesh.backend,
+                             kv_cache=KVCacheSettings(max_tokens=n * (ctx + 16)))
+        moe_layers = len(reader.config.moe_layers)
+        caches = [decoder.new_cache() for _ in range(n)]
+        with fc.counting() as prefill:
+            logits = decoder.forward(list(ids), caches, logits="last")
+        step = [x[-1].argmax().view(1) for x in logits]  # [1] each, on the device
+        with fc.counting() as decode:
+            decoder.forward(step, caches, logits="last")
+        for cache in caches:
+            cache.free()
+    for name, c in (("prefill", prefill), ("decode", decode)):
+        out[name] = {
+            "moe_layers": moe_layers,
+            "waits_per_moe_layer": round(c.syncs / moe_layers, 3),
+            "reads_per_moe_layer": round((c.syncs + c.host_reads + c.shape_syncs) / moe_layers, 3),
+            "host_reads": c.host_reads, "syncs": c.syncs, "shape_syncs": c.shape_syncs,
+            "sites": {k: dict(v) for k, v in (("reads", c.read_sites), ("syncs", c.sync_sites),
+                                              ("shape_syncs", c.shape_sync_sites)) if v},
+        }
+    return out
 
 
 def _with_floor(summary: dict, noop_round_ms: float) -> dict:

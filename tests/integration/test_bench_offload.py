@@ -46,3 +46,18 @@ def test_offload_bench_reports_each_mode_against_its_own_resident_run(monkeypatc
         # over a few long prefill windows (measured: 0 or 2 misses in three runs of this test's 512 tokens).
         assert row["offloaded_bytes_moved"] > 0 and row["offloaded_residency"] <= 0.5
     assert abs(ppl["int8"]["resident"] / ppl["none"]["resident"] - 1) < 0.01  # the issue's INT8 bound
+
+
+def test_dispatch_bench_counts_the_routers_device_reads_per_moe_layer(monkeypatch):
+    """`expertmesh bench dispatch` runs the router's step on a fake GPU against the live actors and reports its
+    device reads: one wait per MoE layer at decode and at prefill, nothing else (README: The router on a GPU)."""
+    monkeypatch.setattr(bench_dispatch, "MODEL", dict(bench_dispatch.MODEL, hidden=64, inter=128, heads=4,
+                                                      kv_heads=2, vocab=256, layers=2))
+    monkeypatch.setattr(bench_dispatch, "DECODE", dict(sequences=4, context=8))
+    result = bench_dispatch.run_dispatch_bench("decode", repeats=1, verbose=False)
+    reads = result["device_reads"]
+    for phase in ("prefill", "decode"):
+        assert reads[phase]["moe_layers"] == 2
+        assert reads[phase]["waits_per_moe_layer"] == 1.0, reads[phase]
+        assert reads[phase]["reads_per_moe_layer"] == 1.0, reads[phase]["sites"]
+    assert result["decode"]["max_abs_logit_diff"] <= 1e-4

@@ -1,7 +1,7 @@
 """A static companion to the fake-CUDA double: tensor factories on the router path must say where they allocate.
 
 ``torch.zeros(n)`` without ``device=`` lands on the CPU whatever device the router runs on, and is the usual source
-of the mixed-device errors tests/fake_cuda.py catches at run time. This scan finds them without running anything:
+of the mixed-device errors ops/fake_cuda/__init__.py catches at run time. This scan finds them without running anything:
 every call of a factory (below) in the router-path modules that has no ``device=`` keyword (nor ``**kwargs`` that
 may carry one) is reported as "file:line". A tensor that is meant to live on the host (wire buffers, bookkeeping)
 says so with a ``# host:`` comment on one of the call's lines, followed by the reason. ``*_like`` and ``new_*``

@@ -1,7 +1,7 @@
-"""The fake-CUDA double (tests/fake_cuda.py): every CUDA device rule it claims raises where CUDA raises, the correct
+"""The fake-CUDA double (ops/fake_cuda/): every CUDA device rule it claims raises where CUDA raises, the correct
 form runs and computes exactly what the CPU computes, and the counters count device-to-host traffic and nothing else.
 
-Each rule's test names where PyTorch decides it (the module docstring of tests/fake_cuda_rules.py has the detail).
+Each rule's test names where PyTorch decides it (the module docstring of ops/fake_cuda/rules.py has the detail).
 Counting behaviour (reads, syncs, shape syncs, call sites) is in test_fake_cuda_counters.py.
 """
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.fake_cuda import FakeCudaGenerator, FakeCudaTensor, fake_cuda
-from tests.fake_cuda_rules import Kind, rule_for
+from expertmesh.ops.fake_cuda import FakeCudaGenerator, FakeCudaTensor, fake_cuda
+from expertmesh.ops.fake_cuda.rules import Kind, rule_for
 
 MISMATCH = r"Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
 CPU_FIRST = r"Expected all tensors to be on the same device, but found at least two devices, cpu and cuda:0!"

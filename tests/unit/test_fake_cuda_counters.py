@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.fake_cuda import FakeCudaTensor, fake_cuda
+from expertmesh.ops.fake_cuda import FakeCudaTensor, fake_cuda
 
 
 @pytest.fixture

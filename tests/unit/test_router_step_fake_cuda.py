@@ -1,6 +1,6 @@
 """The router's whole step on a (fake) GPU: every family, prefill, decode, chunked steps, seeded sampling, a resumed
 stream, degrade around a dead replica, shedding, a capacity factor and the overlap schedule, under the fake-CUDA
-double (tests/fake_cuda.py), which raises wherever CUDA would on mixed devices and counts every device read.
+double (ops/fake_cuda/__init__.py), which raises wherever CUDA would on mixed devices and counts every device read.
 
 Each run must equal the same router on the CPU bit for bit (the double computes on the CPU underneath), and a decode
 step must read the device once per MoE layer (the routing's crossing, experts/device_rule.py) and nowhere else.
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from expertmesh.ops.fake_cuda import fake_cuda
 from expertmesh.router_service.dispatch import FailoverConfig
-from tests.fake_cuda import fake_cuda
 from tests.router_step import (
     EAGER_SHED,
     StepSetup,

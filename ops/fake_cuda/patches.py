@@ -1,6 +1,6 @@
 """What fake_cuda() swaps into torch.cuda, torch.accelerator, torch.backends.cuda and torch.Generator.
 
-Part of the fake-CUDA double (tests/fake_cuda.py). ``patches(fc)`` lists (object, attribute, replacement); the
+Part of the fake-CUDA double (ops/fake_cuda/__init__.py). ``patches(fc)`` lists (object, attribute, replacement); the
 context manager installs them and puts the originals back on exit.
 """
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-import tests.fake_cuda_device as dev
-import tests.fake_cuda_tensor as ft
-from tests.fake_cuda_tensor import FakeCudaGenerator, check_cuda_device
+from . import device as dev
+from . import tensor as ft
+from .tensor import FakeCudaGenerator, check_cuda_device
 
 _RealGenerator = torch.Generator
 

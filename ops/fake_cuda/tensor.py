@@ -1,10 +1,10 @@
 """The fake-CUDA tensor: a wrapper subclass that reports cuda:0 and computes on the CPU tensor it holds.
 
-Part of the fake-CUDA double; see tests/fake_cuda.py for what it emulates and how to use it. This module holds the
+Part of the fake-CUDA double; see ops/fake_cuda/ for what it emulates and how to use it. This module holds the
 tensor and generator types and the dispatch: every aten operator that touches a FakeCudaTensor arrives in
 ``FakeCudaTensor.__torch_dispatch__`` (below autograd, after composite operators have decomposed, so the C++ that
 branches on ``is_cuda()`` has already taken CUDA's branch). There the call is checked as a CUDA kernel would check
-it (tests/fake_cuda_rules.py), run on the inner CPU tensors, and its outputs wrapped where CUDA would put them on
+it (ops/fake_cuda/rules.py), run on the inner CPU tensors, and its outputs wrapped where CUDA would put them on
 the device. Views wrap views of the inner tensor, so writes through a view reach the base's storage, and in-place
 operators return the very wrapper they were given.
 """
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_map, tree_map_only
 
-import tests.fake_cuda_rules as rules
+from . import rules as rules
 
 CUDA0 = torch.device("cuda", 0)
 _CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ messages, while correct code runs and computes on the CPU underneath, bit for bi
 
 Use::
 
-    from tests.fake_cuda import fake_cuda
+    from expertmesh.ops.fake_cuda import fake_cuda
 
     with fake_cuda() as fc:                          # total_memory=80 * 2**30 by default
         x = torch.randn(4, 8, device="cuda")         # a FakeCudaTensor: .device == cuda:0, .is_cuda
@@ -19,8 +19,8 @@ Use::
         print(step.read_sites)                       # Counter({"router_service/x.py:123": 1})
 
 What it emulates
-- Tensors: ``FakeCudaTensor`` (tests/fake_cuda_tensor.py), a ``_make_wrapper_subclass`` reporting cuda:0 around a
-  CPU tensor. Every aten operator on it is checked as CUDA's kernel checks devices (tests/fake_cuda_rules.py: the
+- Tensors: ``FakeCudaTensor`` (ops/fake_cuda/tensor.py), a ``_make_wrapper_subclass`` reporting cuda:0 around a
+  CPU tensor. Every aten operator on it is checked as CUDA's kernel checks devices (ops/fake_cuda/rules.py: the
   generated ExactSame check, TensorIterator's 0-dim CPU scalar rule, index/index_put_/masked_fill_/where/fill_/
   copy_ rules, each taken from PyTorch's source and native_functions.yaml), then run on the CPU tensors; outputs
   are wrapped where CUDA would put them. Composite operators decompose first with ``is_cuda()`` true, so they take
@@ -86,16 +86,16 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
-import tests.fake_cuda_device as dev
-import tests.fake_cuda_tensor as ft
-from tests.fake_cuda_patches import patches
-from tests.fake_cuda_tensor import FakeCudaGenerator, FakeCudaTensor, check_cuda_device, generator_mismatch
+from . import device as dev
+from . import tensor as ft
+from .patches import patches
+from .tensor import FakeCudaGenerator, FakeCudaTensor, check_cuda_device, generator_mismatch
 
 __all__ = ["Counts", "FakeCuda", "FakeCudaGenerator", "FakeCudaTensor", "fake_cuda"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_FILES = frozenset(os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in (
-    "fake_cuda.py", "fake_cuda_tensor.py", "fake_cuda_rules.py", "fake_cuda_device.py"))
+    "__init__.py", "tensor.py", "rules.py", "device.py", "patches.py"))
 _KINDS = ("read", "sync", "shape_sync")
 
 
@@ -411,7 +411,7 @@ class _FakeCudaMode(TorchFunctionMode):
                 raise
             raise NotImplementedError(f"fake_cuda: {getattr(func, '__name__', func)} allocates a CUDA tensor inside "
                                       "its C++ implementation, which a CPU build cannot; the double needs a handler "
-                                      "for it (see _HANDLERS in tests/fake_cuda.py)") from e
+                                      "for it (see _HANDLERS in ops/fake_cuda/__init__.py)") from e
         return ft.call_through_proxies(func, args, kwargs)
 
 

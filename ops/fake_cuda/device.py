@@ -1,4 +1,4 @@
-"""Stand-ins for torch.cuda's device-side objects under the fake-CUDA double (see tests/fake_cuda.py).
+"""Stand-ins for torch.cuda's device-side objects under the fake-CUDA double (see ops/fake_cuda/__init__.py).
 
 Streams, events and device properties are plain Python: the double runs every kernel at once on the CPU, so a
 stream is only a name, an event only a timestamp, and every wait is already over. What is kept is the count of the
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tests.fake_cuda_tensor import CUDA0, check_cuda_device, record
+from .tensor import CUDA0, check_cuda_device, record
 
 _stream_ids = itertools.count(1)
 

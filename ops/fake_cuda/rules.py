@@ -1,6 +1,6 @@
 """Which mixes of CPU and CUDA tensors an aten operator accepts, decided as PyTorch's CUDA kernels decide it.
 
-Part of the fake-CUDA double (tests/fake_cuda.py); pure functions of (operator, arguments), no state.
+Part of the fake-CUDA double (ops/fake_cuda/__init__.py); pure functions of (operator, arguments), no state.
 
 PyTorch checks devices in three places, and each is mirrored here:
 
