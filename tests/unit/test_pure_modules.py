@@ -90,6 +90,7 @@ PURE_MODULES = (
     "expertmesh.cluster.placement_actors",
     "expertmesh.cluster.planner",
     "expertmesh.cluster.pool_spec",
+    "expertmesh.cluster.router_gpus",  # the GPUs kept for router replicas (start-up, controller, plan-cluster)
     "expertmesh.cluster.routing_table",
     "expertmesh.cluster.shard_placement",
     "expertmesh.cluster.shard_liveness",  # the last-live-replica guard and the health verdict
