@@ -21,6 +21,7 @@ from ray import serve
 from ..cluster.controller import start_controller
 from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.pool_spec import PoolSpec
+from ..cluster.router_gpus import RouterReservation
 from .config import MeshConfig
 from .deployment import RouterDeployment, router_options
 from .grpc_front import start_front
@@ -55,7 +56,8 @@ async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        supervisor = (loop.create_task(_supervise_controller(runtime.spec, runtime.pool.slots, config))
+        supervisor = (loop.create_task(_supervise_controller(runtime.spec, runtime.pool.slots, config,
+                                                             runtime.reservation))
                       if config.controller.enabled else None)
         await stop.wait()
         if supervisor is not None:
@@ -74,7 +76,8 @@ async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
         runtime.stop()
 
 
-async def _supervise_controller(spec: PoolSpec, slots, config: MeshConfig, every_s: float = 2.0) -> None:
+async def _supervise_controller(spec: PoolSpec, slots, config: MeshConfig, reservation: RouterReservation,
+                                every_s: float = 2.0) -> None:
     """Keep the controller running: Ray restarts it after a crash or node loss (max_restarts=-1), and this loop
     recreates it if it was killed outright, then (re)starts its watch. Its own record in the GCS KV store means a
     new incarnation carries on with the same epoch and placement."""
@@ -87,7 +90,8 @@ async def _supervise_controller(spec: PoolSpec, slots, config: MeshConfig, every
             log.warning("controller is gone; starting a new one")
             try:
                 await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: start_controller(spec, slots, config.controller, fresh=False))
+                    None, lambda: start_controller(spec, slots, config.controller, fresh=False,
+                                                   reservation=reservation))
             except Exception:  # e.g. the replacement was killed while starting: try again next round
                 log.warning("could not start a controller; will retry", exc_info=True)
         except Exception:
