@@ -137,7 +137,7 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False,
         runtime.spec = PoolSpec(config.model.source, config.model.dtype, groups,
                                 tracing=tracing.as_dict() if tracing.enabled else None,
                                 revision=config.model.revision, memory_gb=config.experts.memory_gb,
-                                quant=config.experts.quant)
+                                quant=config.experts.quant, gpu_without_cuda=config.devices.gpu_without_cuda)
         runtime.pool = ExpertPool(runtime.spec, config.experts.num_cpus_per_actor, config.experts.start_timeout_s,
                                   detached=detached, reuse=reuse, slots=slots)
         if config.controller.enabled:

@@ -27,6 +27,7 @@ PURE_MODULES = (
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
     "expertmesh.experts.config_deepseek",
+    "expertmesh.experts.devices",  # where an actor/router computes; refusing a GPU torch cannot see
     "expertmesh.experts.dtypes",  # model.dtype resolution ("auto" against the checkpoint and the device)
     "expertmesh.experts.embedded_model",
     "expertmesh.experts.errors",
