@@ -155,6 +155,6 @@ def reservation_problem(nodes: Iterable[NodeResources], reservation: RouterReser
                 f"cannot be placed ({have}, or too few free CPUs beside them); give a GPU node with room, fewer "
                 f"router replicas (router.replicas / the autoscale minimum), or router.gpus 0 (router on the CPU)")
     if total and reservation.total_gpus >= total:
-        return (f"{asked} keeps all {total} GPUs of the cluster and leaves none for the expert actors; give more "
-                f"GPUs, fewer router replicas, or router.gpus 0 (router on the CPU)")
+        return (f"{asked} keeps every GPU of the cluster ({total}) and leaves none for the expert actors; give "
+                f"more GPUs, fewer router replicas, or router.gpus 0 (router on the CPU)")
     return None
