@@ -37,6 +37,7 @@ from .load_stats import merge_snapshots
 from .lost_restore import LostActor, NodeRoom, RestorePlan, plan_restore, plan_return
 from .naming import CONTROLLER_NAME, NAMESPACE, stand_in_actor_name
 from .pool_spec import PoolSpec
+from .router_gpus import NO_RESERVATION, RouterReservation, expert_nodes
 from .shard_liveness import describe_shards, orphaned_by_removal
 from .table_store import clear_table, publish_table, read_table
 
@@ -60,8 +61,12 @@ def _kv_put(record: dict) -> None:
 class Controller:
     """Runs as an async Ray actor (see `start_controller`)."""
 
-    def __init__(self, spec: PoolSpec, slots: list[ActorSlot], config: ControllerConfig | None = None):
+    def __init__(self, spec: PoolSpec, slots: list[ActorSlot], config: ControllerConfig | None = None,
+                 reservation: dict | None = None):
+        """reservation: the GPUs and CPUs start-up kept for Serve router replicas (RouterReservation.as_dict());
+        elastic plans and restores onto other nodes leave them alone."""
         self.spec = spec  # replaced (not mutated) when the placement changes
+        self.reservation = RouterReservation.from_dict(reservation)
         self.slots = {s.name: s for s in slots}
         published = read_table()
         if published is not None:
@@ -338,7 +343,9 @@ class Controller:
         alive = [n for n in ray.nodes() if n["Alive"]]
         if any(n["NodeID"] == slot.node_id for n in alive):
             return slot.node_id
-        fits = [n for n in alive if (n["Resources"].get("GPU", 0) > 0) == (slot.num_gpus > 0)
+        # GPUs kept for router replicas do not count: a node whose every GPU is kept (a router node) is no GPU node.
+        kept = self.reservation.gpus
+        fits = [n for n in alive if (n["Resources"].get("GPU", 0) - kept.get(n["NodeID"], 0) > 0) == (slot.num_gpus > 0)
                 and n["Resources"].get("CPU", 0) >= slot.num_cpus] or alive
         load = {n["NodeID"]: sum(1 for v in self.nodes.values() if v == n["NodeID"]) for n in fits}
         return min(load, key=lambda node: (load[node], node))
@@ -493,7 +500,7 @@ class Controller:
         load = np.asarray(snapshot["counts"]["shard_load"], dtype=np.float64)
         nodes = [NodeResources(n["NodeID"], n["Resources"].get("CPU", 0.0), int(n["Resources"].get("GPU", 0)))
                  for n in ray.nodes() if n["Alive"]]
-        devices = cluster_devices(nodes, cfg.slots_per_gpu)
+        devices = cluster_devices(expert_nodes(nodes, self.reservation), cfg.slots_per_gpu)
         running = {n: [tuple(x) for x in sh] for n, sh in self.spec.actor_shards.items() if n not in self.drained}
         actor_device = {}
         for name in running:
@@ -635,9 +642,9 @@ def _outcome(code: str, message: str) -> dict:
 
 
 def start_controller(spec: PoolSpec, slots: list[ActorSlot], config: ControllerConfig | None = None,
-                     fresh: bool = True) -> ray.actor.ActorHandle:
+                     fresh: bool = True, reservation: RouterReservation | None = None) -> ray.actor.ActorHandle:
     """Create (or find) the controller actor and start it watching. fresh=True clears a record left by an
-    earlier deployment on this cluster."""
+    earlier deployment on this cluster. reservation: the GPUs kept for Serve router replicas."""
     if fresh:
         _kv_put({})
         clear_table()
@@ -647,6 +654,6 @@ def start_controller(spec: PoolSpec, slots: list[ActorSlot], config: ControllerC
         handle = ray.remote(Controller).options(
             name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
             max_concurrency=64, num_cpus=0,
-        ).remote(spec, list(slots), config or ControllerConfig())
+        ).remote(spec, list(slots), config or ControllerConfig(), (reservation or NO_RESERVATION).as_dict())
     ray.get(handle.start.remote())
     return handle

@@ -75,13 +75,16 @@ def gpus_needed(actor_bytes: Mapping[str, int], gpu_bytes: int, utilization: flo
     return max(len(bins), min_gpus)
 
 
-def shortfall_line(need: int, have: int, gpu_bytes: int, overfull: list[tuple[GpuKey, int, int]]) -> str:
-    """The one line a start-up prints (or logs while it waits for the autoscaler)."""
+def shortfall_line(need: int, have: int, gpu_bytes: int, overfull: list[tuple[GpuKey, int, int]],
+                   kept_for_routers: int = 0) -> str:
+    """The one line a start-up prints (or logs while it waits for the autoscaler). have: GPUs the experts may use,
+    i.e. without the ones kept for router replicas (cluster/router_gpus.py), which the line names apart."""
     worst = max(overfull, key=lambda o: o[1] - o[2]) if overfull else None
     detail = "" if worst is None else (f"; e.g. GPU {worst[0][1]} of node {worst[0][0][:12]} would hold "
                                        f"{worst[1] / GIB:.1f} GiB of {worst[2] / GIB:.1f} usable")
-    return (f"the expert actors need {need} GPUs of {gpu_bytes / GIB:.0f} GiB by memory, the cluster has {have}: "
-            f"{max(0, need - have)} missing{detail}")
+    kept = f" besides the {kept_for_routers} kept for router replicas" if kept_for_routers else ""
+    return (f"the expert actors need {need} GPUs of {gpu_bytes / GIB:.0f} GiB by memory, the cluster has {have}"
+            f"{kept}: {max(0, need - have)} missing{detail}")
 
 
 def actor_bytes_of(actor_shards: Mapping[str, list], shard_bytes: int) -> dict[str, int]:

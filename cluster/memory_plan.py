@@ -9,7 +9,9 @@ Accounting (the same as the planned layout's, cluster/shard_placement.py `Topolo
     activations of one call), minus — for live remap — one layer-slot of headroom so a shard set can load beside the
     one it replaces before that one drains.
   - Replicas of a shard sit on different GPUs: at least `replicas` expert GPUs.
-  - Each router replica gets a GPU of its own: dense weights + its KV cache budget + the runtime reserve.
+  - Router replicas keep whole GPUs the experts never share (cluster/router_gpus.py, the rule start-up places by):
+    `router_gpus` per replica, fractions packed floor(1/g) to a GPU, on the expert nodes' type or on nodes of their
+    own (`router_node`). A replica needs dense weights + its KV cache budget + the runtime reserve within its share.
 """
 
 from __future__ import annotations
@@ -104,14 +106,18 @@ class ClusterFit:
     usable_gib: float  # per expert GPU, for shards (after utilization, reserve and transition headroom)
     slots_per_gpu: int  # shards of every MoE layer per expert GPU
     expert_gpus: int  # GPUs the experts need at this replica count
-    router_gpus: int
+    router_gpus: int  # whole GPUs kept for the router replicas (no expert shares them)
     gpus_per_node: int
-    nodes: int  # nodes of this type needed (routers included)
+    nodes: int  # nodes needed, routers' included (of the router node type too, when given)
     expert_gib_per_gpu: float
-    router_gib: float  # dense weights + KV budget + reserve, per router GPU
+    router_gib: float  # dense weights + KV budget + reserve, per router replica
     router_fits: bool
     fits_available: bool | None  # against `available_gpus`, when given
     transition_room: bool  # False: no layer-slot of headroom is left; live remap must move fewer shards at once
+    router_replicas: int = 1  # router replicas placed at start
+    router_gpus_per_replica: float = 1.0  # router.gpus (0: routers on the CPU, nothing kept)
+    router_nodes: int = 0  # nodes of the router node type (0: routers keep GPUs of the expert nodes' type)
+    layout: str = ""  # which GPUs the routers keep and where the experts go, in words
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -119,12 +125,20 @@ class ClusterFit:
 
 def plan_fit(mem: ModelMemory, gpu_type: str, gpus_per_node: int, replicas: int = 1, routers: int = 1,
              utilization: float = 0.9, kv_cache_gib: float = 4.0, gpu_memory_gib: float | None = None,
-             available_gpus: int | None = None) -> ClusterFit:
-    """How `mem` packs onto GPUs of `gpu_type` (memory from GPU_MEMORY_MIB unless gpu_memory_gib is given)."""
+             available_gpus: int | None = None, router_gpus: float = 1.0,
+             router_node: tuple[str, str, int] | None = None) -> ClusterFit:
+    """How `mem` packs onto GPUs of `gpu_type` (memory from GPU_MEMORY_MIB unless gpu_memory_gib is given), with
+    `routers` router replicas of `router_gpus` GPUs each kept apart: on nodes of this type, or on nodes of their
+    own, router_node = (name, GPU type, GPUs per node)."""
+    from .actor_slots import NodeResources
+    from .router_gpus import expert_nodes, reserve_router_gpus
+
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization}")
     if replicas < 1 or routers < 0:
         raise ValueError("replicas must be >= 1 and routers >= 0")
+    if router_gpus < 0 or (router_gpus > 1 and router_gpus != int(router_gpus)):
+        raise ValueError(f"router_gpus: must be a fraction or a whole number >= 0, got {router_gpus}")
     memory = gpu_memory_gib * GIB if gpu_memory_gib is not None else GPU_MEMORY_MIB[gpu_type] * (1 << 20)
     budget = memory * utilization - RUNTIME_RESERVE_BYTES
     layer_slot = mem.shard_bytes * mem.moe_layers  # one expert of every MoE layer
@@ -134,16 +148,55 @@ def plan_fit(mem: ModelMemory, gpu_type: str, gpus_per_node: int, replicas: int 
                          f"({memory / GIB:.1f} GiB at utilization {utilization})")
     slots = min(slots, mem.experts)
     expert_gpus = max(replicas, math.ceil(mem.experts * replicas / slots))
+    asked = f"{routers} router replica{'s' if routers != 1 else ''} x {router_gpus:g} GPU"
+
+    def reserve(count: int, per_node: int):
+        nodes = [NodeResources(f"node-{i + 1:03d}", 0.0, per_node) for i in range(count)]
+        return nodes, reserve_router_gpus(nodes, router_gpus, routers)
+
+    if router_node is None:  # routers keep GPUs of this node type; the fewest nodes that hold both
+        count = max(1, math.ceil(expert_gpus / gpus_per_node))
+        while True:
+            nodes, kept = reserve(count, gpus_per_node)
+            free = sum(n.num_gpus for n in expert_nodes(nodes, kept))
+            if not kept.unplaced and free >= expert_gpus:
+                break
+            if count > expert_gpus + routers * max(1, int(router_gpus)):
+                raise ValueError(f"{asked} does not fit a node of {gpus_per_node} GPUs")
+            count += 1
+        router_nodes, total_nodes, router_memory = 0, count, memory
+        where = ", ".join(f"{n} on node {int(node[5:])}" for node, n in sorted(kept.gpus.items()))
+        layout = (f"{count} node{'s' if count != 1 else ''} of {gpus_per_node} GPUs: "
+                  + (f"{kept.total_gpus} GPU{'s' if kept.total_gpus != 1 else ''} kept for {asked} ({where}); "
+                     if kept.total_gpus else "routers on the CPU; ")
+                  + f"experts on {expert_gpus} of the other {free}")
+    else:
+        name, router_type, router_per_node = router_node
+        count = 0
+        while True:
+            _, kept = reserve(count, router_per_node)
+            if not kept.unplaced:
+                break
+            if count >= routers * max(1, int(router_gpus)):
+                raise ValueError(f"{asked} does not fit a {name} ({router_per_node} GPUs)")
+            count += 1
+        router_nodes, router_memory = count, GPU_MEMORY_MIB[router_type] * (1 << 20)
+        total_nodes = count + math.ceil(expert_gpus / gpus_per_node)
+        layout = ((f"router: {count} x {name} ({kept.total_gpus} GPU{'s' if kept.total_gpus != 1 else ''} kept "
+                   f"for {asked}); " if kept.total_gpus else "routers on the CPU; ")
+                  + f"experts: {total_nodes - count} node{'s' if total_nodes - count != 1 else ''} of "
+                    f"{gpus_per_node} GPUs ({expert_gpus} GPUs)")
     router_bytes = mem.dense_bytes + kv_cache_gib * GIB + RUNTIME_RESERVE_BYTES
-    total = expert_gpus + routers
+    share = min(1.0, router_gpus) if router_gpus > 0 else 1.0
     return ClusterFit(
         gpu_type=gpu_type, gpu_memory_gib=round(memory / GIB, 1), usable_gib=round((budget - layer_slot) / GIB, 1),
-        slots_per_gpu=slots, expert_gpus=expert_gpus, router_gpus=routers, gpus_per_node=gpus_per_node,
-        nodes=math.ceil(total / gpus_per_node),
+        slots_per_gpu=slots, expert_gpus=expert_gpus, router_gpus=kept.total_gpus, gpus_per_node=gpus_per_node,
+        nodes=total_nodes,
         expert_gib_per_gpu=round(min(slots, math.ceil(mem.experts * replicas / expert_gpus)) * layer_slot / GIB, 1),
-        router_gib=round(router_bytes / GIB, 1), router_fits=router_bytes <= memory * utilization,
-        fits_available=None if available_gpus is None else total <= available_gpus,
-        transition_room=transition_room,
+        router_gib=round(router_bytes / GIB, 1), router_fits=router_bytes <= router_memory * utilization * share,
+        fits_available=None if available_gpus is None else expert_gpus + kept.total_gpus <= available_gpus,
+        transition_room=transition_room, router_replicas=routers, router_gpus_per_replica=router_gpus,
+        router_nodes=router_nodes, layout=layout,
     )
 
 

@@ -19,6 +19,7 @@ class PoolSpec:
     revision: str | None = None  # with a Hub repo id as model_dir (experts/model_source.py)
     memory_gb: float | None = None  # each actor's device budget for expert weights (experts.memory_gb); None: all
     quant: str = "none"  # experts.quant: routed experts stored as "none" (the dtype), "int8" or "int4"
+    gpu_without_cuda: str = "refuse"  # devices.gpu_without_cuda: an actor given a GPU torch cannot see refuses
 
     def with_actor_shards(self, actor_shards: Mapping[str, Iterable[Iterable[int]]]) -> PoolSpec:
         """The same pool with another placement; shards may come as JSON lists ([layer, expert]), they are kept as

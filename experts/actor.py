@@ -21,6 +21,7 @@ import ray
 import torch
 
 from .arrays import HostStager, HostTensor, pack, to_tensor
+from .devices import gpus_given, local_device
 from .dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
 from .ffn import activation, gated_mlp
 from .grouped_ffn import GroupedExperts
@@ -41,11 +42,12 @@ def _kv_put(key: bytes, value: bytes) -> None:
 class ExpertActor:
     def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "auto", generation: int = 0,
                  tracing: dict | None = None, metrics: bool = True, revision: str | None = None,
-                 memory_gb: float | None = None, quant: str = "none"):
+                 memory_gb: float | None = None, quant: str = "none", gpu_without_cuda: str = "refuse"):
         """dtype: model.dtype ("auto" or a name), resolved here for this actor's device; revision: with a Hub repo id
         as model_dir; tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
         expertmesh_expert_seconds (and the tier counters) through Ray's metrics API; memory_gb: device budget for
-        this actor's expert weights (None: every shard resident); quant: experts.quant ("none", "int8", "int4")."""
+        this actor's expert weights (None: every shard resident); quant: experts.quant ("none", "int8", "int4");
+        gpu_without_cuda: devices.gpu_without_cuda, what to do when Ray gave a GPU that torch cannot see."""
         self.name = name
         self.generation = generation  # 0 for the first actor of this name; +1 each time it is restored
         self.started = time.time()
@@ -53,8 +55,9 @@ class ExpertActor:
         self.threads = max(1, int(cpus))
         torch.set_num_threads(self.threads)
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-        # Ray sets CUDA_VISIBLE_DEVICES to the GPU it assigned, so cuda:0 is that GPU.
-        self.device = torch.device("cuda:0" if self.gpu_ids and torch.cuda.is_available() else "cpu")
+        # cuda:0 is the GPU Ray assigned; given one that torch cannot see, refuse (one line) before reading a byte,
+        # rather than compute on the CPU unnoticed - unless devices.gpu_without_cuda says cpu.
+        self.device = local_device(f"expert actor {name}", gpus_given(self.gpu_ids), gpu_without_cuda)
         # A folder, or a Hub repo id of which this node fetches only the files holding these shards.
         reader = open_checkpoint(model_dir, revision, shard_tensors(shards))
         self.act = activation(reader.config.hidden_act)

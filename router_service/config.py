@@ -9,6 +9,7 @@ dispatch.py, batching in batching.py, the controller in cluster/controller_confi
     ray:            embedded Ray or the address of a cluster to join
     experts:        the expert pool: replicas, CPU share, start timeout, planned placement file
     router:         transport, overlap, capacity factor, threads, replicas (Serve), continuous batching
+    devices:        what a process Ray gave GPUs does when torch sees no CUDA (refuse, or compute on the CPU)
     failover:       retries, breakers' timeouts, the no-replica policy
     controller:     restores, intervals, elasticity (rebalancing, autoscaling)
     observability:  load window, metrics
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster.controller_config import ControllerConfig
+from ..experts.devices import DevicesConfig
 from ..experts.dtypes import DTYPE_CHOICES
 from ..experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ..experts.errors import ConfigError
@@ -46,8 +48,8 @@ from .prefetch import PREFETCH_SETTINGS
 from .server_checks import check_can_listen, check_tls_pair
 from .transports.base import TRANSPORT_SETTINGS
 
-__all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "ServerConfig",
-           "ConfigError", "DTYPES"]
+__all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "DevicesConfig",
+           "ServerConfig", "ConfigError", "DTYPES"]
 
 DTYPES = DTYPE_CHOICES  # "auto", "bfloat16", "float16", "float32" (experts/dtypes.py resolves "auto")
 MAX_MESSAGE_BYTES = 1 << 30  # gRPC's limits are 32-bit; Serve's hop adds its own overhead to a request
@@ -319,6 +321,7 @@ class MeshConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)  # README: Data types and devices
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)

@@ -20,6 +20,8 @@ from ..cluster.naming import NAMESPACE, expert_actor_name
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import clear_table
 from ..experts.config import MoEModelConfig
+from ..experts.devices import REFUSAL_FIELD, find_refusal
+from ..experts.errors import ConfigError
 from ..experts.weights import Shard
 
 # Above this many experts per layer the default pool is one actor per device (GPU, or node on a CPU-only cluster)
@@ -145,7 +147,13 @@ class ExpertPool:
                                    timeout=max(0.0, deadline - time.monotonic()))
                 for ref in done:
                     pending.pop(ref)
-                    ray.get(ref)  # raises the actor's own error
+                    try:
+                        ray.get(ref)  # raises the actor's own error
+                    except ray.exceptions.RayError as exc:
+                        # An actor given a GPU torch cannot see: its one line, not Ray's traceback around it.
+                        if (line := find_refusal(str(exc))) is not None:
+                            raise ConfigError(REFUSAL_FIELD, line) from None
+                        raise
                     bar.update(1)
                 if pending and time.monotonic() >= deadline:
                     raise TimeoutError(

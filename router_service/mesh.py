@@ -22,7 +22,8 @@ class ExpertMesh:
     def __init__(self, config: MeshConfig | None = None):
         self.config = config or MeshConfig()
         self.router: Router | None = None
-        self.runtime: MeshRuntime = start_mesh(self.config)
+        # The router runs here, not as a Serve replica: no GPU is kept for router replicas.
+        self.runtime: MeshRuntime = start_mesh(self.config, serve_routers=False)
         try:
             self.router = Router(self.runtime.spec, self.runtime.pool.actors, self.config, reader=self.runtime.reader)
         except BaseException:

@@ -56,7 +56,8 @@ def planned_layout(cfg: MoEModelConfig, nodes: list[NodeResources], elastic: Ela
         t, have = placement.topology, devices.topology
         if (t.nodes, t.gpus_per_node) != (have.nodes, have.gpus_per_node):
             raise RequestError("placement", f"planned for {t.nodes} nodes x {t.gpus_per_node} GPUs, the cluster has "
-                                            f"{have.nodes} x {have.gpus_per_node}")
+                                            f"{have.nodes} x {have.gpus_per_node} for experts (GPUs kept for router "
+                                            f"replicas not counted)")
         if (placement.layers, placement.experts) != (layers, cfg.num_experts):
             raise RequestError("placement", f"planned for {placement.layers} MoE layers x {placement.experts} "
                                             f"experts, the model has {layers} x {cfg.num_experts}")
@@ -81,18 +82,18 @@ def default_layout(cfg: MoEModelConfig, replicas_per_expert: int, nodes: list[No
 
 
 def pool_layout(cfg: MoEModelConfig, replicas_per_expert: int, num_cpus_per_actor: float | None,
-                placement_path: str | None, elastic: ElasticConfig | None, layout: str = "auto"
-                ) -> tuple[dict[str, list[Shard]], list[ActorSlot] | None]:
+                placement_path: str | None, elastic: ElasticConfig | None, layout: str = "auto",
+                nodes: list[NodeResources] | None = None) -> tuple[dict[str, list[Shard]], list[ActorSlot] | None]:
     """The pool to start: a planned one (one actor per GPU) when a placement file or elasticity is given, else the
-    default grouping (`layout`, see default_layout): one actor per logical expert (slots None: ExpertPool spreads
-    it over the cluster), or one actor per GPU (per node without GPUs) hosting a slice of every layer's experts
-    (expert_pool.device_actor_groups)."""
+    default grouping (`layout`, see default_layout): one actor per logical expert (slots None: spread over the
+    nodes by the caller), or one actor per GPU (per node without GPUs) hosting a slice of every layer's experts
+    (expert_pool.device_actor_groups). nodes: what the pool may use (start-up passes the cluster less the GPUs and
+    CPUs kept for router replicas, cluster/router_gpus.py); None: the whole cluster."""
+    nodes = cluster_nodes() if nodes is None else nodes
     if placement_path is None and elastic is None:
-        nodes = cluster_nodes()
         if default_layout(cfg, replicas_per_expert, nodes, layout) == "per-expert":
             return default_actor_groups(cfg, replicas_per_expert), None
         groups = device_actor_groups(cfg, replicas_per_expert, cluster_device_count(nodes))
         return groups, device_actor_slots(list(groups), nodes, num_cpus_per_actor)
     placement = load_placement(placement_path) if placement_path else None
-    return planned_layout(cfg, cluster_nodes(), elastic or ElasticConfig(num_cpus_per_actor=num_cpus_per_actor),
-                          placement)
+    return planned_layout(cfg, nodes, elastic or ElasticConfig(num_cpus_per_actor=num_cpus_per_actor), placement)

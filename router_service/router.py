@@ -7,6 +7,7 @@ The Serve deployment and the in-process `ExpertMesh` both wrap this class.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import ray
@@ -16,6 +17,7 @@ from ..cluster.naming import NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
+from ..experts.devices import compute_device, gpus_given
 from ..experts.dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
 from ..experts.kv_cache import blocks_for, settings_for
 from ..experts.model_source import dense_tensors, open_checkpoint
@@ -37,10 +39,28 @@ __all__ = ["Router", "Generation", "RequestError", "router_device"]
 log = logging.getLogger(__name__)
 
 
-def router_device(gpus: float, cuda_available: bool) -> torch.device:
-    """Where a router computes: cuda:0 when it asked for GPUs (router.gpus) and sees one (in a Serve replica Ray
-    sets CUDA_VISIBLE_DEVICES to what it assigned, so cuda:0 is that GPU), else the CPU."""
-    return torch.device("cuda:0" if gpus > 0 and cuda_available else "cpu")
+def router_device(gpus: float, cuda_available: bool, policy: str = "refuse", gpu_ids: list | None = None
+                  ) -> torch.device:
+    """Where a router computes: the CPU when it asked for no GPU (router.gpus 0); cuda:0 when it did and sees one
+    (in a Serve replica Ray sets CUDA_VISIBLE_DEVICES to what it assigned, so cuda:0 is that GPU). Asked for one but
+    torch sees no CUDA: ConfigError naming devices.gpu_without_cuda (one line, experts/devices.py), or the CPU when
+    policy is "cpu". gpu_ids: what Ray gave a Serve replica (an in-process router is given none, it only asks)."""
+    if gpus <= 0:
+        return torch.device("cpu")
+    given = gpus_given(gpu_ids or []) or f"asks for router.gpus {gpus:g}"
+    who = "router replica" if gpu_ids else "router"
+    if not cuda_available and policy == "cpu":
+        log.warning("%s %s, but torch sees no CUDA: computing on the CPU (devices.gpu_without_cuda: cpu)", who, given)
+    return torch.device(compute_device(who, given, cuda_available, policy, torch.__version__, torch.version.cuda,
+                                       os.environ.get("CUDA_VISIBLE_DEVICES")))
+
+
+def _ray_gpu_ids() -> list:
+    """The GPUs Ray assigned this process when it is an actor (a Serve replica); none for a driver."""
+    try:
+        return list(ray.get_gpu_ids()) if ray.get_runtime_context().get_actor_id() is not None else []
+    except Exception:  # noqa: BLE001 - Ray not initialised: an in-process router without a cluster
+        return []
 
 
 @dataclass
@@ -57,6 +77,9 @@ class Router:
         """spec/actors: the running expert pool; config: the mesh's settings (router, failover, observability and
         tracing sections are read here); router_id: names this router in load reports (a Serve replica's id)."""
         self.spec = spec
+        # First: a replica Ray gave a GPU that torch cannot see refuses before it reads or connects anything.
+        self.device = router_device(config.router.gpus, torch.cuda.is_available(), config.devices.gpu_without_cuda,
+                                    _ray_gpu_ids())
         self.reader = reader or open_checkpoint(spec.model_dir, spec.revision, dense_tensors)
         self.model_config = self.reader.config
         self.tokenizer = load_tokenizer(self.reader.model_dir)
@@ -66,8 +89,7 @@ class Router:
         self.transport = make_transport(self.transport_name, dict(actors))
         self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport,
                                      config.failover, reviver=NameReviver(self.transport, NAMESPACE))
-        # Dense weights, KV cache and sampling live on this device; only rows for expert actors leave it.
-        self.device = router_device(settings.gpus, torch.cuda.is_available())
+        # Dense weights, KV cache and sampling live on self.device; only rows for expert actors leave it.
         self.dtype_name = resolve_dtype(spec.dtype, read_checkpoint_dtype(self.reader.model_dir),
                                         self.device.type == "cuda")
         if settings.threads is not None:

@@ -21,6 +21,9 @@ from ray import serve
 from ..cluster.controller import start_controller
 from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.pool_spec import PoolSpec
+from ..cluster.router_gpus import RouterReservation
+from ..experts.devices import REFUSAL_FIELD, find_refusal
+from ..experts.errors import ConfigError
 from .config import MeshConfig
 from .deployment import RouterDeployment, router_options
 from .grpc_front import start_front
@@ -38,8 +41,14 @@ async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
     server = http_runner = None
     try:
         serve.start(proxy_location="Disabled")
-        handle = serve.run(RouterDeployment.options(**router_options(config)).bind(
-            config.to_dict(), asdict(runtime.spec)), name=APP_NAME, route_prefix=None, blocking=False)
+        try:
+            handle = serve.run(RouterDeployment.options(**router_options(config)).bind(
+                config.to_dict(), asdict(runtime.spec)), name=APP_NAME, route_prefix=None, blocking=False)
+        except Exception as exc:
+            # A router replica given a GPU torch cannot see: its one line, not Serve's traceback around it.
+            if (line := router_refusal(exc, APP_NAME)) is not None:
+                raise ConfigError(REFUSAL_FIELD, line) from None
+            raise
         server, port = await start_front(handle, config.server)
         scheme = "tls" if config.server.tls_cert else "plaintext"
         if config.server.http_port is not None:
@@ -55,7 +64,8 @@ async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        supervisor = (loop.create_task(_supervise_controller(runtime.spec, runtime.pool.slots, config))
+        supervisor = (loop.create_task(_supervise_controller(runtime.spec, runtime.pool.slots, config,
+                                                             runtime.reservation))
                       if config.controller.enabled else None)
         await stop.wait()
         if supervisor is not None:
@@ -74,7 +84,21 @@ async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
         runtime.stop()
 
 
-async def _supervise_controller(spec: PoolSpec, slots, config: MeshConfig, every_s: float = 2.0) -> None:
+def router_refusal(exc: BaseException, app: str) -> str | None:
+    """The refusal line of a router replica (experts/devices.py) behind a failed `serve.run`: Serve's exception only
+    says the deployment failed; the replica's error is in the deployment's status message."""
+    texts = [str(exc)]
+    try:
+        status = serve.status().applications.get(app)
+        if status is not None:
+            texts += [status.message, *(d.message for d in status.deployments.values())]
+    except Exception:  # noqa: BLE001 - no Serve status to read: only the exception's own text
+        log.debug("serve.status failed", exc_info=True)
+    return next((line for text in texts if (line := find_refusal(text or "")) is not None), None)
+
+
+async def _supervise_controller(spec: PoolSpec, slots, config: MeshConfig, reservation: RouterReservation,
+                                every_s: float = 2.0) -> None:
     """Keep the controller running: Ray restarts it after a crash or node loss (max_restarts=-1), and this loop
     recreates it if it was killed outright, then (re)starts its watch. Its own record in the GCS KV store means a
     new incarnation carries on with the same epoch and placement."""
@@ -87,7 +111,8 @@ async def _supervise_controller(spec: PoolSpec, slots, config: MeshConfig, every
             log.warning("controller is gone; starting a new one")
             try:
                 await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: start_controller(spec, slots, config.controller, fresh=False))
+                    None, lambda: start_controller(spec, slots, config.controller, fresh=False,
+                                                   reservation=reservation))
             except Exception:  # e.g. the replacement was killed while starting: try again next round
                 log.warning("could not start a controller; will retry", exc_info=True)
         except Exception:

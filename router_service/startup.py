@@ -20,6 +20,7 @@ import ray
 from ..cluster.controller import start_controller
 from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.pool_spec import PoolSpec
+from ..cluster.router_gpus import NO_RESERVATION, RouterReservation, expert_nodes
 from ..cluster.table_store import read_table
 from ..experts.checkpoint import CheckpointReader
 from ..experts.hub_token import publish_hub_token
@@ -27,8 +28,8 @@ from ..experts.model_source import dense_tensors, open_checkpoint
 from ..experts.transport_secret import transport_secret
 from ..experts.weights import check_checkpoint
 from .config import MeshConfig, RayConfig
-from .expert_pool import ExpertPool
-from .gpu_fit import fit_gpu_memory
+from .expert_pool import ExpertPool, cluster_nodes
+from .gpu_fit import fit_gpu_memory, keep_router_gpus
 from .pool_layout import pool_layout
 from .ray_join import prepare_join
 
@@ -87,6 +88,9 @@ class MeshRuntime:
     spec: PoolSpec | None = None  # the expert actors: name -> shards, model, dtype (what routers connect to)
     pool: ExpertPool | None = None
     controller: ray.actor.ActorHandle | None = None
+    # The GPUs and CPUs the expert pool left to Serve router replicas (cluster/router_gpus.py); the controller
+    # plans around it too.
+    reservation: RouterReservation = NO_RESERVATION
 
     def stop(self, keep_ray: bool = False) -> None:
         """Controller, then the actors a live remap added (the pool did not start those), then the pool, then Ray
@@ -105,11 +109,14 @@ class MeshRuntime:
             self.owns_ray = False
 
 
-def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) -> MeshRuntime:
+def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False,
+               serve_routers: bool = True) -> MeshRuntime:
     """Validate `config`, check the checkpoint (naming file and key) before anything starts, connect Ray, start the
     expert pool (default layout, placement file or elastic layout) and, unless config.controller.enabled is False,
     the controller. detached/reuse: for a Serve-config deployment, whose builder process exits (actors and
-    controller outlive it; a redeploy adopts the running ones)."""
+    controller outlive it; a redeploy adopts the running ones). serve_routers: Serve router replicas will be
+    deployed after this, so the pool leaves them the GPUs router.gpus asks for (False for ExpertMesh, whose router
+    runs in the calling process and is not placed by Ray)."""
     config.validate()
     # Of a Hub repo this process fetches config, tokenizer, index and the safetensors headers (the dense tensors only
     # if it routes itself, ExpertMesh); each node fetches the bytes of its own processes' tensors.
@@ -121,11 +128,14 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
         transport_secret()  # the expert transport's cluster secret exists before any actor or router needs it
         publish_hub_token()  # this driver's HF_TOKEN, for nodes started without one (gated repos)
         elastic = config.controller.elastic
+        nodes = cluster_nodes()
+        # Whole GPUs (and CPUs) for the router replicas that must place at start; the pool plans onto the rest.
+        reservation = keep_router_gpus(config, nodes) if serve_routers else NO_RESERVATION
         groups, slots = pool_layout(reader.config, config.experts.replicas_per_expert,
                                     config.experts.num_cpus_per_actor, config.experts.placement, elastic,
-                                    config.experts.layout)
+                                    config.experts.layout, nodes=expert_nodes(nodes, reservation))
         # On GPU nodes: the pool fits by bytes, or the autoscaler adds GPUs, or one line says what is missing.
-        slots = fit_gpu_memory(config, reader, groups, slots)
+        slots, runtime.reservation = fit_gpu_memory(config, reader, groups, slots, reservation)
         tracing = config.tracing
         runtime.spec = PoolSpec(config.model.source, config.model.dtype, groups,
                                 tracing=tracing.as_dict() if tracing.enabled else None,
@@ -133,12 +143,12 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False) 
                                 # too, reads the same weights even if the branch moves (and finds its node's cache
                                 # without asking the Hub)
                                 revision=reader.commit or config.model.revision, memory_gb=config.experts.memory_gb,
-                                quant=config.experts.quant)
+                                quant=config.experts.quant, gpu_without_cuda=config.devices.gpu_without_cuda)
         runtime.pool = ExpertPool(runtime.spec, config.experts.num_cpus_per_actor, config.experts.start_timeout_s,
                                   detached=detached, reuse=reuse, slots=slots)
         if config.controller.enabled:
             runtime.controller = start_controller(runtime.spec, runtime.pool.slots, config.controller,
-                                                  fresh=not reuse)
+                                                  fresh=not reuse, reservation=runtime.reservation)
     except BaseException:
         runtime.stop()
         raise

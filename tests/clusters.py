@@ -9,6 +9,14 @@ import ray
 from ray.cluster_utils import Cluster
 
 from expertmesh.cluster.naming import NAMESPACE
+from expertmesh.experts.devices import DevicesConfig
+
+# The nodes' GPUs are declared, not real, and this box's torch sees no CUDA: an expert actor or router replica Ray
+# gives one of them refuses to start unless told to compute on the CPU (README: Data types and devices). Every test
+# that runs actors or routers on such nodes says so with one of these.
+FAKE_GPUS = {"gpu_without_cuda": "cpu"}  # the `devices` section of a MeshConfig tree
+FAKE_GPU_DEVICES = DevicesConfig(**FAKE_GPUS)
+FAKE_GPU_FLAGS = ("--gpu-without-cuda", "cpu")  # the same for `expertmesh serve`
 
 
 @contextmanager

@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
                           "cache, against transformers with a static cache (ops/bench_context.py)")
     dispatch.add_argument("--streams", type=int, default=8, help="with --context: sequences decoding together")
     # The mesh's settings (transport, overlap, failover, ...); the benchmark supplies its own checkpoint.
-    add_mesh_flags(dispatch, ("ray", "experts", "router", "failover", "controller", "tracing"), extra=("model.dtype",))
+    add_mesh_flags(dispatch, ("ray", "experts", "router", "devices", "failover", "controller", "tracing"),
+                   extra=("model.dtype",))
     _output_flags(dispatch)
     overhead = bench_sub.add_parser("dispatch-overhead",
                                     help="the router's own per-layer cost (plan, marshal, combine), before/after")

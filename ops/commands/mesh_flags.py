@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...experts.devices import GPU_WITHOUT_CUDA
 from ...experts.errors import ConfigError
 from ...router_service.config import DTYPES, EXPERT_LAYOUTS, MeshConfig
 from ...router_service.config_tree import replace_path
@@ -91,6 +92,9 @@ FLAGS: tuple[Flag, ...] = (
          "the KV cache takes what keeps the router within this fraction of the GPU's memory after its weights",
          {"type": float}),
     Flag("--kv-block-size", "router.kv_block_size", "router", "tokens per KV-cache block", {"type": int}),
+    Flag("--gpu-without-cuda", "devices.gpu_without_cuda", "devices", "an expert actor or router replica that "
+         "Ray gave a GPU while torch sees no CUDA: refuse to start with one line, or compute on the CPU anyway "
+         "(README: Data types and devices)", {"choices": GPU_WITHOUT_CUDA}),
     Flag("--router-replicas", "router.replicas", "serve", "Serve replicas of the router", {"type": int}),
     Flag("--router-autoscale", "router.autoscale", "serve", "autoscale router replicas",
          {"type": _autoscale_range, "metavar": "MIN:MAX"}),
@@ -164,9 +168,9 @@ FLAGS: tuple[Flag, ...] = (
 )
 GROUPS = tuple(dict.fromkeys(f.group for f in FLAGS))
 # What runs in a process of its own without Serve (generate/score --local, bench dispatch).
-IN_PROCESS_GROUPS = ("model", "ray", "experts", "router", "failover", "controller", "tracing")
+IN_PROCESS_GROUPS = ("model", "ray", "experts", "router", "devices", "failover", "controller", "tracing")
 # A drill's own server: everything but where Ray and the front are (the drill decides those).
-DRILLED_SERVER_GROUPS = ("model", "experts", "router", "serve", "failover", "controller", "tracing")
+DRILLED_SERVER_GROUPS = ("model", "experts", "router", "devices", "serve", "failover", "controller", "tracing")
 _AUTOSCALE = "controller.elastic.autoscale."  # autoscale is a dict section (AutoscaleConfig's fields)
 
 

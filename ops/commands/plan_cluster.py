@@ -28,7 +28,12 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu-memory-gb", type=float, help="override the GPU's memory (GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of each GPU to use")
     p.add_argument("--replicas", type=int, default=1, help="replicas of every expert")
-    p.add_argument("--routers", type=int, default=1, help="router replicas (one GPU each)")
+    p.add_argument("--routers", type=int, default=1, help="router replicas placed at start (serve's "
+                   "--router-replicas, or the minimum of --router-autoscale)")
+    p.add_argument("--router-gpus", type=float, default=1.0, help="GPUs per router replica (serve's --router-gpus; "
+                   "fractions pack onto whole GPUs kept for routers; 0: routers on the CPU)")
+    p.add_argument("--router-node-type", choices=sorted(NODE_TYPES), help="routers on nodes of this type of their "
+                   "own (as cluster/configs' g6e.xlarge / g2-standard-12); default: on the expert nodes' type")
     p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache per router (GiB)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -46,11 +51,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         names = args.node_type or sorted(NODE_TYPES)
         targets = [(name, *NODE_TYPES[name]) for name in names]
+    router_node = (args.router_node_type, *NODE_TYPES[args.router_node_type]) if args.router_node_type else None
     rows = []
     for name, gpu, per_node in targets:
         try:
             fit = plan_fit(mem, gpu, per_node, args.replicas, args.routers, args.gpu_memory_utilization,
-                           args.kv_cache_gb, args.gpu_memory_gb)
+                           args.kv_cache_gb, args.gpu_memory_gb, router_gpus=args.router_gpus,
+                           router_node=router_node)
             rows.append({"node_type": name, **fit.as_dict()})
         except ValueError as exc:
             rows.append({"node_type": name, "gpu_type": gpu, "error": str(exc)})
@@ -68,18 +75,21 @@ def run(args: argparse.Namespace) -> int:
           f"dense {summary['dense_gib']:.1f} GiB + experts {summary['experts_gib']:.1f} GiB ({mem.moe_layers} MoE "
           f"layers x {mem.experts} experts x {summary['shard_mib']:.1f} MiB); KV cache "
           f"{summary['kv_kib_per_token']:.0f} KiB/token; {args.replicas} replica(s) per expert, {args.routers} "
-          f"router(s)", file=out)
-    header = f"{'node type':<22}{'GPU':>12}{'GiB':>7}{'slots':>7}{'expert GPUs':>13}{'nodes':>7}" \
-             f"{'GiB/expert GPU':>16}{'router GiB':>12}  remap room"
+          f"router replica(s) x {args.router_gpus:g} GPU"
+          f"{f' on {args.router_node_type}' if args.router_node_type else ''}", file=out)
+    header = f"{'node type':<22}{'GPU':>12}{'GiB':>7}{'slots':>7}{'expert GPUs':>13}{'router GPUs':>13}" \
+             f"{'nodes':>7}{'GiB/expert GPU':>16}{'router GiB':>12}  remap room"
     print(header, file=out)
     for row in rows:
         if "error" in row:
             print(f"{row['node_type']:<22}{row['gpu_type']:>12}  does not fit: {row['error']}", file=out)
             continue
         print(f"{row['node_type']:<22}{row['gpus_per_node']:>4} x {row['gpu_type']:<7}{row['gpu_memory_gib']:>7.1f}"
-              f"{row['slots_per_gpu']:>7}{row['expert_gpus']:>13}{row['nodes']:>7}{row['expert_gib_per_gpu']:>16.1f}"
-              f"{row['router_gib']:>12.1f}  {'yes' if row['transition_room'] else 'no'}"
-              f"{'' if row['router_fits'] else '  (router does not fit one GPU)'}", file=out)
+              f"{row['slots_per_gpu']:>7}{row['expert_gpus']:>13}{row['router_gpus']:>13}{row['nodes']:>7}"
+              f"{row['expert_gib_per_gpu']:>16.1f}{row['router_gib']:>12.1f}  "
+              f"{'yes' if row['transition_room'] else 'no'}"
+              f"{'' if row['router_fits'] else '  (router does not fit its GPU share)'}", file=out)
+        print(f"{'':<22}  {row['layout']}", file=out)
     _print_disk(disk, rows, out)
     return 0
 

@@ -21,7 +21,7 @@ from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.router_service.config import RayConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability_config import ObservabilityConfig
-from tests.clusters import cluster_with_gpus
+from tests.clusters import FAKE_GPU_DEVICES, cluster_with_gpus
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import (
     MAX_TOKENS,
@@ -59,6 +59,7 @@ def test_scale_out_onto_a_requested_node_and_back_in(small_cluster):
         autoscale={"target_load_per_replica": 60.0, "max_gpus": 4, "base_gpus": 2, "downscale_delay_s": 4.0})
     mesh = ExpertMesh(MeshConfig(
         ray=RayConfig(address=small_cluster.address), controller=ControllerConfig(elastic=elastic),
+        devices=FAKE_GPU_DEVICES,
         observability=ObservabilityConfig(load=LoadStatsConfig(window_s=6.0, bucket_s=1.0), report_interval_s=1.0)))
     try:
         assert sorted(mesh.router.table.actors) == ["expert-g0-v0", "expert-g1-v0"]  # 2 GPUs x 4 slots: full

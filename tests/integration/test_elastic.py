@@ -19,7 +19,7 @@ from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.router_service.config import RayConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability_config import ObservabilityConfig
-from tests.clusters import cluster_with_gpus
+from tests.clusters import FAKE_GPU_DEVICES, cluster_with_gpus
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import MAX_TOKENS, NonStopClient, code_prompts, control_log, mesh_sender, wait_for
 
@@ -42,6 +42,7 @@ def test_skewed_traffic_rebalances_live_within_target(gpu_cluster):
                             min_window_tokens=900, extra_replica_fraction=0.25)
     mesh = ExpertMesh(MeshConfig(
         ray=RayConfig(address=gpu_cluster.address), controller=ControllerConfig(elastic=elastic),
+        devices=FAKE_GPU_DEVICES,
         observability=ObservabilityConfig(load=LoadStatsConfig(window_s=60.0, bucket_s=1.0), report_interval_s=1.0)))
     try:
         start = dict(mesh.router.table.actors)

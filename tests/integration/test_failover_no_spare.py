@@ -18,6 +18,7 @@ from ray.cluster_utils import Cluster
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
+from tests.clusters import FAKE_GPUS
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import MAX_TOKENS, NonStopClient, controller_state, mesh_sender, wait_for
 
@@ -58,7 +59,7 @@ def test_node_lost_without_spare_capacity_is_served_by_a_stand_in_then_moves_bac
         "model": {"path": str(checkpoints["mixtral"])},
         "experts": {"replicas_per_expert": 1, "num_cpus_per_actor": 1.0, "layout": "per-expert"},
         # Long enough to ride out starting a stand-in on a loaded machine: a step holds the lost shards' tokens.
-        "failover": {"no_replica_policy": "wait", "wait_timeout_s": 240.0}})
+        "failover": {"no_replica_policy": "wait", "wait_timeout_s": 240.0}, "devices": FAKE_GPUS})
     expected = greedy_tokens(load_reference_model(checkpoints["mixtral"]), PROMPT, MAX_TOKENS)
     with ExpertMesh(config) as mesh:
         slots = {s.name: s for s in mesh.slots}

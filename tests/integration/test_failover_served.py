@@ -21,6 +21,7 @@ from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.router_service.admin_auth import admin_metadata
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
+from tests.clusters import FAKE_GPUS
 from tests.served import generate_ids, router_replicas, server_on_own_ray
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import NonStopClient, StreamsInFlight, wait_for
@@ -62,7 +63,8 @@ def gpu_cluster():
 def test_node_lost_output_unchanged_and_replicas_restored_elsewhere(gpu_cluster, checkpoints, expected):
     cluster, workers = gpu_cluster
     experts = {"replicas_per_expert": 2, "layout": "per-expert"}
-    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])}, "experts": experts})) as mesh:
+    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(checkpoints["mixtral"])}, "experts": experts,
+                                          "devices": FAKE_GPUS})) as mesh:
         slots = {s.name: s for s in mesh.slots}
         for expert in range(4):  # replicas of one expert on different nodes, both workers
             nodes = {slots[f"expert-e{expert}-r{r}"].node_id for r in range(2)}

@@ -15,7 +15,7 @@ from expertmesh.experts.errors import ConfigError
 from expertmesh.router_service.config import MeshConfig
 from expertmesh.router_service.gpu_fit import AUTOSCALER_STATUS_KEY
 from expertmesh.router_service.mesh import ExpertMesh
-from tests.clusters import cluster_with_gpus
+from tests.clusters import FAKE_GPUS, cluster_with_gpus
 from tests.traffic import wait_for
 
 # The tiny Mixtral: 4 experts x 2 layers x (3 x 32 x 48) fp32 = 36,864 bytes per expert actor. A "GPU" whose usable
@@ -36,6 +36,7 @@ def _config(cluster, checkpoint, gpu_gb: float, wait_s: float = 0.0) -> MeshConf
         "model.path": str(checkpoint), "ray.address": cluster.address, "experts.num_cpus_per_actor": 0.1,
         "experts.layout": "per-expert",
         "experts.gpu_memory_gb": gpu_gb, "experts.gpu_wait_s": wait_s, "controller.enabled": False,
+        "devices.gpu_without_cuda": FAKE_GPUS["gpu_without_cuda"],
     })
 
 

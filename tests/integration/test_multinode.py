@@ -9,6 +9,7 @@ from ray.cluster_utils import Cluster
 
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
+from tests.clusters import FAKE_GPUS
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def test_actors_land_where_the_placement_says_and_hold_gpus(gpu_cluster, checkpo
     want = load_reference_model(path).forward([torch.tensor(ids)])[0]
     with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(path)},
                                           "experts": {"replicas_per_expert": 2, "layout": "per-expert"},
-                                          "controller": {"enabled": False}})) as mesh:
+                                          "controller": {"enabled": False}, "devices": FAKE_GPUS})) as mesh:
         infos = {i["name"]: i for i in mesh.actor_info()}
         slots = {s.name: s for s in mesh.slots}
         got = mesh.score(ids)

@@ -21,6 +21,7 @@ from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
+from tests.clusters import FAKE_GPU_FLAGS
 from tests.served import start_server
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import MAX_TOKENS, code_prompts
@@ -63,7 +64,7 @@ def cluster_state(chan) -> admin_pb2.ClusterState:
 
 def test_served_elastic_rebalances_without_failing_a_request(gpu_cluster, prompts_and_expected):
     prompts, expected = prompts_and_expected
-    server = start_server("--address", gpu_cluster.address, "--elastic", "--slots-per-gpu", "5",
+    server = start_server(*FAKE_GPU_FLAGS, "--address", gpu_cluster.address, "--elastic", "--slots-per-gpu", "5",
                           "--control-interval", "2")
     try:
         with grpc.insecure_channel(server.target) as chan:
@@ -131,7 +132,7 @@ def test_plan_then_serve_from_the_placement(gpu_cluster, prompts_and_expected, t
     hosted = sum(len(g) for g in doc["gpus"])
     assert hosted > 4 * 8  # hot experts got a replica on the other GPU
 
-    server = start_server("--address", gpu_cluster.address, "--placement", str(placement))
+    server = start_server(*FAKE_GPU_FLAGS, "--address", gpu_cluster.address, "--placement", str(placement))
     try:
         with grpc.insecure_channel(server.target) as chan:
             stub = inference_pb2_grpc.InferenceStub(chan)

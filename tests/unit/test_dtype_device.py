@@ -124,8 +124,19 @@ def test_replica_threads_default_to_the_cpus_it_was_given():
 
 def test_router_device():
     assert router_device(0.0, True) == torch.device("cpu")  # no GPU asked for: CPU even when one is visible
-    assert router_device(0.5, False) == torch.device("cpu")  # asked, but none visible
+    assert router_device(0.0, False) == torch.device("cpu")
     assert router_device(0.5, True) == torch.device("cuda:0")
+    assert router_device(1.0, True, gpu_ids=[3]) == torch.device("cuda:0")  # cuda:0 is the GPU Ray assigned
+
+
+def test_a_router_given_a_gpu_torch_cannot_see_refuses_unless_told_to_use_the_cpu():
+    with pytest.raises(ConfigError) as err:
+        router_device(1.0, False, gpu_ids=[3])  # a Serve replica Ray gave GPU 3
+    assert err.value.field == "devices.gpu_without_cuda" and "\n" not in str(err.value)
+    assert err.value.message.startswith("router replica was given GPU 3 by Ray, but torch sees no CUDA")
+    with pytest.raises(ConfigError, match="router asks for router.gpus 0.5, but torch sees no CUDA"):
+        router_device(0.5, False)  # the in-process router asks; nobody gives
+    assert router_device(1.0, False, "cpu", gpu_ids=[3]) == torch.device("cpu")  # the escape hatch
 
 
 def _bf16_checkpoint(checkpoints, tmp_path):

@@ -51,6 +51,9 @@ def test_bytes_per_actor_replicas_and_the_line():
     line = shortfall_line(4, 2, GPU, [(("n1abcdefghijklmn", 0), 24 * GIB, 19 * GIB)])
     assert line.startswith("the expert actors need 4 GPUs of 24 GiB by memory, the cluster has 2: 2 missing")
     assert "GPU 0 of node n1abcdefghij would hold 24.0 GiB of 19.0 usable" in line
+    kept = shortfall_line(8, 7, GPU, [], kept_for_routers=1)  # the router's GPU is not the experts' to count
+    assert kept == ("the expert actors need 8 GPUs of 24 GiB by memory, the cluster has 7 besides the 1 kept for "
+                    "router replicas: 1 missing")
 
 
 def test_transition_room_needs_one_gpu_that_can_load_the_largest_actor_beside_its_own():

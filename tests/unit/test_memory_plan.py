@@ -4,6 +4,7 @@ the packing arithmetic (slots, replicas on distinct GPUs, transition headroom, r
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from safetensors import safe_open
@@ -66,3 +67,38 @@ def test_the_planner_s_topology_uses_the_same_accounting():
     live = Topology.from_memory(1, 8, gpu, shard, layers, utilization=0.9, reserve_bytes=2 * GIB, remap_headroom=True)
     assert live.slots_per_gpu == slots_per_gpu(gpu, shard, layers)[0] == 3  # (72 - 2 - 14.5) // 14.5
     assert Topology.from_memory(1, 8, gpu, shard, layers).slots_per_gpu == 5  # the whole GPU, no headroom
+
+
+def test_router_gpus_are_kept_apart_on_one_node_or_on_router_nodes():
+    # 5 slots per A100-40GB (see above); 8 experts x 2 replicas = 4 expert GPUs.
+    one = plan_fit(_mem(0.5), "A100-40GB", gpus_per_node=8, replicas=2, routers=1)
+    assert (one.expert_gpus, one.router_gpus, one.nodes, one.router_nodes) == (4, 1, 1, 0)
+    assert one.layout == ("1 node of 8 GPUs: 1 GPU kept for 1 router replica x 1 GPU (1 on node 1); experts on 4 "
+                          "of the other 7")
+    # Experts fill a node exactly: the router's GPU needs a second node, not a share of an expert GPU.
+    full = plan_fit(_mem(0.5), "A100-40GB", gpus_per_node=4, replicas=2, routers=1)
+    assert (full.expert_gpus, full.router_gpus, full.nodes) == (4, 1, 2)
+    assert missing_gpus_line(full, 4).startswith("the model needs 5 GPUs")
+    halves = plan_fit(_mem(0.5), "A100-40GB", gpus_per_node=8, replicas=2, routers=3, router_gpus=0.5)
+    assert halves.router_gpus == 2  # 2 + 1 replicas on two kept GPUs
+    cpu = plan_fit(_mem(0.5), "A100-40GB", gpus_per_node=4, replicas=2, routers=2, router_gpus=0.0)
+    assert (cpu.router_gpus, cpu.nodes) == (0, 1) and cpu.layout.startswith("1 node of 4 GPUs: routers on the CPU")
+    # aws-gpu.yaml's shape: routers on a 1 x L40S g6e.xlarge of their own, experts on g6e.12xlarge (4 x L40S).
+    aws = plan_fit(_mem(0.5), "L40S", gpus_per_node=4, replicas=2, routers=1, router_node=("aws:g6e.xlarge", "L40S", 1))
+    assert (aws.router_nodes, aws.router_gpus, aws.nodes) == (1, 1, 1 + math.ceil(aws.expert_gpus / 4))
+    assert aws.layout.startswith("router: 1 x aws:g6e.xlarge (1 GPU kept for 1 router replica x 1 GPU); experts: ")
+    two = plan_fit(_mem(0.5), "L40S", gpus_per_node=4, replicas=2, routers=2, router_node=("aws:g6e.xlarge", "L40S", 1))
+    assert two.router_nodes == 2
+    with pytest.raises(ValueError, match="does not fit a aws:g6e.xlarge"):
+        plan_fit(_mem(0.5), "L40S", gpus_per_node=4, router_gpus=2, router_node=("aws:g6e.xlarge", "L40S", 1))
+
+
+def test_plan_cluster_cli_shows_the_router_gpus_kept(checkpoints, capsys):
+    assert main(["plan-cluster", "--model", str(checkpoints["mixtral"]), "--node-type", "aws:p5.48xlarge"]) == 0
+    out = capsys.readouterr().out
+    assert "router GPUs" in out and "1 GPU kept for 1 router replica x 1 GPU (1 on node 1); experts on" in out
+    assert main(["plan-cluster", "--model", str(checkpoints["mixtral"]), "--node-type", "gcp:g2-standard-48",
+                 "--router-node-type", "gcp:g2-standard-12", "--replicas", "2", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["fits"][0]
+    assert (row["router_nodes"], row["router_gpus"], row["router_gpus_per_replica"]) == (1, 1, 1.0)
+    assert row["layout"].startswith("router: 1 x gcp:g2-standard-12 (1 GPU kept")

@@ -27,6 +27,7 @@ PURE_MODULES = (
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
     "expertmesh.experts.config_deepseek",
+    "expertmesh.experts.devices",  # where an actor/router computes; refusing a GPU torch cannot see
     "expertmesh.experts.dtypes",  # model.dtype resolution ("auto" against the checkpoint and the device)
     "expertmesh.experts.embedded_model",
     "expertmesh.experts.errors",
@@ -93,6 +94,7 @@ PURE_MODULES = (
     "expertmesh.cluster.placement_actors",
     "expertmesh.cluster.planner",
     "expertmesh.cluster.pool_spec",
+    "expertmesh.cluster.router_gpus",  # the GPUs kept for router replicas (start-up, controller, plan-cluster)
     "expertmesh.cluster.routing_table",
     "expertmesh.cluster.shard_placement",
     "expertmesh.cluster.shard_liveness",  # the last-live-replica guard and the health verdict
