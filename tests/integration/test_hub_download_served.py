@@ -32,7 +32,8 @@ LAYERS, EXPERTS, REPLICAS = 4, 4, 2
 PROMPT = [5, 17, 42, 9, 61, 3]
 MAX_TOKENS = 6
 
-pytestmark = pytest.mark.slow  # ~2-3 min on 2 cores: eight actors import torch
+# Not slow-marked: the only end-to-end test of range reads through real actors (~1-3 min on 2 cores: eight actors
+# import torch), so CI runs it.
 
 
 @pytest.fixture(scope="module")
