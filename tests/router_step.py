@@ -70,7 +70,9 @@ class StepSetup:
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     actor_device: str | None = None  # where the in-process actors compute (None: the router's device)
-    observe: bool = True  # load statistics per layer and step, as a real router keeps them (no metrics, no Ray)
+    # Load statistics per layer and step, as a real router keeps them (no metrics, no Ray calls). None: when the
+    # observer's module imports (it needs Ray and OpenTelemetry, which the GPU machine's image lacks).
+    observe: bool | None = None
 
 
 def build_router(model_dir: Path, device: torch.device | str, dtype: torch.dtype,
@@ -95,11 +97,15 @@ def build_router(model_dir: Path, device: torch.device | str, dtype: torch.dtype
     kv = (settings_for(device, setup.kv_cache_gb, setup.gpu_memory_utilization) if device.type == "cuda"
           else KVCacheSettings(max_tokens=4096))
     model = MoEDecoder(cfg, dense, backend, setup.capacity_factor, overlap=setup.overlap, kv_cache=kv)
-    if setup.observe:
-        from expertmesh.router_service.observability import RouterObserver
-
-        backend.observer = RouterObserver(cfg, backend, "router-step")
-        model.step_observer = backend.observer.on_step
+    if setup.observe is not False:
+        try:
+            from expertmesh.router_service.observability import RouterObserver
+        except ImportError:
+            if setup.observe:
+                raise
+        else:
+            backend.observer = RouterObserver(cfg, backend, "router-step")
+            model.step_observer = backend.observer.on_step
     return model, backend
 
 

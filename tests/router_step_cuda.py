@@ -6,7 +6,7 @@
 One line per check. For every family (tiny checkpoints written by transformers, as the CPU tests use): the router's
 decoder with its dense weights, paged KV pool, gates and sampling on cuda:0 in bf16 (and fp32), dispatching through
 `RemoteExperts` to in-process expert actors computing on the GPU, against the in-process reference on the CPU in
-fp32: logits within bf16 tolerance (fp32: 1e-4) and greedy tokens equal; served through the continuous batcher
+the same dtype: logits within bf16 tolerance (fp32: 1e-4) and greedy tokens equal; served through the continuous batcher
 (chunked prefill, seeded sampling at temperature > 0) twice with the same tokens, and a resumed stream equal to the
 uninterrupted one; the paged pool sized by --gpu-memory-utilization. The same scenarios run under the fake-CUDA
 double in CPU CI (tests/unit/test_router_step_fake_cuda.py).
@@ -54,11 +54,13 @@ def check_family(family: str, model_dir: Path, utilization: float, say) -> bool:
     from expertmesh.experts.reference import load_reference_model
 
     ok = True
-    reference = load_reference_model(model_dir)  # CPU, fp32
-    vocab = reference.cfg.vocab_size
-    want = prefill_then_decode(reference, prompts(vocab))
-    want_tokens = [x.argmax(-1) for x in want]
     for dtype, tol in ((torch.bfloat16, None), (torch.float32, 1e-4)):
+        # The in-process reference on the CPU in the same dtype: a bf16 router against an fp32 reference would
+        # measure bf16 itself (a near-tie in a tiny model's gate flips an expert and its logits), not the router.
+        reference = load_reference_model(model_dir, dtype=dtype)
+        vocab = reference.cfg.vocab_size
+        want = [x.float() for x in prefill_then_decode(reference, prompts(vocab))]
+        want_tokens = [x.argmax(-1) for x in want]
         started = time.perf_counter()
         model, backend = build_router(model_dir, "cuda", dtype, StepSetup(gpu_memory_utilization=utilization))
         got = prefill_then_decode(model, prompts(vocab))
