@@ -28,39 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class AutoscaleConfig:
-    target_load_per_replica: float  # load (same unit as ctx.load) one replica should carry over the window
-    max_gpus: int  # GPU budget for expert replicas
-    base_gpus: int  # GPUs the cluster has without asking Ray's autoscaler
-    slots_per_gpu: int = 1  # shards per GPU per layer
-    upscale_threshold: float = 1.2  # add replicas when load per replica > target x this
-    downscale_threshold: float = 0.6  # remove when the fewer replicas would each carry ≤ target x this
-    downscale_delay_s: float = 120.0  # a shard must stay cold this long before it loses a replica
-    min_replicas: int = 1
-    max_replicas_per_shard: int = 8
-
-    def validate(self) -> AutoscaleConfig:
-        if not self.target_load_per_replica > 0:
-            raise ValueError(f"target_load_per_replica: must be > 0, got {self.target_load_per_replica}")
-        for name in ("max_gpus", "base_gpus", "slots_per_gpu", "min_replicas", "max_replicas_per_shard"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be an integer ≥ 1, got {value!r}")
-        if self.base_gpus > self.max_gpus:
-            raise ValueError(f"base_gpus: {self.base_gpus} exceeds max_gpus {self.max_gpus}")
-        if self.max_replicas_per_shard < self.min_replicas:
-            raise ValueError(f"max_replicas_per_shard: {self.max_replicas_per_shard} < min_replicas "
-                             f"{self.min_replicas}")
-        if not self.upscale_threshold >= 1:
-            raise ValueError(f"upscale_threshold: must be ≥ 1, got {self.upscale_threshold}")
-        if not 0 < self.downscale_threshold < 1:
-            raise ValueError(f"downscale_threshold: must be in (0, 1) (below the target: hysteresis), got "
-                             f"{self.downscale_threshold}")
-        if not self.downscale_delay_s >= 0:
-            raise ValueError(f"downscale_delay_s: must be ≥ 0, got {self.downscale_delay_s}")
-        return self
+from .elastic_config import AutoscaleConfig  # noqa: F401  (re-exported; numpy-free there for the configuration)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .elastic import ElasticConfig
+from .elastic_config import ElasticConfig
 
 
 @dataclass(frozen=True)

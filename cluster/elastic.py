@@ -21,63 +21,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..experts.errors import ConfigError
 from .actor_slots import ActorSlot, NodeResources
-from .autoscale import AutoscaleConfig, AutoscaleContext, AutoscaleState, decide, initial_state
+from .autoscale import AutoscaleContext, AutoscaleState, decide, initial_state
+from .elastic_config import AutoscaleConfig, ElasticConfig  # noqa: F401  (re-exported; numpy-free there for the configuration)
 from .placement_actors import ActorPlan, Transition, topology_for_nodes, transition
 from .planner import plan
 from .routing_table import Shard
 from .shard_placement import Placement, Topology
-
-
-@dataclass(frozen=True)
-class ElasticConfig:
-    control_interval_s: float = 10.0
-    slots_per_gpu: int = 2  # shards per GPU per MoE layer (memory for expert weights, in shards)
-    rebalance_threshold: float = 1.15  # replan when a layer's max/mean GPU load exceeds this
-    extra_replica_fraction: float = 0.25  # without autoscale: replicas per layer beyond one per expert, x experts
-    min_window_tokens: float = 64.0  # act only on a window with at least this many routed slots per layer
-    gpu_fraction: float = 0.5  # of a GPU per actor: room for the next version beside it while it drains
-    num_cpus_per_actor: float | None = None  # None: share of the node's CPUs (see actor_slots)
-    # AutoscaleConfig fields (target_load_per_replica, max_gpus, base_gpus, ...); None: a fixed replica budget.
-    # Without base_gpus: the GPUs the cluster had at the first control step; without max_gpus: base_gpus.
-    autoscale: dict | None = None
-
-    def validate(self) -> ElasticConfig:
-        if not self.control_interval_s > 0:
-            raise ValueError(f"control_interval_s: must be > 0, got {self.control_interval_s}")
-        if not isinstance(self.slots_per_gpu, int) or self.slots_per_gpu < 1:
-            raise ValueError(f"slots_per_gpu: must be an integer ≥ 1, got {self.slots_per_gpu!r}")
-        if not self.rebalance_threshold >= 1:
-            raise ValueError(f"rebalance_threshold: must be ≥ 1, got {self.rebalance_threshold}")
-        if not 0 <= self.extra_replica_fraction <= 8:
-            raise ValueError(f"extra_replica_fraction: must be in [0, 8], got {self.extra_replica_fraction}")
-        if not self.min_window_tokens >= 0:
-            raise ValueError(f"min_window_tokens: must be ≥ 0, got {self.min_window_tokens}")
-        if not 0 < self.gpu_fraction <= 1:
-            raise ValueError(f"gpu_fraction: must be in (0, 1], got {self.gpu_fraction}")
-        if self.num_cpus_per_actor is not None and not self.num_cpus_per_actor > 0:
-            raise ValueError(f"num_cpus_per_actor: must be > 0, got {self.num_cpus_per_actor}")
-        if self.autoscale is not None:
-            try:
-                self.autoscale_config()
-            except ValueError as exc:  # name the autoscale field: "autoscale.max_gpus: ..."
-                head, sep, rest = str(exc).partition(": ")
-                if sep and head != "autoscale":
-                    raise ConfigError(f"autoscale.{head}", rest) from None
-                raise ConfigError("autoscale", rest if sep else str(exc)) from None
-        return self
-
-    def autoscale_config(self, cluster_gpus: int = 1) -> AutoscaleConfig:
-        """cluster_gpus: the GPUs the cluster had when elasticity started (the default base_gpus)."""
-        cfg = dict(self.autoscale or {})
-        cfg.setdefault("slots_per_gpu", self.slots_per_gpu)
-        cfg.setdefault("base_gpus", cluster_gpus)
-        cfg.setdefault("max_gpus", max(cfg["base_gpus"], 1))
-        try:
-            return AutoscaleConfig(**cfg).validate()
-        except TypeError as exc:
-            raise ValueError(f"autoscale: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -34,20 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .load_stats_config import LoadStatsConfig  # noqa: F401  (re-exported; torch-free there for the configuration)
+
 SNAPSHOT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class LoadStatsConfig:
-    window_s: float = 60.0  # the sliding window the counts cover
-    bucket_s: float = 5.0  # granularity: counts older than window_s drop out bucket by bucket
-
-    def validate(self) -> LoadStatsConfig:
-        if not self.bucket_s > 0:
-            raise ValueError(f"bucket_s: must be > 0, got {self.bucket_s}")
-        if not self.window_s >= self.bucket_s:
-            raise ValueError(f"window_s: must be ≥ bucket_s ({self.bucket_s}), got {self.window_s}")
-        return self
 
 
 # ---- pure metrics ------------------------------------------------------------------------------------------------

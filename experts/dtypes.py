@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
-DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+from .setting_choices import DTYPE_CHOICES, DTYPE_NAMES
 
 
 def checkpoint_dtype(raw_config: dict) -> str | None:

@@ -24,6 +24,7 @@ from .config import MoEModelConfig, load_model_config
 from .errors import CheckpointError
 from .hub_fetch import hub_error
 from .hub_token import download_token
+from .repo_ids import is_repo_id, source_problem  # noqa: F401  (re-exported: callers import them from here)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -31,7 +32,6 @@ SINGLE_FILE = "model.safetensors"
 OPTIONAL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                   "chat_template.jinja")
 METADATA_FILES = ("config.json", INDEX_FILE, *OPTIONAL_FILES)  # the whole files every process of a repo fetches
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9_.\-]+$")
 
 # Which tensors a process reads, from the model's config and the checkpoint's tensor names; None = all of them.
 TensorSelector = Callable[[MoEModelConfig, set[str]], Iterable[str]]
@@ -67,18 +67,6 @@ def _stem(name: str) -> str:
 
 _PER_EXPERT = re.compile(r"^(.*\.experts\.)\d+\.")
 _FUSED = re.compile(r"^(.*\.experts\.)(?!\d+\.)[^.]+$")
-
-
-def is_repo_id(source: str) -> bool:
-    """True for 'org/name' that is not an existing path (a folder named like a repo id wins, as in transformers)."""
-    return bool(_REPO_ID.match(source)) and not Path(source).expanduser().exists()
-
-
-def source_problem(source: str) -> str | None:
-    """Why `source` cannot be a checkpoint source (for the configuration's one-line error), or None."""
-    if Path(source).expanduser().is_dir() or is_repo_id(source):
-        return None
-    return f"{source} is neither a folder nor a Hugging Face repo id (org/name)"
 
 
 def fetch_checkpoint(source: str, revision: str | None = None, tensors: TensorSelector | None = None) -> Path:

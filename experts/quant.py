@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from .reproducible import CPU_ALIGN, aligned, padded_linear
+from .setting_choices import QUANT_MODES
 
-QUANT_MODES = ("none", "int8", "int4")
 INT4_GROUP = 128
 _ROW_BLOCK = 1024  # rows quantised at a time: bounds the float32 working copy
 

@@ -30,6 +30,7 @@ import torch
 from ..experts.device_rule import routing_on_host
 from ..experts.kv_cache import KVCache, blocks_for
 from ..experts.modeling import MoEDecoder
+from .batching_config import BatcherConfig  # noqa: F401  (re-exported; defined there so the configuration imports no torch)
 from .errors import RequestError
 from .sampling import SamplingParams, sample_tokens, skip_draws
 from .step_profile import StageClock
@@ -37,19 +38,6 @@ from .step_profile import StageClock
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; the caller should retry later (gRPC RESOURCE_EXHAUSTED)."""
-
-
-@dataclass(frozen=True)
-class BatcherConfig:
-    max_active: int = 64  # sequences decoding together
-    max_waiting: int = 256  # queued requests beyond that; more get QueueFullError
-    max_prefill_tokens: int = 2048  # prompt tokens computed in one step; a longer prompt is prefilled in chunks
-
-    def validate(self) -> BatcherConfig:
-        for name in ("max_active", "max_waiting", "max_prefill_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be ≥ 1, got {getattr(self, name)}")
-        return self
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 One `MeshConfig` is what the Python API (`ExpertMesh`), `expertmesh serve`, the Serve application builder (a Serve
 YAML's `args`, a KubeRay RayService) and the drill all take; `start_mesh` (router_service/startup.py) starts
 from it. Each section is a frozen dataclass; the ones that belong to a component live beside it (failover in
-dispatch.py, batching in batching.py, the controller in cluster/controller_config.py, ...), the rest here.
+failover_config.py, batching in batching_config.py, the controller in cluster/controller_config.py, ...), the rest
+here. Every module this one imports is free of torch, Ray and gRPC (tests/unit/test_pure_modules.py checks it), so
+the CLI parses and checks a configuration before it loads any of them.
 
     model:          checkpoint folder, served name, dtype
     ray:            embedded Ray or the address of a cluster to join
@@ -34,17 +36,15 @@ from typing import Any
 
 from ..cluster.controller_config import ControllerConfig
 from ..experts.devices import DevicesConfig
-from ..experts.dtypes import DTYPE_CHOICES
 from ..experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ..experts.errors import ConfigError
-from ..experts.model_source import fetch_checkpoint, is_repo_id, source_problem
-from ..experts.quant import QUANT_MODES
+from ..experts.repo_ids import is_repo_id, source_problem
+from ..experts.setting_choices import DTYPE_CHOICES, PREFETCH_SETTINGS, QUANT_MODES
 from ..experts.tracing_config import TracingConfig
-from .batching import BatcherConfig
+from .batching_config import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
-from .dispatch import FailoverConfig
+from .failover_config import FailoverConfig
 from .observability_config import ObservabilityConfig
-from .prefetch import PREFETCH_SETTINGS
 from .server_checks import check_can_listen, check_tls_pair
 from .transports.base import TRANSPORT_SETTINGS
 
@@ -94,6 +94,8 @@ class ModelConfig:
     def resolved_path(self) -> Path:
         """The local folder (for a repo id: the Hub cache's snapshot after fetching config and tokenizer only)."""
         if self.is_repo_id:
+            from ..experts.model_source import fetch_checkpoint  # the checkpoint readers (torch): only when fetching
+
             return fetch_checkpoint(self.path, self.revision, tensors=lambda cfg, keys: ())
         return Path(self.source)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,35 +22,17 @@ from ..experts.arrays import HostStager, pack
 from ..experts.device_rule import layer_to_host
 from ..experts.gating import Routing, degrade
 from .dispatch_plan import ActorCall, add_rows, all_served, combine, plan_calls
-from .shedding import ShedConfig, ShedPolicy, apply_shed
+from .failover_config import NO_REPLICA_POLICIES, FailoverConfig  # noqa: F401  (re-exported; torch-free there)
+from .shedding import ShedPolicy, apply_shed
 from .step_profile import StageClock
 from .transports.base import Transport
 
-NO_REPLICA_POLICIES = ("wait", "degrade")
 MAX_LAYER_ATTEMPTS = 8  # a layer whose calls keep failing (not just moving to another replica) gives up
 MAX_CALL_ROUNDS = 4  # retry rounds within one attempt
 
 
 class NoReplicaError(RuntimeError):
     """A shard has no live replica and the policy is `wait`, and none came back in time (gRPC UNAVAILABLE)."""
-
-
-@dataclass(frozen=True)
-class FailoverConfig:
-    no_replica_policy: str = "wait"  # "wait" | "degrade"
-    call_timeout_s: float = 30.0  # an expert call slower than this counts as failed and is retried elsewhere
-    wait_timeout_s: float = 30.0  # with "wait": how long a step holds tokens for a shard with no live replica
-    revive_interval_s: float = 0.5  # how often to look a dead replica up again by name
-    # Overload shedding (router_service/shedding.py): an overloaded shard's excess tokens go to the next-best expert.
-    shed: ShedConfig = field(default_factory=ShedConfig)
-
-    def validate(self) -> FailoverConfig:
-        if self.no_replica_policy not in NO_REPLICA_POLICIES:
-            raise ValueError(f"no_replica_policy: must be one of {NO_REPLICA_POLICIES}, got {self.no_replica_policy!r}")
-        for name in ("call_timeout_s", "wait_timeout_s", "revive_interval_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0")
-        return self
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cluster.load_stats import LoadStatsConfig
+from ..cluster.load_stats_config import LoadStatsConfig
 
 
 @dataclass(frozen=True)

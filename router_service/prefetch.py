@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-PREFETCH_MODES = ("off", "gate", "history")
-PREFETCH_SETTINGS = ("auto", *PREFETCH_MODES)  # auto: gate with a memory budget, else off (ExpertsConfig)
+from ..experts.setting_choices import PREFETCH_MODES, PREFETCH_SETTINGS  # noqa: F401  (PREFETCH_SETTINGS re-exported)
 
 
 class NextLayerPredictor:

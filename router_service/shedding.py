@@ -30,31 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..experts.gating import Routing, move_slots
-
-
-@dataclass(frozen=True)
-class ShedConfig:
-    enabled: bool = False
-    replica_tokens_per_step: int = 64  # capacity of one expert replica: token slots per expert round
-    threshold: float = 0.95  # utilisation above which a shard starts counting toward shedding
-    window_s: float = 5.0  # ... held this long before it sheds
-    off_threshold: float = 0.8  # utilisation below which a shedding shard starts counting toward stopping
-    off_window_s: float = 5.0  # ... held this long before it stops
-    max_share: float = 0.5  # at most this share of a shard's slots per round is moved
-
-    def validate(self) -> ShedConfig:
-        if self.replica_tokens_per_step < 1:
-            raise ValueError(f"replica_tokens_per_step: must be ≥ 1, got {self.replica_tokens_per_step}")
-        if not (self.threshold > 0 and math.isfinite(self.threshold)):
-            raise ValueError(f"threshold: must be a positive finite number, got {self.threshold}")
-        if not 0 <= self.off_threshold <= self.threshold:
-            raise ValueError(f"off_threshold: must be in [0, threshold={self.threshold}], got {self.off_threshold}")
-        for name in ("window_s", "off_window_s"):
-            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
-                raise ValueError(f"{name}: must be a finite number ≥ 0, got {getattr(self, name)}")
-        if not 0 < self.max_share <= 1:
-            raise ValueError(f"max_share: must be in (0, 1], got {self.max_share}")
-        return self
+from .failover_config import ShedConfig  # noqa: F401  (defined there so the configuration imports no torch)
 
 
 @dataclass

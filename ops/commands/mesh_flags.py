@@ -14,9 +14,9 @@ from typing import Any
 
 from ...experts.devices import GPU_WITHOUT_CUDA
 from ...experts.errors import ConfigError
+from ...experts.setting_choices import PREFETCH_SETTINGS
 from ...router_service.config import DTYPES, EXPERT_LAYOUTS, MeshConfig
 from ...router_service.config_tree import replace_path
-from ...router_service.prefetch import PREFETCH_SETTINGS
 from ...router_service.transports.base import TRANSPORT_SETTINGS
 
 

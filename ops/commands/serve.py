@@ -15,7 +15,10 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    # Checked before the server module (Ray, Serve, gRPC, torch) is imported: a bad setting is refused in its one
+    # line without paying for them.
+    config = mesh_config_from_args(args)
     from ...router_service.server import serve_forever
 
-    asyncio.run(serve_forever(mesh_config_from_args(args)))
+    asyncio.run(serve_forever(config))
     return 0

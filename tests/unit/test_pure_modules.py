@@ -17,7 +17,40 @@ import sys
 import pytest
 
 FORBIDDEN = ("ray", "grpc", "opentelemetry")
+# The configuration layer is lighter still: the CLI reads and checks a configuration (and answers --help) before it
+# imports the data plane, so these modules import no torch either (tests/unit/test_cli_imports.py runs the CLI).
+CONFIG_FORBIDDEN = (*FORBIDDEN, "torch")
 
+CONFIG_MODULES = (
+    "expertmesh.router_service.config",  # the tree: model, ray, experts, router and server sections
+    "expertmesh.router_service.config_tree",
+    "expertmesh.router_service.batching_config",  # router.batcher
+    "expertmesh.router_service.failover_config",  # failover, failover.shed
+    "expertmesh.router_service.observability_config",  # observability.metrics
+    "expertmesh.router_service.server_checks",
+    "expertmesh.router_service.transports.base",  # the transport names
+    "expertmesh.cluster.controller_config",  # controller
+    "expertmesh.cluster.elastic_config",  # controller.elastic, its autoscale dict
+    "expertmesh.cluster.load_stats_config",  # observability.load
+    "expertmesh.experts.devices",  # devices
+    "expertmesh.experts.embedded_model",
+    "expertmesh.experts.errors",
+    "expertmesh.experts.repo_ids",  # model.path: folder or Hub repo id
+    "expertmesh.experts.setting_choices",  # the names string settings may take
+    "expertmesh.experts.tracing_config",  # tracing
+    "expertmesh.ops.cli",  # the parser of every command
+    "expertmesh.ops.commands.mesh_flags",
+    "expertmesh.ops.commands.bench",
+    "expertmesh.ops.commands.drill",
+    "expertmesh.ops.commands.generate",
+    "expertmesh.ops.commands.plan",
+    "expertmesh.ops.commands.plan_cluster",
+    "expertmesh.ops.commands.score",
+    "expertmesh.ops.commands.serve",
+    "expertmesh.ops.commands.status",
+)
+
+# (The configuration modules, CONFIG_MODULES above, are pure too and checked there, with torch forbidden as well.)
 PURE_MODULES = (
     # model math and checkpoints
     "expertmesh.experts.arrays",
@@ -27,10 +60,7 @@ PURE_MODULES = (
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
     "expertmesh.experts.config_deepseek",
-    "expertmesh.experts.devices",  # where an actor/router computes; refusing a GPU torch cannot see
     "expertmesh.experts.dtypes",  # model.dtype resolution ("auto" against the checkpoint and the device)
-    "expertmesh.experts.embedded_model",
-    "expertmesh.experts.errors",
     "expertmesh.experts.ffn",
     "expertmesh.experts.fp8",
     "expertmesh.experts.gating",
@@ -53,7 +83,6 @@ PURE_MODULES = (
     "expertmesh.experts.routed_rows",  # rows sorted by expert, and the one combine order
     "expertmesh.experts.tier_store",  # an actor's memory tiers: loads, prefetch thread, counters
     "expertmesh.experts.tokenizer",
-    "expertmesh.experts.tracing_config",
     "expertmesh.experts.weights",
     "expertmesh.experts.weights_deepseek",
     "expertmesh.experts.wire",  # the expert call's wire format (protobuf messages, no gRPC)
@@ -63,29 +92,23 @@ PURE_MODULES = (
     "expertmesh.router_service.batching",
     "expertmesh.router_service.chat_template",  # chat templates (jinja2), as transformers renders them
     "expertmesh.router_service.continuation",  # what the gRPC front re-sends when a router replica dies
-    "expertmesh.router_service.config",  # the configuration tree: the CLI checks it before anything starts
-    "expertmesh.router_service.config_tree",
     "expertmesh.router_service.dispatch",
     "expertmesh.router_service.dispatch_plan",
     "expertmesh.router_service.error_log",  # how a replica logs refused requests (standard logging only)
     "expertmesh.router_service.errors",
     "expertmesh.router_service.log_limit",
-    "expertmesh.router_service.observability_config",
     "expertmesh.router_service.openai_api",  # OpenAI HTTP bodies, responses, stream chunks, errors
     "expertmesh.router_service.prefetch",  # predicting the next MoE layer's experts (pre-gating, history)
     "expertmesh.router_service.openai_requests",  # OpenAI jobs -> GenerationRequests, batcher events -> dicts
     "expertmesh.router_service.sampling",
-    "expertmesh.router_service.server_checks",  # TLS pair, host, port: checked before anything starts
     "expertmesh.router_service.step_profile",  # the stage clocks of a served step
     "expertmesh.router_service.shedding",  # overload shedding policy (fake clock in tests)
     "expertmesh.router_service.transports",
-    "expertmesh.router_service.transports.base",
     # cluster policies and plans
     "expertmesh.cluster.memory_plan",  # GPU memory accounting for placement and plan-cluster
     "expertmesh.cluster.actor_slots",
     "expertmesh.cluster.autoscale",
     "expertmesh.cluster.breaker",
-    "expertmesh.cluster.controller_config",
     "expertmesh.cluster.elastic",
     "expertmesh.cluster.lost_restore",  # re-planning lost actors onto survivors without spare capacity
     "expertmesh.cluster.eplb_greedy",
@@ -99,7 +122,6 @@ PURE_MODULES = (
     "expertmesh.cluster.shard_placement",
     "expertmesh.cluster.shard_liveness",  # the last-live-replica guard and the health verdict
     # ops: helpers, the drill's configuration, record, pure report and rendering, the CLI's flag table
-    "expertmesh.ops.commands.mesh_flags",
     "expertmesh.ops.corpus",
     "expertmesh.ops.drill",
     "expertmesh.ops.drill.config",
@@ -146,13 +168,13 @@ print(json.dumps(report))
 """
 
 
-def probe(modules: list[str]) -> dict:
-    """module -> what importing it loaded of FORBIDDEN (or why it could not be imported), each module checked in
+def probe(modules: list[str], forbidden: tuple[str, ...] = FORBIDDEN) -> dict:
+    """module -> what importing it loaded of `forbidden` (or why it could not be imported), each module checked in
     an interpreter where no forbidden package was loaded yet."""
     report: dict = {}
     remaining = list(modules)
     while remaining:
-        result = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(remaining), json.dumps(FORBIDDEN)],
+        result = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(remaining), json.dumps(forbidden)],
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         step = json.loads(result.stdout.strip().splitlines()[-1])
@@ -174,8 +196,20 @@ def test_module_imports_no_ray_grpc_or_opentelemetry(report, module):
     assert report[module] == [], f"importing {module} loads {report[module]}"
 
 
+@pytest.fixture(scope="module")
+def config_report() -> dict:
+    return probe(list(CONFIG_MODULES), CONFIG_FORBIDDEN)
+
+
+@pytest.mark.parametrize("module", CONFIG_MODULES)
+def test_config_module_imports_no_torch_ray_grpc_or_opentelemetry(config_report, module):
+    assert config_report[module] == [], f"importing {module} loads {config_report[module]}"
+
+
 def test_the_list_names_each_module_once():
     assert len(set(PURE_MODULES)) == len(PURE_MODULES)
+    assert len(set(CONFIG_MODULES)) == len(CONFIG_MODULES)
+    assert not set(PURE_MODULES) & set(CONFIG_MODULES)  # a configuration module is checked on the stricter list
 
 
 def test_the_probe_catches_an_impure_module_and_checks_the_rest_afresh():
