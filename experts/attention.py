@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from .attention_core import default_scale
 from .config import MoEModelConfig
+from .dense_weights import AttentionWeights
 from .norms import rms_norm
 from .rope import apply_rotary
-from .weights import AttentionWeights
 
 
 class AttentionLayer(Protocol):

@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from .attention import AttentionLayer, build_attention
 from .attention_core import StepLayout, attend
 from .config import MoEModelConfig
+from .dense_weights import DenseWeights
 from .device_rule import tensor_on, to_device
 from .ffn import activation, gated_mlp
 from .gating import Routing, concat_routings, route_for_model
 from .kv_cache import KVCache, KVCacheSettings, PagedKVPool
 from .norms import rms_norm
 from .rope import build_rope
-from .weights import DenseWeights
 
 __all__ = ["ExpertBackend", "KVCache", "MoEDecoder", "StepTrace", "rms_norm"]
 

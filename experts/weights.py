@@ -22,18 +22,20 @@ is read one expert row at a time (`CheckpointReader.read_rows`), never whole.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from .checkpoint import CheckpointReader
 from .config import MoEModelConfig
 from .config_deepseek import FAMILIES as DEEPSEEK_FAMILIES
+from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, mlp_names
 from .errors import CheckpointError
 from .ffn import GatedMLPWeights
 from .fp8 import read_weights, scale_names
 from .mxfp4 import dequantize as dequantize_mxfp4
 from .quant import quantize_mlp
+from .weights_deepseek import deepseek_dense_tensor_names, load_deepseek_dense_weights
 
 Shard = tuple[int, int]  # (layer, expert)
 
@@ -248,50 +250,24 @@ def _cast_each(tensors: dict[str, torch.Tensor], dtype: torch.dtype,
     return tensors
 
 
-@dataclass
-class AttentionWeights:
-    q: torch.Tensor  # [nh*D, H]
-    k: torch.Tensor  # [kvh*D, H]
-    v: torch.Tensor  # [kvh*D, H]
-    o: torch.Tensor  # [H, nh*D]
-    q_bias: torch.Tensor | None = None
-    k_bias: torch.Tensor | None = None
-    v_bias: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None  # OLMoE: [nh*D]; Qwen3-MoE (per head): [D]
-    k_norm: torch.Tensor | None = None  # OLMoE: [kvh*D]; Qwen3-MoE (per head): [D]
-    o_bias: torch.Tensor | None = None  # gpt-oss: [H]
-    sinks: torch.Tensor | None = None  # gpt-oss: [nh] per-head extra logit in the softmax
+class DenseFamily(NamedTuple):
+    """A family whose dense part (attention, norms, router) its own module names and loads."""
+
+    tensor_names: Callable[[MoEModelConfig], dict[str, tuple[int, ...]]]
+    load: Callable[..., DenseWeights]  # (reader, dtype, progress, device) -> DenseWeights
 
 
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor  # [H]
-    post_attention_norm: torch.Tensor  # [H]
-    attention: AttentionWeights
-    router: torch.Tensor | None = None  # [E, H] gate of an MoE layer
-    router_bias: torch.Tensor | None = None  # gpt-oss: [E]
-    dense_mlp: GatedMLPWeights | None = None  # Qwen2-MoE mlp_only layers
-    shared_expert: GatedMLPWeights | None = None  # Qwen2-MoE
-    shared_expert_gate: torch.Tensor | None = None  # [1, H]
-    router_correction_bias: torch.Tensor | None = None  # [E] DeepSeek-V3 / GLM-4.5 e_score_correction_bias
-
-
-@dataclass
-class DenseWeights:
-    """Everything but the routed experts: what the router holds."""
-
-    embed: torch.Tensor  # [V, H]
-    layers: list[LayerWeights] = field(default_factory=list)
-    final_norm: torch.Tensor | None = None  # [H]
-    lm_head: torch.Tensor | None = None  # [V, H]
+# The family table: families not listed use the common names below. The modules listed import only dense_weights
+# from here, never this module, so there is no import cycle to break with late imports.
+DENSE_FAMILIES: dict[str, DenseFamily] = {
+    family: DenseFamily(deepseek_dense_tensor_names, load_deepseek_dense_weights) for family in DEEPSEEK_FAMILIES
+}
 
 
 def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
     """Every non-expert tensor the model needs: name -> expected shape (`layout` names Mixtral's router)."""
-    if cfg.family in DEEPSEEK_FAMILIES:
-        from .weights_deepseek import deepseek_dense_tensor_names  # imports this module's dataclasses
-
-        return deepseek_dense_tensor_names(cfg)
+    if (own := DENSE_FAMILIES.get(cfg.family)) is not None:
+        return own.tensor_names(cfg)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
@@ -324,19 +300,11 @@ def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT) -> dict[st
         if cfg.is_moe_layer(i):
             names |= router_tensor_names(cfg, i, layout)
             if cfg.has_shared_expert:
-                names |= _mlp_names(p + "mlp.shared_expert.", hidden, cfg.shared_expert_intermediate_size)
+                names |= mlp_names(p + "mlp.shared_expert.", hidden, cfg.shared_expert_intermediate_size)
                 names[p + "mlp.shared_expert_gate.weight"] = (1, hidden)
         else:
-            names |= _mlp_names(p + "mlp.", hidden, cfg.dense_intermediate_size)
+            names |= mlp_names(p + "mlp.", hidden, cfg.dense_intermediate_size)
     return names
-
-
-def _mlp_names(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:
-    return {
-        prefix + "gate_proj.weight": (inter, hidden),
-        prefix + "up_proj.weight": (inter, hidden),
-        prefix + "down_proj.weight": (hidden, inter),
-    }
 
 
 def load_dense_weights(
@@ -345,10 +313,8 @@ def load_dense_weights(
 ) -> DenseWeights:
     """Everything but the routed experts, read in the stored dtype and moved/cast once per tensor to (device, dtype)."""
     cfg = reader.config
-    if cfg.family in DEEPSEEK_FAMILIES:
-        from .weights_deepseek import load_deepseek_dense_weights  # imports this module's dataclasses
-
-        return load_deepseek_dense_weights(reader, dtype, progress, device)
+    if (own := DENSE_FAMILIES.get(cfg.family)) is not None:
+        return own.load(reader, dtype, progress, device)
     layout = _layout_of(reader)
     t = _cast_each(reader.read_many(dense_tensor_names(cfg, layout), progress=progress), dtype, device)
     layers = []

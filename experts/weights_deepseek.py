@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import MoEModelConfig
+from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, mlp_names
 from .ffn import GatedMLPWeights
 from .fp8 import read_weights
 
@@ -31,14 +32,6 @@ class MLAWeights:
     q_a_bias: torch.Tensor | None = None  # attention_bias
     kv_a_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
-
-
-def _mlp_names(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:
-    return {
-        prefix + "gate_proj.weight": (inter, hidden),
-        prefix + "up_proj.weight": (inter, hidden),
-        prefix + "down_proj.weight": (hidden, inter),
-    }
 
 
 def _attention_names(cfg: MoEModelConfig, a: str) -> dict[str, tuple[int, ...]]:
@@ -90,18 +83,16 @@ def deepseek_dense_tensor_names(cfg: MoEModelConfig) -> dict[str, tuple[int, ...
             if cfg.router_correction_bias:
                 names[p + "mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
             if cfg.has_shared_expert:
-                names |= _mlp_names(p + "mlp.shared_experts.", hidden, cfg.shared_expert_intermediate_size)
+                names |= mlp_names(p + "mlp.shared_experts.", hidden, cfg.shared_expert_intermediate_size)
         else:
-            names |= _mlp_names(p + "mlp.", hidden, cfg.dense_intermediate_size)
+            names |= mlp_names(p + "mlp.", hidden, cfg.dense_intermediate_size)
     return names
 
 
 def load_deepseek_dense_weights(reader, dtype: torch.dtype, progress: str | None = None,
-                                device: str | torch.device = "cpu"):
-    """-> weights.DenseWeights of a DeepSeek-V2/V3 or GLM-4.5 checkpoint. The router gate and its correction bias
+                                device: str | torch.device = "cpu") -> DenseWeights:
+    """-> DenseWeights of a DeepSeek-V2/V3 or GLM-4.5 checkpoint. The router gate and its correction bias
     stay float32 (transformers keeps them so and computes router logits in float32)."""
-    from .weights import AttentionWeights, DenseWeights, LayerWeights  # weights.py dispatches here: import late
-
     cfg = reader.config
     raw = read_weights(reader, deepseek_dense_tensor_names(cfg), cfg.fp8_block, progress=progress)
     t = {k: v.to(device=device, dtype=dtype) for k, v in raw.items()}

@@ -60,6 +60,7 @@ PURE_MODULES = (
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
     "expertmesh.experts.config_deepseek",
+    "expertmesh.experts.dense_weights",  # the router's weight dataclasses, shared by the family loaders
     "expertmesh.experts.dtypes",  # model.dtype resolution ("auto" against the checkpoint and the device)
     "expertmesh.experts.ffn",
     "expertmesh.experts.fp8",
