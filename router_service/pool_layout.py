@@ -4,6 +4,8 @@ A planned layout (a PLACEMENT.json from `expertmesh plan`, or, with elasticity o
 actor per GPU hosting that GPU's shards (`expert-g{gpu}-v{version}`, cluster/placement_actors.py). The controller
 then replaces actors GPU by GPU as load moves; each takes `gpu_fraction` of its GPU so the next version can load
 beside it before it drains.
+
+Pure apart from `cluster_nodes` (Ray, imported on call): the default grouping lives in cluster/default_pool.py.
 """
 
 from __future__ import annotations
@@ -11,20 +13,28 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..cluster.actor_slots import ActorSlot, NodeResources
+from ..cluster.default_pool import (  # noqa: F401  (default_layout, MANY_EXPERTS re-exported)
+    MANY_EXPERTS,
+    cluster_device_count,
+    default_actor_groups,
+    default_layout,
+    device_actor_groups,
+    device_actor_slots,
+)
 from ..cluster.elastic import ElasticConfig, actor_slots, cluster_devices
 from ..cluster.placement_actors import actor_plans
 from ..cluster.routing_table import Shard
 from ..cluster.shard_placement import Placement
 from ..experts.config import MoEModelConfig
 from .errors import RequestError
-from .expert_pool import (
-    MANY_EXPERTS,
-    cluster_device_count,
-    cluster_nodes,
-    default_actor_groups,
-    device_actor_groups,
-    device_actor_slots,
-)
+
+
+def cluster_nodes() -> list[NodeResources]:
+    """The live nodes, from Ray: imported here, so that this module (the layout decisions) stays Ray-free and is
+    tested with nodes passed in or this function patched."""
+    from .expert_pool import cluster_nodes as live_nodes
+
+    return live_nodes()
 
 
 def load_placement(path: str | Path) -> Placement:
@@ -66,28 +76,13 @@ def planned_layout(cfg: MoEModelConfig, nodes: list[NodeResources], elastic: Ela
     return {name: list(p.shards) for name, p in plans.items()}, list(slots.values())
 
 
-def default_layout(cfg: MoEModelConfig, replicas_per_expert: int, nodes: list[NodeResources],
-                   layout: str = "auto") -> str:
-    """"per-expert" or "per-device" for the default pool. auto: one process per expert only when the model has at
-    most MANY_EXPERTS experts per layer and each of those actors gets a GPU (GPU cluster) or a core (CPU cluster,
-    one core left to the router) of its own. Otherwise per-expert actors share cores: on a 2-core machine 8
-    actors + the router made every decode layer a round of up to 8 Ray calls, each actor woken on a busy core
-    (measured: 30 ms a step at one stream against 17 ms with one actor per node; ops/reports/bench/serve_overhead)."""
-    if layout != "auto":
-        return layout
-    actors = cfg.num_experts * replicas_per_expert
-    gpus = sum(n.num_gpus for n in nodes)
-    room = gpus if gpus else sum(n.num_cpus for n in nodes) - 1
-    return "per-expert" if cfg.num_experts <= MANY_EXPERTS and room >= actors else "per-device"
-
-
 def pool_layout(cfg: MoEModelConfig, replicas_per_expert: int, num_cpus_per_actor: float | None,
                 placement_path: str | None, elastic: ElasticConfig | None, layout: str = "auto",
                 nodes: list[NodeResources] | None = None) -> tuple[dict[str, list[Shard]], list[ActorSlot] | None]:
     """The pool to start: a planned one (one actor per GPU) when a placement file or elasticity is given, else the
     default grouping (`layout`, see default_layout): one actor per logical expert (slots None: spread over the
     nodes by the caller), or one actor per GPU (per node without GPUs) hosting a slice of every layer's experts
-    (expert_pool.device_actor_groups). nodes: what the pool may use (start-up passes the cluster less the GPUs and
+    (cluster/default_pool.py). nodes: what the pool may use (start-up passes the cluster less the GPUs and
     CPUs kept for router replicas, cluster/router_gpus.py); None: the whole cluster."""
     nodes = cluster_nodes() if nodes is None else nodes
     if placement_path is None and elastic is None:

@@ -1,15 +1,14 @@
-"""The default expert pool (router_service/expert_pool.py, pool_layout.py): one actor per logical expert up to
-MANY_EXPERTS experts per layer (names expert-e{E}-r{R}, which drills and tests rely on), beyond that one actor per
-device (GPU, or node without GPUs) hosting a contiguous slice of every layer's experts."""
+"""The default expert pool (cluster/default_pool.py, pure; router_service/pool_layout.py feeds it the live nodes): one
+actor per logical expert up to MANY_EXPERTS experts per layer (names expert-e{E}-r{R}, which drills and tests rely
+on), beyond that one actor per device (GPU, or node without GPUs) hosting a contiguous slice of every layer's
+experts."""
 
 from __future__ import annotations
 
 import pytest
 
 from expertmesh.cluster.actor_slots import NodeResources
-from expertmesh.experts.config import MoEModelConfig
-from expertmesh.router_service import pool_layout
-from expertmesh.router_service.expert_pool import (
+from expertmesh.cluster.default_pool import (
     MANY_EXPERTS,
     cluster_device_count,
     default_actor_groups,
@@ -17,6 +16,8 @@ from expertmesh.router_service.expert_pool import (
     device_actor_slots,
     expert_slices,
 )
+from expertmesh.experts.config import MoEModelConfig
+from expertmesh.router_service import pool_layout
 
 
 def _cfg(experts: int, layers: int = 3) -> MoEModelConfig:
@@ -119,3 +120,14 @@ def test_device_actor_groups_slice_any_expert_count():
     groups = device_actor_groups(_cfg(8), 1, devices=3)
     assert list(groups) == ["expert-e0-r0", "expert-e1-r0", "expert-e2-r0"]
     assert sorted(_covered(groups)) == [(layer, e) for layer in range(3) for e in range(8)]
+
+
+def test_the_old_homes_still_give_the_layout_helpers():
+    # expert_pool.py (a Ray module) and pool_layout.py re-export what moved to cluster/default_pool.py
+    from expertmesh.cluster import default_pool
+    from expertmesh.router_service import expert_pool
+
+    for name in ("MANY_EXPERTS", "cluster_device_count", "default_actor_groups", "device_actor_groups",
+                 "device_actor_slots", "expert_slices"):
+        assert getattr(expert_pool, name) is getattr(default_pool, name)
+    assert pool_layout.default_layout is default_pool.default_layout

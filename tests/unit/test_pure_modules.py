@@ -99,6 +99,7 @@ PURE_MODULES = (
     "expertmesh.router_service.errors",
     "expertmesh.router_service.log_limit",
     "expertmesh.router_service.openai_api",  # OpenAI HTTP bodies, responses, stream chunks, errors
+    "expertmesh.router_service.pool_layout",  # which pool to start (the live nodes from Ray only on call)
     "expertmesh.router_service.prefetch",  # predicting the next MoE layer's experts (pre-gating, history)
     "expertmesh.router_service.openai_requests",  # OpenAI jobs -> GenerationRequests, batcher events -> dicts
     "expertmesh.router_service.sampling",
@@ -109,6 +110,7 @@ PURE_MODULES = (
     "expertmesh.cluster.memory_plan",  # GPU memory accounting for placement and plan-cluster
     "expertmesh.cluster.actor_slots",
     "expertmesh.cluster.autoscale",
+    "expertmesh.cluster.default_pool",  # the default expert pool's actors and slots (nodes passed in)
     "expertmesh.cluster.breaker",
     "expertmesh.cluster.elastic",
     "expertmesh.cluster.lost_restore",  # re-planning lost actors onto survivors without spare capacity
