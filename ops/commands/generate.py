@@ -70,11 +70,12 @@ def run_remote(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace) -> int:
-    from ...experts.tokenizer import load_tokenizer
-    from ...router_service.mesh import ExpertMesh
     from .mesh_flags import mesh_config_from_args
 
-    config = mesh_config_from_args(args)
+    config = mesh_config_from_args(args)  # checked before the data plane (torch, Ray) is imported
+    from ...experts.tokenizer import load_tokenizer
+    from ...router_service.mesh import ExpertMesh
+
     if args.prompt is not None and load_tokenizer(config.model.resolved_path) is None:
         print(f"error: prompt: the checkpoint at {config.model.resolved_path} has no tokenizer.json; use --token-ids",
               file=sys.stderr)

@@ -19,10 +19,12 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     key = "log_probs" if args.log_probs else "logits"
     if args.local:
-        from ...router_service.mesh import ExpertMesh
         from .mesh_flags import mesh_config_from_args
 
-        with ExpertMesh(mesh_config_from_args(args)) as mesh:
+        config = mesh_config_from_args(args)  # checked before the data plane (torch, Ray) is imported
+        from ...router_service.mesh import ExpertMesh
+
+        with ExpertMesh(config) as mesh:
             logits = mesh.score(args.token_ids)
         if args.log_probs:
             logits = logits.log_softmax(-1)

@@ -64,3 +64,13 @@ def test_a_bad_config_is_refused_in_one_line_naming_the_field_without_heavy_impo
     assert stderr.startswith(f"error: {field}: "), stderr
     assert len(stderr.splitlines()) == 1, stderr  # one line, no traceback
     assert report["heavy"] == [], f"refusing {field} imports {report['heavy']}"
+
+
+@pytest.mark.parametrize("command", [["generate", "--local", "--token-ids", "1,2"],
+                                     ["score", "--local", "--token-ids", "1,2"]])
+def test_in_process_commands_check_the_config_before_the_data_plane(tmp_path: Path, command):
+    path = tmp_path / "bad.yaml"
+    path.write_text("experts: {quant: int3}\n")
+    report, stderr = run_cli(*command, "--config", str(path))
+    assert report["code"] == 2 and stderr.startswith("error: experts.quant: "), stderr
+    assert report["heavy"] == [], report
