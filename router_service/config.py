@@ -133,7 +133,7 @@ class ExpertsConfig:
     # Which default pool (no placement file, no elasticity): "per-expert" = actor expert-e{E}-r{R} hosts expert E of
     # every MoE layer; "per-device" = one actor per GPU (per node without GPUs) hosting a slice of every layer's
     # experts, one call per actor per layer; "auto" = per-expert only where every such actor gets a core (GPU) of its
-    # own and the model has at most 16 experts per layer, else per-device (router_service/pool_layout.py).
+    # own and the model has at most 16 experts per layer, else per-device (cluster/default_pool.py).
     layout: str = "auto"
     num_cpus_per_actor: float | None = None  # None: share each node's CPUs among its actors (≤ 1 each)
     # Every actor loaded its weights and answered, or start-up fails. The default lets an actor fetch and read a
