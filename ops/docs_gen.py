@@ -273,22 +273,35 @@ def metrics_page() -> str:
         made_by = "expert actor" if name in ACTOR_METRICS else "router"
         out.append(f"| {names} | {spec.kind} | {labels} | {made_by} | {_cell(spec.description)} |\n")
     rules_file = REPO / "ops" / "alerts" / "expertmesh_rules.yml"
-    rules = yaml.safe_load(rules_file.read_text())
+    rules_text = rules_file.read_text()
+    rules = yaml.safe_load(rules_text)
+    # The comment block written above each `- alert:` line says why it is there; YAML drops comments, so read them.
+    notes: dict[str, str] = {}
+    block: list[str] = []
+    for line in rules_text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            block.append(stripped.lstrip("#").strip())
+        elif stripped.startswith("- alert:"):
+            notes[stripped.removeprefix("- alert:").strip()] = " ".join(block)
+            block = []
+        else:
+            block = []
     out.append("\n## Alert rules\n\n"
                "`ops/alerts/expertmesh_rules.yml`: add it to `rule_files:` in `prometheus.yml`, reload Prometheus, "
                "and route by `severity` with Alertmanager ([Observability](observability.md)). "
                "`tests/unit/test_alert_rules.py` checks the rules with `promtool` and that every metric they name "
                "is one the code exports.\n")
     for group in rules["groups"]:
-        out.append(f"\n### Group `{group['name']}`\n\n| alert | severity | for | summary | expression |\n"
-                   "|---|---|---|---|---|\n")
+        out.append(f"\n### Group `{group['name']}`\n\n| alert | severity | for | summary | why | expression |\n"
+                   "|---|---|---|---|---|---|\n")
         for rule in group["rules"]:
             if "alert" not in rule:
                 continue
             severity = rule.get("labels", {}).get("severity", "")
             summary = rule.get("annotations", {}).get("summary", "")
             out.append(f"| `{rule['alert']}` | {severity} | {rule.get('for', '')} | {_cell(summary)} | "
-                       f"{_code(rule['expr'])} |\n")
+                       f"{_cell(notes.get(rule['alert'], ''))} | {_code(rule['expr'])} |\n")
     return "".join(out)
 
 
