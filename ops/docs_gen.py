@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import html
 import io
 import json
 import os
@@ -38,7 +39,50 @@ def _cell(text: object) -> str:
 
 
 def _code(text: object) -> str:
-    return f"`{_cell(text)}`" if str(text) else ""
+    """A code cell. A pipe inside a code span would stay escaped (`\\|`) in MkDocs' output, so such a cell is HTML
+    with the pipe as an entity, which GitHub and MkDocs both render as `|`."""
+    text = " ".join(str(text).split())
+    if not text:
+        return ""
+    if "|" in text:
+        escaped = html.escape(text).replace("|", "&#124;")
+        return f"<code>{escaped}</code>"
+    return f"`{text}`"
+
+
+# Code comments and help texts point at documentation as "README: <section>" (from before the README moved into
+# docs/); in the generated pages those become links to the page that holds the section now.
+README_SECTIONS = {
+    "Offload": "operations/offload-quantisation.md",
+    "expert memory tiers": "operations/offload-quantisation.md",
+    "Quantised experts": "operations/offload-quantisation.md#quantised-experts",
+    "Quantised": "operations/offload-quantisation.md#quantised-experts",
+    "Transports / Overlap": "concepts/transports.md#overlap-ping-pong-micro-batches",
+    "Transports": "concepts/transports.md",
+    "Overlap": "concepts/transports.md#overlap-ping-pong-micro-batches",
+    "Paged KV cache": "concepts/kv-cache.md",
+    "Expert layout": "concepts/expert-layouts.md",
+    "Data types and devices": "concepts/dtypes-and-devices.md",
+    "Data types": "concepts/dtypes-and-devices.md",
+    "Metrics and traces": "operations/observability.md",
+    "Load statistics": "operations/observability.md#load-statistics",
+    "Elasticity": "operations/elasticity.md",
+    "Security": "security.md",
+    "Overload shedding": "operations/shedding.md",
+    "Configuration": "serving/configuration.md",
+}
+
+
+def _doc_refs(text: str, page: str) -> str:
+    """`text` (a table cell) with "README: <section>" turned into a link relative to `page`."""
+    import posixpath
+
+    for section in sorted(README_SECTIONS, key=len, reverse=True):
+        needle = f"README: {section}"
+        if needle in text:
+            target = posixpath.relpath(README_SECTIONS[section], posixpath.dirname(page))
+            text = text.replace(needle, f"docs: [{section}]({target})")
+    return text
 
 
 # --- configuration ------------------------------------------------------------------------------------------------
@@ -167,7 +211,8 @@ def configuration_page() -> str:
             default = _default(f)
             shown = "section" if sub is not None and dataclasses.is_dataclass(default) else _show(default)
             out.append(f"| `{f.name}` | {_code(types.get(f.name, ''))} | {_code(shown)} | "
-                       f"{_code(flags.get(full, ''))} | {_cell(comments.get(f.name, ''))} |\n")
+                       f"{_code(flags.get(full, ''))} | "
+                       f"{_doc_refs(_cell(comments.get(f.name, '')), 'reference/configuration.md')} |\n")
             if sub is not None:
                 nested.append((sub, full, "" if dataclasses.is_dataclass(default) else
                                "Null by default (off); these are its fields when it is given."
@@ -212,7 +257,7 @@ def _action_row(action: argparse.Action, fields: dict[str, str]) -> str:
         default = _show(action.default)
     field = fields.get(action.dest, "") if action.dest in fields else ""
     return (f"| `{_cell(names)}` | {_cell(takes)} | {_code(default)} | {_code(field)} | "
-            f"{_cell(help_text)} |\n")
+            f"{_doc_refs(_cell(help_text), 'reference/cli.md')} |\n")
 
 
 def cli_page() -> str:
@@ -301,7 +346,8 @@ def metrics_page() -> str:
             severity = rule.get("labels", {}).get("severity", "")
             summary = rule.get("annotations", {}).get("summary", "")
             out.append(f"| `{rule['alert']}` | {severity} | {rule.get('for', '')} | {_cell(summary)} | "
-                       f"{_cell(notes.get(rule['alert'], ''))} | {_code(rule['expr'])} |\n")
+                       f"{_doc_refs(_cell(notes.get(rule['alert'], '')), 'operations/metrics.md')} | "
+                       f"{_code(rule['expr'])} |\n")
     return "".join(out)
 
 
