@@ -138,7 +138,12 @@ def _annotations(cls: type) -> dict[str, str]:
 
 def _nested_dataclass(cls: type, name: str) -> type | None:
     """The dataclass a field holds (directly or as `X | None`), else None."""
-    hint = typing.get_type_hints(cls).get(name)
+    try:
+        hint = typing.get_type_hints(cls).get(name)
+    except Exception:  # an annotation naming something imported only for type checkers: go by the default
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        default = _default(f)
+        return type(default) if dataclasses.is_dataclass(default) else None
     candidates = typing.get_args(hint) or (hint,)
     for c in candidates:
         if dataclasses.is_dataclass(c):
