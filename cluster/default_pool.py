@@ -94,7 +94,8 @@ def default_layout(cfg: MoEModelConfig, replicas_per_expert: int, nodes: list[No
     most MANY_EXPERTS experts per layer and each of those actors gets a GPU (GPU cluster) or a core (CPU cluster,
     one core left to the router) of its own. Otherwise per-expert actors share cores: on a 2-core machine 8
     actors + the router made every decode layer a round of up to 8 Ray calls, each actor woken on a busy core
-    (measured: 30 ms a step at one stream against 17 ms with one actor per node; ops/reports/bench/serve_overhead)."""
+    (measured: 30 ms a step at one stream against 17 ms with one actor per node;
+    docs/benchmarks/results/bench/serve_overhead)."""
     if layout != "auto":
         return layout
     actors = cfg.num_experts * replicas_per_expert

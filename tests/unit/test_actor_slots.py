@@ -164,14 +164,15 @@ def test_gpu_node_too_few_cpus_raises():
 
 
 def test_namespace():
-    # Operators and drills attach from another driver with the namespace the README gives ("Actor naming"); every
-    # namespace spelled out in the README, the code and the configs must be this one, so a copy cannot drift.
+    # Operators and drills attach from another driver with the namespace the docs give ("Actor naming"); every
+    # namespace spelled out in the README and docs/, the code and the configs must be this one, so a copy cannot drift.
     import re
     from pathlib import Path
 
     assert NAMESPACE == "expertmesh"
     root = Path(__file__).resolve().parents[2]
-    readme = (root / "README.md").read_text()
+    docs = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    readme = "\n".join(p.read_text() for p in docs)
     documented = set(re.findall(r'namespace="([^"]*)"', readme))  # the ray.get_actor example(s)
     assert documented == {NAMESPACE}, documented
     spelled = {}

@@ -301,17 +301,16 @@ def test_dockerignore_keeps_the_virtualenv_and_git_metadata_out_of_the_image():
         assert not _dockerignore_excludes(patterns, path), path
 
 
-# README: the shell blocks of "Running on a GPU cluster" must work as pasted, optional variables unset.
+# docs/deployment: the shell blocks of the GPU-cluster and KubeRay pages must work as pasted, optional variables unset.
 OPTIONAL = ("HF_TOKEN", "EXPERTMESH_TOKEN", "EXPERTMESH_ADMIN_TOKEN", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
             "RAY_AUTH_MODE", "RAY_ADDRESS")
 _VAR = re.compile(r"\\?\$(?:\{(?P<braced>[A-Za-z_]\w*)(?P<op>[^}]*)\}|(?P<bare>[A-Za-z_]\w*))")
 
 
 def _gpu_section_blocks() -> list[str]:
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("## Running on a GPU cluster")
-    end = readme.index("\n## ", start + 1)
-    return re.findall(r"```bash\n(.*?)```", readme[start:end], re.DOTALL)
+    pages = ("docs/deployment/gpu-clusters.md", "docs/deployment/kuberay.md")
+    text = "\n".join((REPO / page).read_text() for page in pages)
+    return re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
 
 
 def _unguarded(block: str) -> list[str]:

@@ -1,8 +1,9 @@
-"""The interleaved A/B behind ab_*.json (issue 17, servecut): server A (main's code: run without the worktree
-overlay), server B (this branch) and in-process `transformers` `generate`, measured level by level in rounds, so a
-load that changes minute to minute hits all three alike. Best and median per level.
+"""The interleaved A/B behind docs/benchmarks/results/bench/serve_overhead/ab_*.json (issue 17, servecut):
+server A (main's code: run without the worktree overlay), server B (this branch) and in-process
+`transformers` `generate`, measured level by level in rounds, so a load that changes minute to minute hits all
+three alike. Best and median per level.
 
-    PYTHONPATH=<worktree>/.pkg python ab_window.py <model dir or -> <out.json> [rounds]
+    PYTHONPATH=<worktree>/.pkg python -m expertmesh.ops.bench_serve_ab_window <model dir or -> <out.json> [rounds]
 
 A measurement record, not a product command: `expertmesh bench serve` is the benchmark.
 """
