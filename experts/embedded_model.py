@@ -1,4 +1,4 @@
-"""The embedded default model: a small MoE trained on offline text (ops/train_demo.py) and shipped in the package,
+"""The embedded default model: a small MoE trained on offline text (ops/train/train_demo.py) and shipped in the package,
 so expertmesh serves with no download. A configuration whose model.path is null serves it."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the stacks, so stacking costs no extra memory. A call's rows arrive grouped by e
 whole stack with each expert's row count (zero for the experts the call does not use), so no weight is copied per
 call.
 
-Why `_grouped_mm` (ops/bench_grouped_ffn.py, docs/benchmarks/results/bench/many_experts/grouped_ffn.json): on
+Why `_grouped_mm` (ops/bench/grouped_ffn.py, docs/benchmarks/results/bench/many_experts/grouped_ffn.json): on
 this CPU it beat
 the per-expert loop in 7 of 8 cases from 8 to 256 experts (up to 3.7x at 64 tokens; the loop pays ~20 us of Python
 and dispatch per expert), and it is bit-identical to it: each group is an ordinary matmul of that expert's rows, so

@@ -8,7 +8,7 @@
 - docs/reference/cli.md: every `expertmesh` subcommand and flag from the argparse parser (ops/cli.py), with the
   configuration field each mesh flag sets (ops/commands/mesh_flags.py).
 - docs/operations/metrics.md: the Prometheus metrics (router_service/metrics.py `METRIC_SPECS`) and the alert rules
-  (ops/alerts/expertmesh_rules.yml).
+  (ops/monitoring/alerts/expertmesh_rules.yml).
 
 Pure: it imports the configuration tree, the parser and the metric specs, reads two files, and starts nothing.
 """
@@ -310,7 +310,8 @@ def metrics_page() -> str:
 
     from ..router_service.metrics import ACTOR_METRICS, METRIC_SPECS
 
-    out = [HEADER.format(source="router_service/metrics.py (`METRIC_SPECS`) and ops/alerts/expertmesh_rules.yml"),
+    out = [HEADER.format(source="router_service/metrics.py (`METRIC_SPECS`) and "
+                         "ops/monitoring/alerts/expertmesh_rules.yml"),
            "# Metrics and alerts\n\n",
            "Every Prometheus series expertmesh exports through Ray's metrics API, as Prometheus sees it (Ray adds "
            "the `ray_` prefix, `_total` to counters, `_bucket`/`_sum`/`_count` to histograms, and its own labels "
@@ -322,7 +323,7 @@ def metrics_page() -> str:
         labels = ", ".join(f"`{t}`" for t in spec.tags)
         made_by = "expert actor" if name in ACTOR_METRICS else "router"
         out.append(f"| {names} | {spec.kind} | {labels} | {made_by} | {_cell(spec.description)} |\n")
-    rules_file = REPO / "ops" / "alerts" / "expertmesh_rules.yml"
+    rules_file = REPO / "ops" / "monitoring" / "alerts" / "expertmesh_rules.yml"
     rules_text = rules_file.read_text()
     rules = yaml.safe_load(rules_text)
     # The comment block written above each `- alert:` line says why it is there; YAML drops comments, so read them.
@@ -338,8 +339,8 @@ def metrics_page() -> str:
         else:
             block = []
     out.append("\n## Alert rules\n\n"
-               "`ops/alerts/expertmesh_rules.yml`: add it to `rule_files:` in `prometheus.yml`, reload Prometheus, "
-               "and route by `severity` with Alertmanager ([Observability](observability.md)). "
+               "`ops/monitoring/alerts/expertmesh_rules.yml`: add it to `rule_files:` in `prometheus.yml`, reload "
+               "Prometheus, and route by `severity` with Alertmanager ([Observability](observability.md)). "
                "`tests/unit/test_alert_rules.py` checks the rules with `promtool` and that every metric they name "
                "is one the code exports.\n")
     for group in rules["groups"]:

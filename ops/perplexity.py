@@ -1,9 +1,9 @@
 """Held-out perplexity of a model, one function for every benchmark and drill that needs a quality figure.
 
 The text is the drill's (ops/drill/workload.py:held_out_chunk): the first tokens of the embedded model's held-out
-split (ops/corpus.py, the split ops/train_demo.py trained and evaluated with), files joined by <|eos|>, cut into
-windows of PPL_WINDOW tokens; each window is scored on its own (no context across windows), every position but the
-first predicting the next token, as train_demo's `evaluate` does (which reports it over the whole held-out split in
+split (ops/train/corpus.py, the split ops/train/train_demo.py trained and evaluated with), files joined by <|eos|>,
+cut into windows of PPL_WINDOW tokens; each window is scored on its own (no context across windows), every position but
+the first predicting the next token, as train_demo's `evaluate` does (which reports it over the whole held-out split in
 experts/default_model/training_report.json).
 """
 

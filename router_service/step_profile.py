@@ -3,7 +3,7 @@
 The batcher, the decoder and the dispatcher each add perf_counter differences to one `StageClock` per router (a
 dict of running sums, seconds). Admin.GetRouterStats returns them (`stage_seconds`) with the step count, so a
 benchmark reads them before and after a measured stretch and turns the deltas into milliseconds per step
-(ops/serve_profile.py). Always on: a timed stage costs ~0.6 µs (two perf_counter calls and a dict update, measured
+(ops/bench/serve_profile.py). Always on: a timed stage costs ~0.6 µs (two perf_counter calls and a dict update, measured
 on the 2-core box under load); a decode step at 32 streams over 4 MoE layers times ~100 stages, ~60 µs against a
 step of ~30-120 ms there (< 0.2%), so no setting turns them off.
 

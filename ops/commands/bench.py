@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
     dispatch.add_argument("--shape", choices=["mixtral", "qwen3-30b-a3b", "deepseek-v3"], default="mixtral",
                           help="benchmark model: Mixtral-like (8 experts, top-2) or a many-expert one (top-8)")
     dispatch.add_argument("--context", type=int, metavar="N", help="decode at N tokens of context over the paged KV "
-                          "cache, against transformers with a static cache (ops/bench_context.py)")
+                          "cache, against transformers with a static cache (ops/bench/context.py)")
     dispatch.add_argument("--streams", type=int, default=8, help="with --context: sequences decoding together")
     # The mesh's settings (transport, overlap, failover, ...); the benchmark supplies its own checkpoint.
     add_mesh_flags(dispatch, ("ray", "experts", "router", "devices", "failover", "controller", "tracing"),
@@ -92,7 +92,7 @@ def add_parser(sub) -> None:
     quant.add_argument("--threads", type=int, default=1, help="torch threads (one expert actor's CPUs)")
     _output_flags(quant)
     shed = bench_sub.add_parser("shed", help="overload shedding off vs on with one expert made hot: p99 inter-token "
-                                "latency, tokens/s, shed tokens, perplexity cost (ops/bench_shed.py)")
+                                "latency, tokens/s, shed tokens, perplexity cost (ops/bench/shed.py)")
     shed.add_argument("--streams", type=int, default=24)
     shed.add_argument("--max-tokens", type=int, default=64)
     shed.add_argument("--gate-bias", type=float, default=4.0, help="added to the hot expert's gate logit")
@@ -111,26 +111,26 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.bench == "dispatch" and args.context is not None:
-        from ..bench_context import run_context_bench
+        from ..bench.context import run_context_bench
 
         result = run_context_bench(args.context, streams=args.streams, repeats=args.repeats, verbose=not args.json,
                                    config=mesh_config_from_args(args))
     elif args.bench == "chunked":
-        from ..bench_chunked import run_chunked_bench
+        from ..bench.chunked import run_chunked_bench
 
         result = run_chunked_bench(args.prompt_tokens, args.streams, tuple(int(c) for c in args.chunks.split(",")),
                                    verbose=not args.json)
     elif args.bench == "dispatch":
-        from ..bench_dispatch import run_dispatch_bench
+        from ..bench.dispatch import run_dispatch_bench
 
         result = run_dispatch_bench(args.workload, repeats=args.repeats, verbose=not args.json,
                                     config=mesh_config_from_args(args), shape=args.shape)
     elif args.bench == "dispatch-overhead":
-        from ..bench_dispatch_overhead import run_overhead_bench
+        from ..bench.dispatch_overhead import run_overhead_bench
 
         result = run_overhead_bench(tokens=args.tokens, hidden_size=args.hidden, repeats=args.repeats)
     elif args.bench == "serve":
-        from ..bench_serve import run_serve_bench
+        from ..bench.serve import run_serve_bench
 
         levels = tuple(int(c) for c in args.concurrency.split(","))
         chart = args.chart or (str(Path(args.out).with_suffix(".png")) if args.out else None)
@@ -141,30 +141,30 @@ def run(args: argparse.Namespace) -> int:
                                  reference=not args.no_reference, chart=Path(chart) if chart else None,
                                  serve_args=tuple(args.serve_arg), reference_threads=args.reference_threads)
     elif args.bench == "offload":
-        from ..bench_offload import run_offload_bench
+        from ..bench.offload import run_offload_bench
 
         result = run_offload_bench(tuple(float(r) for r in args.residency.split(",")),
                                    tuple(args.prefetch_modes.split(",")), layers=args.layers,
                                    quant=tuple(args.quant.split(",")), verbose=not args.json,
                                    config=mesh_config_from_args(args), perplexity=not args.no_perplexity)
     elif args.bench == "quant":
-        from ..bench_quant import run_quant_bench
+        from ..bench.quant import run_quant_bench
 
         result = run_quant_bench(args.model, tokens=args.tokens, dtype=args.dtype, repeats=args.repeats,
                                  threads=args.threads, verbose=not args.json)
     elif args.bench == "shed":
-        from ..bench_shed import run_shed_bench
+        from ..bench.shed import run_shed_bench
 
         result = run_shed_bench(streams=args.streams, max_tokens=args.max_tokens, bias=args.gate_bias,
                                 call_ms=args.call_ms, per_token_ms=args.per_token_ms, capacity=args.capacity,
                                 window_s=args.window_s, max_share=args.max_share, ppl_tokens=args.ppl_tokens,
                                 rounds=args.rounds, verbose=not args.json)
     elif args.bench == "observability":
-        from ..bench_observability import run_observability_bench
+        from ..bench.observability import run_observability_bench
 
         result = run_observability_bench(sequences=args.sequences)
     else:
-        from ..bench_placement import run_placement_bench
+        from ..bench.placement import run_placement_bench
 
         result = run_placement_bench(seed=args.seed, repeats=args.repeats, balance_slack=args.balance_slack,
                                      quick=args.quick)

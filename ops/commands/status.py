@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
 
 def status_lines(state) -> list[str]:
     """The text report of an admin_pb2.ClusterState."""
+    from ..bench.serve_profile import status_profile_line
     from ..load_report import control_lines, load_lines
-    from ..serve_profile import status_profile_line
 
     r = state.router
     lines = [

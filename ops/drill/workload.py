@@ -6,7 +6,7 @@ import json
 import platform
 from pathlib import Path
 
-from ..corpus import load_held_out
+from ..train.corpus import load_held_out
 
 PPL_WINDOW = 256  # tokens per Score call
 PPL_TOKENS = 2048  # held-out tokens per perplexity pass
@@ -41,8 +41,8 @@ def make_prompts(model_dir: str | None) -> list[list[int]]:
 
 
 def held_out_chunk(model_dir: str | None, n_tokens: int = PPL_TOKENS) -> tuple[list[int], dict]:
-    """The first `n_tokens` (whole windows) of the embedded model's held-out text (ops/corpus.py's split, files
-    concatenated with <|eos|> between them, as ops/train_demo.py builds it), and where they came from."""
+    """The first `n_tokens` (whole windows) of the embedded model's held-out text (ops/train/corpus.py's split, files
+    concatenated with <|eos|> between them, as ops/train/train_demo.py builds it), and where they came from."""
     from ...experts.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir_path(model_dir))
@@ -58,7 +58,7 @@ def held_out_chunk(model_dir: str | None, n_tokens: int = PPL_TOKENS) -> tuple[l
         if len(ids) >= n_tokens:
             break
     ids = ids[: n_tokens // PPL_WINDOW * PPL_WINDOW]
-    return ids, {"source": "expertmesh.ops.corpus.load_held_out", "stdlib_path": str(root),
+    return ids, {"source": "expertmesh.ops.train.corpus.load_held_out", "stdlib_path": str(root),
                  "held_out_files": len(held), "tokens": len(ids), "window": PPL_WINDOW,
                  "python": platform.python_version()}
 

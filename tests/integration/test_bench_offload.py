@@ -9,8 +9,10 @@ import functools
 
 import pytest
 
-from expertmesh.ops import bench_dispatch, bench_offload, perplexity
-from expertmesh.ops.bench_offload import run_offload_bench
+from expertmesh.ops import perplexity
+from expertmesh.ops.bench import dispatch as bench_dispatch
+from expertmesh.ops.bench import offload as bench_offload
+from expertmesh.ops.bench.offload import run_offload_bench
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 

@@ -1,6 +1,6 @@
-"""The Prometheus alerting rules (ops/alerts/expertmesh_rules.yml): promtool accepts them, their rule tests
-(ops/alerts/tests/*.yml) pass with every alert both firing and staying silent, and every metric they name is one
-the code exports (so a rename breaks this test, not the alerts in production).
+"""The Prometheus alerting rules (ops/monitoring/alerts/expertmesh_rules.yml): promtool accepts them, their rule
+tests (ops/monitoring/alerts/tests/*.yml) pass with every alert both firing and staying silent, and every metric they
+name is one the code exports (so a rename breaks this test, not the alerts in production).
 
 promtool comes with Debian's prometheus package (ops/setup.sh). Without it the promtool tests skip on a developer
 machine and fail in CI (CI=true), where the rules must be checked."""
@@ -19,7 +19,7 @@ import yaml
 from expertmesh.router_service.metrics import METRIC_SPECS
 
 ROOT = Path(__file__).resolve().parents[2]
-ALERTS = ROOT / "ops" / "alerts"
+ALERTS = ROOT / "ops" / "monitoring" / "alerts"
 RULES = ALERTS / "expertmesh_rules.yml"
 RULE_TESTS = sorted((ALERTS / "tests").glob("*.yml"))
 # The expert-offload metrics (memory tiers, issue 15 item 1), exported by the expert actors; listed here so a
@@ -57,7 +57,7 @@ def test_promtool_checks_the_rules():
 
 
 def test_promtool_rule_tests_pass():
-    assert RULE_TESTS, "no rule tests in ops/alerts/tests"
+    assert RULE_TESTS, "no rule tests in ops/monitoring/alerts/tests"
     done = _run("test", "rules", *(str(p.relative_to(ALERTS)) for p in RULE_TESTS))
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -4,9 +4,9 @@ fields the README's tables are read from, and its figures are consistent with ea
 
 from __future__ import annotations
 
-from expertmesh.ops import bench_quant
-from expertmesh.ops.bench_quant import run_quant_bench
-from expertmesh.ops.bench_shed import run_shed_bench
+from expertmesh.ops.bench import quant as bench_quant
+from expertmesh.ops.bench.quant import run_quant_bench
+from expertmesh.ops.bench.shed import run_shed_bench
 
 
 def test_shed_bench_sheds_the_hot_expert_and_counts_every_moved_slot():

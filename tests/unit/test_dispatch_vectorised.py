@@ -1,5 +1,5 @@
 """The vectorised planning and combine (router_service/dispatch_plan.py, experts/routed_rows.py) against main's
-per-expert loops (ops/dispatch_loops.py) on random routings: the same calls, the same rows, the same bits."""
+per-expert loops (ops/bench/dispatch_overhead.py) on random routings: the same calls, the same rows, the same bits."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from expertmesh.cluster.routing_table import RoutingTable
 from expertmesh.experts.gating import DROPPED, Routing, degrade, route
-from expertmesh.ops.dispatch_loops import loop_combine, loop_plan_calls
+from expertmesh.ops.bench.dispatch_overhead import loop_combine, loop_plan_calls
 from expertmesh.router_service.dispatch_plan import ActorCall, combine, plan_calls
 
 

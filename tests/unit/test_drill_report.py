@@ -348,8 +348,8 @@ def test_drill_config_reads_records_written_before_the_tree(tmp_path):
 
 
 def test_the_drills_held_out_text_is_the_training_scripts():
-    """ops/corpus.py is the one split: load_held_out() reads exactly load_corpus()'s held-out files, in order."""
-    from expertmesh.ops.corpus import load_corpus, load_held_out
+    """ops/train/corpus.py is the one split: load_held_out() reads exactly load_corpus()'s held-out files, in order."""
+    from expertmesh.ops.train.corpus import load_corpus, load_held_out
 
     train, held, root = load_corpus()
     assert load_held_out() == (held, root)

@@ -12,7 +12,7 @@ from expertmesh.experts.ffn import GatedMLPWeights, activation, gated_activation
 from expertmesh.experts.gating import route
 from expertmesh.experts.grouped_ffn import GroupedExperts
 from expertmesh.experts.reference import LocalExperts
-from expertmesh.ops.dispatch_loops import loop_local_run
+from tests.loop_oracles import loop_local_run
 
 SILU = activation("silu")
 

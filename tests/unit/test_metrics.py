@@ -13,7 +13,7 @@ from expertmesh.router_service.metrics import METRIC_SPECS, MetricSpec
 from expertmesh.router_service.observability_config import MetricsConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD = ROOT / "ops" / "grafana" / "expertmesh-dashboard.json"
+DASHBOARD = ROOT / "ops" / "monitoring" / "grafana" / "expertmesh-dashboard.json"
 PROMQL_FUNCTIONS = {"sum", "max", "min", "avg", "rate", "by", "histogram_quantile", "le", "without", "count"}
 
 

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from expertmesh.cluster.shard_placement import Placement, moves
-from expertmesh.ops.bench_placement import run_placement_bench
+from expertmesh.ops.bench.placement import run_placement_bench
 
 
 def expertmesh(*args: str) -> subprocess.CompletedProcess:

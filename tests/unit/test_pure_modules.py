@@ -125,7 +125,7 @@ PURE_MODULES = (
     "expertmesh.cluster.shard_placement",
     "expertmesh.cluster.shard_liveness",  # the last-live-replica guard and the health verdict
     # ops: helpers, the drill's configuration, record, pure report and rendering, the CLI's flag table
-    "expertmesh.ops.corpus",
+    "expertmesh.ops.train.corpus",
     "expertmesh.ops.drill",
     "expertmesh.ops.drill.config",
     "expertmesh.ops.drill.record",
@@ -135,7 +135,7 @@ PURE_MODULES = (
     "expertmesh.ops.measure",
     "expertmesh.ops.perplexity",  # held_out_perplexity: benchmarks and drills score with it
     "expertmesh.ops.plan_cli",
-    "expertmesh.ops.serve_profile",  # bench serve's step-profile table and eta_serve
+    "expertmesh.ops.bench.serve_profile",  # bench serve's step-profile table and eta_serve
 )
 
 # Runs in the fresh interpreter. argv[1]: JSON list of modules, argv[2]: JSON list of FORBIDDEN. Prints one JSON

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from expertmesh.ops.serve_profile import ROWS, eta_serve, profile_table, stage_deltas, status_profile_line
+from expertmesh.ops.bench.serve_profile import ROWS, eta_serve, profile_table, stage_deltas, status_profile_line
 from expertmesh.router_service.step_profile import STAGES, StageClock
 
 # One stretch of 10 steps, 1 s of wall time, with nested stages that add up (seconds).
@@ -184,7 +184,7 @@ def test_an_open_stage_counts_up_to_each_snapshot_and_once_when_closed():
 def test_the_profile_chart_is_a_png_drawn_from_a_saved_result(tmp_path):
     import json
 
-    from expertmesh.ops.serve_chart import chart_from_result
+    from expertmesh.ops.bench.serve_chart import chart_from_result
 
     table = profile_table(DELTA, steps=10, wall_s=1.0, actor_compute_s=0.15)
     result = {"model": "embedded", "max_tokens": 32,
@@ -195,7 +195,7 @@ def test_the_profile_chart_is_a_png_drawn_from_a_saved_result(tmp_path):
 
 
 def test_the_reference_rate_is_both_runs_tokens_over_their_time():
-    from expertmesh.ops.serve_reference import combine_rates
+    from expertmesh.ops.bench.serve_reference import combine_rates
 
     run = {"tokens": 64, "batch": 1, "rounds": 2, "torch_threads": 2}
     got = combine_rates(run | {"wall_s": 1.0, "tokens_per_s": 64.0}, run | {"wall_s": 3.0, "tokens_per_s": 64 / 3})
@@ -216,7 +216,7 @@ def test_expertmesh_status_prints_the_profile_line_from_router_stats():
 def test_the_in_process_engine_reference_counts_every_token_and_frees_its_cache(checkpoints):
     """bench serve's second baseline: expertmesh's decoder with local experts, timed like transformers; every
     sequence gets exactly max_tokens (no early stop) and the KV blocks go back to the pool."""
-    from expertmesh.ops.serve_reference import EngineReference
+    from expertmesh.ops.bench.serve_reference import EngineReference
 
     engine = EngineReference(str(checkpoints["mixtral"]))
     allocator = engine.model.kv_pool.allocator

@@ -235,7 +235,7 @@ def test_one_row_calls_offloaded_equal_resident_on_weights_stored_off_the_bounda
     before loads were aligned the offloaded shards (read in place) and the resident stacks (fresh allocations)
     differed in the last bit. Every loaded weight now starts on the boundary, and the two agree bit for bit."""
     from expertmesh.experts.reproducible import CPU_ALIGN
-    from expertmesh.ops import bench_dispatch
+    from expertmesh.ops.bench import dispatch as bench_dispatch
 
     monkeypatch.setattr(bench_dispatch, "MODEL", dict(bench_dispatch.MODEL, hidden=64, inter=128, heads=4,
                                                       kv_heads=2, vocab=256))

@@ -25,7 +25,7 @@ and from the dispatcher's counter, which must agree. One slow step delays every 
 slowest ~1 % of steps: on a loaded machine it measures the machine's hiccups as much as the replicas, hence also
 the per-round p99 ratios (on / off, each pair run back to back) and their median.
 
-Quality cost: held-out perplexity over ops/corpus.py's held-out text, in process. (1) The biased model without
+Quality cost: held-out perplexity over ops/train/corpus.py's held-out text, in process. (1) The biased model without
 shedding and with the policy applied to every expert round (window 0, capacity scaled from serving rounds of
 `streams` tokens to scoring rounds of 256, the cap as configured: the steady shedding state); the gate bias is an
 artificial fault that shedding partly undoes, so this perplexity can fall. (2) The cost of shedding itself: the
@@ -47,8 +47,8 @@ from dataclasses import replace
 
 import torch
 
-from .measure import percentile
-from .perplexity import held_out_perplexity
+from ..measure import percentile
+from ..perplexity import held_out_perplexity
 
 PPL_WINDOW = 256
 
@@ -58,8 +58,8 @@ class ModelledDeviceTransport:
     exact expert math, then held for call_s + per_token_s x slots; one call at a time per replica."""
 
     def __init__(self, shards: dict, act, actors: list[str], call_s: float, per_token_s: float):
-        from ..experts.arrays import to_tensor
-        from ..experts.ffn import gated_mlp
+        from ...experts.arrays import to_tensor
+        from ...experts.ffn import gated_mlp
 
         self._to_tensor, self._mlp = to_tensor, gated_mlp
         self.shards, self.act = shards, act
@@ -100,8 +100,8 @@ class ModelledDeviceTransport:
 def hot_model(hot_expert: int, bias: float):
     """The embedded model as the in-process reference, with `bias` added to `hot_expert`'s gate logit in every MoE
     layer. -> (decoder, model_dir)."""
-    from ..experts.embedded_model import EMBEDDED_MODEL_DIR
-    from ..experts.reference import load_reference_model
+    from ...experts.embedded_model import EMBEDDED_MODEL_DIR
+    from ...experts.reference import load_reference_model
 
     model = load_reference_model(EMBEDDED_MODEL_DIR)
     for layer in model.w.layers:
@@ -121,7 +121,7 @@ class _ShedEveryRound:
     shedding state), for the perplexity cost."""
 
     def __init__(self, inner, config, num_experts: int):
-        from ..router_service.shedding import ShedPolicy
+        from ...router_service.shedding import ShedPolicy
 
         self.inner, self.policy = inner, ShedPolicy(config, num_experts)
         self.num_experts = num_experts
@@ -129,7 +129,7 @@ class _ShedEveryRound:
         self._served: dict[int, object] = {}
 
     def _apply(self, layer, routing):
-        from ..router_service.shedding import apply_shed
+        from ...router_service.shedding import apply_shed
 
         replicas = torch.ones(self.num_experts, dtype=torch.int64)
         shed = self.policy.observe(layer, 0.0, routing.tokens_per_expert(self.num_experts), replicas)
@@ -147,7 +147,7 @@ class _ShedEveryRound:
 
 
 async def _phase(model, streams: int, max_tokens: int, prompts: list[list[int]], settle_s: float) -> dict:
-    from ..router_service.batching import BatcherConfig, ContinuousBatcher, DoneEvent, GenerationRequest
+    from ...router_service.batching import BatcherConfig, ContinuousBatcher, DoneEvent, GenerationRequest
 
     batcher = ContinuousBatcher(model, None, BatcherConfig(max_active=streams))
     started = time.perf_counter()
@@ -211,11 +211,11 @@ def run_shed_bench(streams: int = 24, max_tokens: int = 64, hot_expert: int = 0,
                    call_ms: float = 1.0, per_token_ms: float = 2.0, capacity: int = 8, threshold: float = 0.95,
                    window_s: float = 1.0, max_share: float = 0.5, ppl_tokens: int = 1024, rounds: int = 5,
                    verbose: bool = True) -> dict:
-    from ..cluster.routing_table import RoutingTable
-    from ..experts.modeling import MoEDecoder
-    from ..router_service.dispatch import FailoverConfig, RemoteExperts
-    from ..router_service.shedding import ShedConfig
-    from .drill.workload import held_out_chunk, make_prompts
+    from ...cluster.routing_table import RoutingTable
+    from ...experts.modeling import MoEDecoder
+    from ...router_service.dispatch import FailoverConfig, RemoteExperts
+    from ...router_service.shedding import ShedConfig
+    from ..drill.workload import held_out_chunk, make_prompts
 
     def say(msg: str) -> None:
         if verbose:
@@ -320,7 +320,7 @@ class _ShedFixedShare(_ShedEveryRound):
         self._served = {}
 
     def _apply(self, layer, routing):
-        from ..router_service.shedding import apply_shed
+        from ...router_service.shedding import apply_shed
 
         counts = torch.zeros(self.num_experts, dtype=torch.int64)
         counts[self.expert] = int(self.share * int((routing.experts == self.expert).sum()))

@@ -3,7 +3,7 @@ server A (main's code: run without the worktree overlay), server B (this branch)
 `transformers` `generate`, measured level by level in rounds, so a load that changes minute to minute hits all
 three alike. Best and median per level.
 
-    PYTHONPATH=<worktree>/.pkg python -m expertmesh.ops.bench_serve_ab_window <model dir or -> <out.json> [rounds]
+    PYTHONPATH=<worktree>/.pkg python -m expertmesh.ops.bench.serve_ab_window <model dir or -> <out.json> [rounds]
 
 A measurement record, not a product command: `expertmesh bench serve` is the benchmark.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from expertmesh.ops import bench_serve as b
+from expertmesh.ops.bench import serve as b
 from expertmesh.ops.server_process import start_server
 
 LEVELS = (1, 8, 32)

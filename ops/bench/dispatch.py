@@ -8,7 +8,7 @@ transformers loaded with the same dtype; "auto" is float32 on this CPU benchmark
   prefill  hidden 1024, ffn 2816, 8 experts top-2, 4 layers; 4 sequences x 256 tokens per forward
   decode   same model; 32 sequences with 64 tokens of context, one new token each per forward
 --shape qwen3-30b-a3b / deepseek-v3 runs the same workloads on a many-expert model (128 or 256 experts, top-8;
-ops/bench_shapes.py) instead of the Mixtral one.
+ops/bench/shapes.py) instead of the Mixtral one.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..router_service.config import MeshConfig
+from ...router_service.config import MeshConfig
 
 MODEL = dict(hidden=1024, inter=2816, experts=8, top_k=2, layers=4, heads=16, kv_heads=4, vocab=4096)
 PREFILL = dict(sequences=4, tokens=256)
@@ -78,13 +78,13 @@ def write_bench_checkpoint(out: Path, seed: int = 0, max_positions: int = 1024, 
 def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool = True,
                        config: MeshConfig | None = None, shape: str = "mixtral") -> dict:
     """config: the mesh's settings (transport, overlap, ...); its model path is replaced by the bench checkpoint.
-    shape: "mixtral" (MODEL) or a many-expert shape of ops/bench_shapes.py."""
+    shape: "mixtral" (MODEL) or a many-expert shape of ops/bench/shapes.py."""
     from transformers import AutoModelForCausalLM
 
-    from ..experts.dtypes import resolve_dtype
-    from ..router_service.mesh import ExpertMesh
-    from ..router_service.transports.base import resolve_transport
-    from .bench_shapes import SHAPES, write_shape_checkpoint
+    from ...experts.dtypes import resolve_dtype
+    from ...router_service.mesh import ExpertMesh
+    from ...router_service.transports.base import resolve_transport
+    from .shapes import SHAPES, write_shape_checkpoint
 
     config = config or MeshConfig()
     transport, overlap = resolve_transport(config.router.transport, config.ray.address), config.router.overlap
@@ -129,11 +129,11 @@ def device_reads(mesh, model_dir: Path, dtype: torch.dtype, model: dict = MODEL)
     dense weights, KV pool and gates on a fake GPU (ops/fake_cuda: CUDA's device rules on the CPU, every
     device->host read and wait counted) against the mesh's live expert actors: one prefill forward and one decode
     step of the decode workload. -> per phase: waits and reads per MoE layer, and where they happen."""
-    from ..experts.checkpoint import CheckpointReader
-    from ..experts.kv_cache import KVCacheSettings
-    from ..experts.modeling import MoEDecoder
-    from ..experts.weights import load_dense_weights
-    from .fake_cuda import fake_cuda
+    from ...experts.checkpoint import CheckpointReader
+    from ...experts.kv_cache import KVCacheSettings
+    from ...experts.modeling import MoEDecoder
+    from ...experts.weights import load_dense_weights
+    from ..fake_cuda import fake_cuda
 
     n, ctx = DECODE["sequences"], DECODE["context"]
     ids = torch.randint(0, model["vocab"], (n, ctx), generator=torch.Generator().manual_seed(1))
@@ -186,7 +186,7 @@ def _noop_round_ms(mesh, rounds: int = 20) -> float:
 def _transport_round_ms(mesh, rounds: int = 20, hidden: int = MODEL["hidden"]) -> float:
     """The transport's own cost of one layer round: an empty batch (0 rows) to every expert actor through the
     mesh's transport, all in flight, then gather. Same shape as a real round, with no expert compute in it."""
-    from ..experts.arrays import pack
+    from ...experts.arrays import pack
 
     transport = mesh.router.transport
     shards = mesh.router.spec.actor_shards

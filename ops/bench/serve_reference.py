@@ -47,7 +47,7 @@ class EngineReference:
     served ÷ engine (what distribution costs)."""
 
     def __init__(self, model_dir: str):
-        from ..experts.reference import load_reference_model
+        from ...experts.reference import load_reference_model
 
         self.model = load_reference_model(model_dir)
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cluster.eplb_greedy import greedy_plan
-from ..cluster.planner import plan
-from ..cluster.shard_placement import Placement, Topology, moves
+from ...cluster.eplb_greedy import greedy_plan
+from ...cluster.planner import plan
+from ...cluster.shard_placement import Placement, Topology, moves
 
 BIG = dict(layers=58, experts=256, nodes=8, gpus_per_node=8, slots_per_gpu=5)
 EMBEDDED_REPORT = Path(__file__).resolve().parent.parent / "experts" / "default_model" / "training_report.json"

@@ -1,7 +1,7 @@
 """`expertmesh bench dispatch --context N`: decode at long context over the paged KV cache, against `transformers`
 with a static (preallocated) cache, same weights, same batch, same context, measured alternately in one run.
 
-Setup: the dispatch benchmark's model (ops/bench_dispatch.py MODEL, fp32, its context raised to fit N); `streams`
+Setup: the dispatch benchmark's model (ops/bench/dispatch.py MODEL, fp32, its context raised to fit N); `streams`
 sequences of N random tokens are prefilled on both sides in chunks of 512 tokens across the batch (transformers into
 its StaticCache, expertmesh into the paged pool), then every forward adds one token to each.
 Reported: η = transformers' decode step time / expertmesh's, the KV bytes per token (from the pool's tensors) against
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..router_service.config import MeshConfig
-from .bench_dispatch import MODEL, write_bench_checkpoint
+from ...router_service.config import MeshConfig
+from .dispatch import MODEL, write_bench_checkpoint
 
 HF_PREFILL_CHUNK = 512  # transformers' prefill into its static cache, in pieces (its mask is [B, 1, S, max_len])
 
@@ -32,7 +32,7 @@ def run_context_bench(context: int, streams: int = 8, repeats: int = 5, verbose:
                       config: MeshConfig | None = None) -> dict:
     from transformers import AutoModelForCausalLM, StaticCache
 
-    from ..router_service.mesh import ExpertMesh
+    from ...router_service.mesh import ExpertMesh
 
     def say(msg: str) -> None:
         if verbose:

@@ -8,10 +8,10 @@ level's wall time), per-stream tokens/s, inter-token and time-to-first-token lat
 continuous batcher behaved (Admin GetRouterStats before and after: steps taken, the largest batch).
 
 Beside it, `transformers` generate in this process at batch size c on the same prompts and token counts
-(ops/serve_reference.py), with no server up, right before each server starts and right after it stops (so machine
-noise hits both alike); η_serve = ours ÷ theirs. The step
-profile is the router's stage clocks (router_service/step_profile.py) over the level, plus the actors' compute
-time (GetClusterState), as ms per step (ops/serve_profile.py), drawn as a stacked bar chart (ops/serve_chart.py).
+(ops/bench/serve_reference.py), with no server up, right before each server starts and right after it stops (so
+machine noise hits both alike); η_serve = ours ÷ theirs. The step profile is the router's stage clocks
+(router_service/step_profile.py) over the level, plus the actors' compute time (GetClusterState), as ms per step
+(ops/bench/serve_profile.py), drawn as a stacked bar chart (ops/bench/serve_chart.py).
 
 Models: "embedded" (the small bundled model: overhead-bound), "mid" (bench dispatch's hidden-1024 Mixtral:
 compute-bound) or a checkpoint folder. Transports: one freshly started server per name in `transports`.
@@ -34,14 +34,14 @@ from pathlib import Path
 import grpc
 import torch
 
-from ..protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
-from ..protos import inference_pb2 as pb
-from . import client
-from .measure import percentile
+from ...protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
+from ...protos import inference_pb2 as pb
+from .. import client
+from ..measure import percentile
+from ..server_process import ServerProcess, start_server
 from .serve_chart import write_profile_chart
 from .serve_profile import eta_serve, profile_table, stage_deltas
 from .serve_reference import EngineReference, TransformersReference, combine_rates
-from .server_process import ServerProcess, start_server
 
 GOAL = "aggregate tokens/s at 32 streams >= 10x one stream"
 GOAL_SPEEDUP = 10.0
@@ -212,11 +212,11 @@ def _model_dir(model: str | None, tmp: Path) -> tuple[str, str | None]:
     """(name for the report, checkpoint folder): "embedded" (default), "mid" (bench dispatch's hidden-1024 Mixtral,
     written into tmp) or a folder."""
     if model in (None, "embedded"):
-        from ..experts.embedded_model import EMBEDDED_MODEL_DIR
+        from ...experts.embedded_model import EMBEDDED_MODEL_DIR
 
         return "embedded", str(EMBEDDED_MODEL_DIR)
     if model == "mid":
-        from .bench_dispatch import write_bench_checkpoint
+        from .dispatch import write_bench_checkpoint
 
         return "mid", str(write_bench_checkpoint(tmp / "mid"))
     return model, model

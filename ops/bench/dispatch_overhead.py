@@ -4,7 +4,8 @@ Per layer the router plans the calls (rows grouped by expert, split over replica
 call's rows, and combines the returned outputs with the gate weights. This times exactly that at 64 tokens, for
 8 experts / top-2, 128 / top-8 (Qwen3-30B-A3B's MoE) and 256 / top-8 (DeepSeek-V3's), in two ways:
 
-  pipeline_ms      plan + marshal + combine, "before" = main's per-expert loops (ops/dispatch_loops.py) and
+  pipeline_ms      plan + marshal + combine, "before" = main's per-expert loops (below; the unit tests'
+                   oracle too) and
                    "after" = the vectorised code (router_service/dispatch_plan.py), on the same routing and layout
   remote_round_ms  a whole RemoteExperts.run (no-replica policy, breakers, plan, send, gather, combine) through an
                    in-process transport whose "experts" return their input rows: the code path a real layer takes,
@@ -19,16 +20,72 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from ..cluster.breaker import BreakerBoard
-from ..cluster.routing_table import RoutingTable
-from ..experts.arrays import pack, to_tensor
-from ..experts.gating import route
-from ..router_service.dispatch import RemoteExperts
+from ...cluster.breaker import BreakerBoard
+from ...cluster.routing_table import RoutingTable, Shard, split_tokens
+from ...experts.arrays import pack, to_tensor
+from ...experts.gating import Routing, route
+from ...router_service.dispatch import RemoteExperts
 
 SHAPES = [(8, 2), (128, 8), (256, 8)]  # (experts, top-k)
+
+
+# --- "before": main's per-expert loops, as they were before router_service/dispatch_plan.py replaced them. Kept for
+# this benchmark and as the slow obvious oracle the unit tests hold the vectorised code to, bit for bit.
+
+@dataclass
+class LoopCall:
+    """Main's ActorCall: per-expert lists of row indices."""
+
+    actor: str
+    experts: list[int] = field(default_factory=list)
+    token_idx: list[torch.Tensor] = field(default_factory=list)  # per expert: [n_e] token positions
+    slot_idx: list[torch.Tensor] = field(default_factory=list)  # per expert: [n_e] which of the k slots
+
+    @property
+    def counts(self) -> list[int]:
+        return [int(t.numel()) for t in self.token_idx]
+
+
+def loop_plan_calls(layer: int, routing: Routing, table: RoutingTable,
+                    replicas_of: Callable[[Shard], Sequence[str]] | None = None) -> list[LoopCall]:
+    calls: dict[str, LoopCall] = {}
+    for expert in torch.unique(routing.experts[routing.experts >= 0]).tolist():
+        token_idx, slot_idx = torch.nonzero(routing.experts == expert, as_tuple=True)  # [n], [n]
+        shard = (layer, expert)
+        if replicas_of is None:
+            chunks = table.split(shard, int(token_idx.numel()))
+        else:
+            chunks = split_tokens(replicas_of(shard), int(token_idx.numel()))
+        for actor, start, end in chunks:
+            call = calls.setdefault(actor, LoopCall(actor))
+            call.experts.append(expert)
+            call.token_idx.append(token_idx[start:end])
+            call.slot_idx.append(slot_idx[start:end])
+    return list(calls.values())
+
+
+def loop_combine(hidden: torch.Tensor, routing: Routing, calls: list[LoopCall],
+                 outputs: list[torch.Tensor]) -> torch.Tensor:
+    pieces: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for call, out in zip(calls, outputs):
+        for expert, token_idx, slot_idx, y in zip(call.experts, call.token_idx, call.slot_idx, out.split(call.counts)):
+            pieces.append((expert, token_idx, slot_idx, y))
+    pieces.sort(key=lambda p: (p[0], int(p[1][0]) if p[1].numel() else -1))
+    result = torch.zeros_like(hidden)  # [T, H]
+    for _, token_idx, slot_idx, y in pieces:
+        weighted = y * routing.weights[token_idx, slot_idx, None]  # [n, H]
+        result.index_add_(0, token_idx, weighted.to(hidden.dtype))
+    return result
+
+
+def loop_send_rows(hidden: torch.Tensor, call: LoopCall):
+    """Main's marshalling of one call's rows (router_service/dispatch.py `_send`)."""
+    return hidden[torch.cat(call.token_idx)].contiguous().numpy()  # [n, H]
 
 
 class EchoTransport:
@@ -71,7 +128,7 @@ def _best_ms(fn, repeats: int, setup=None) -> float:
 
 
 def pipeline_after(hidden, routing, table):
-    from ..router_service.dispatch_plan import combine, plan_calls
+    from ...router_service.dispatch_plan import combine, plan_calls
 
     calls = plan_calls(0, routing, table)
     outputs = [to_tensor(pack(hidden[c.tokens])) for c in calls]  # marshal (as dispatch sends), echo back
@@ -79,8 +136,6 @@ def pipeline_after(hidden, routing, table):
 
 
 def pipeline_before(hidden, routing, table):
-    from .dispatch_loops import loop_combine, loop_plan_calls, loop_send_rows
-
     calls = loop_plan_calls(0, routing, table)
     outputs = [torch.from_numpy(loop_send_rows(hidden, c)) for c in calls]
     return loop_combine(hidden, routing, calls, outputs)

@@ -1,5 +1,5 @@
 """The step-profile chart of `expertmesh bench serve`: one stacked bar per (transport, stream count), ms per step
-split by stage (ops/serve_profile.py rows), so the biggest stage is the one to cut first."""
+split by stage (ops/bench/serve_profile.py rows), so the biggest stage is the one to cut first."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def chart_from_result(result_path: Path, chart_path: Path | None = None) -> Path
     return write_profile_chart(bars, chart_path or result_path.with_suffix(".png"), title)
 
 
-if __name__ == "__main__":  # python -m expertmesh.ops.serve_chart RESULT.json [CHART.png]
+if __name__ == "__main__":  # python -m expertmesh.ops.bench.serve_chart RESULT.json [CHART.png]
     import sys
 
     print(chart_from_result(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None))

@@ -7,9 +7,9 @@ has: the Python standard library's own source. Routing is left unregularised (no
 so the experts end up unevenly loaded, the way real MoE checkpoints are, which is what the placement and
 autoscaling code needs to be exercised against.
 
-    python ops/train_demo.py --out experts/default_model [--minutes 12] [--seed 0] [--steps N]
+    python ops/train/train_demo.py --out experts/default_model [--minutes 12] [--seed 0] [--steps N]
 
-The corpus and its train / held-out split come from ops/corpus.py (so expertmesh must be installed, as for
+The corpus and its train / held-out split come from ops/train/corpus.py (so expertmesh must be installed, as for
 everything else here); the drill scores perplexity on the same held-out files.
 
 Training fits a wall-clock budget: the learning-rate cosine runs on the clock, because the machine may be shared
@@ -36,7 +36,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
-from expertmesh.ops.corpus import SPLIT, load_corpus
+from expertmesh.ops.train.corpus import SPLIT, load_corpus
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]  # ids 0, 1, 2, in this order
 SEQ_LEN = 256

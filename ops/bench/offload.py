@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..router_service.config import MeshConfig
+from ...router_service.config import MeshConfig
 
 PREFILL = dict(sequences=2, tokens=128, repeats=3)
 DECODE = dict(sequences=16, context=32, steps=10)
@@ -44,10 +44,10 @@ TIER_KEYS = ("hits", "misses", "bytes_moved", "stall_s", "prefetch_issued", "pre
 def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch: tuple[str, ...] = ("off", "gate"),
                       layers: int = 4, quant: tuple[str, ...] = ("none",), verbose: bool = True,
                       config: MeshConfig | None = None, perplexity: bool = True) -> dict:
-    from ..experts.checkpoint import CheckpointReader
-    from ..experts.weights import load_expert_shards
-    from ..router_service.mesh import ExpertMesh
-    from .bench_dispatch import MODEL, write_bench_checkpoint
+    from ...experts.checkpoint import CheckpointReader
+    from ...experts.weights import load_expert_shards
+    from ...router_service.mesh import ExpertMesh
+    from .dispatch import MODEL, write_bench_checkpoint
 
     def say(msg: str) -> None:
         if verbose:
@@ -124,7 +124,7 @@ def _rebase(runs: list[dict], again: dict) -> None:
 
 
 def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, baseline: dict | None) -> dict:
-    from ..router_service.prefetch import NextLayerPredictor
+    from ...router_service.prefetch import NextLayerPredictor
 
     mesh.backend.prefetcher = (None if mode == "off" else
                                NextLayerPredictor(mode, mesh.model_config.moe_layers, mesh.model.predict_experts))
@@ -179,12 +179,12 @@ def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, 
 
 def _perplexity(quant: tuple[str, ...], config: MeshConfig) -> dict:
     """{mode: {"resident", "offloaded", "identical", ...}} on the embedded model (see the module docstring)."""
-    from ..experts.checkpoint import CheckpointReader
-    from ..experts.embedded_model import EMBEDDED_MODEL_DIR
-    from ..experts.reference import load_reference_model
-    from ..experts.weights import load_expert_shards
-    from ..router_service.mesh import ExpertMesh
-    from .perplexity import held_out_perplexity
+    from ...experts.checkpoint import CheckpointReader
+    from ...experts.embedded_model import EMBEDDED_MODEL_DIR
+    from ...experts.reference import load_reference_model
+    from ...experts.weights import load_expert_shards
+    from ...router_service.mesh import ExpertMesh
+    from ..perplexity import held_out_perplexity
 
     reader = CheckpointReader(EMBEDDED_MODEL_DIR)
     first = (reader.config.moe_layers[0], 0)

@@ -24,14 +24,14 @@ def run_observability_bench(layers: int = 4, experts: int = 8, top_k: int = 2, s
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from ..cluster.routing_table import RoutingTable
-    from ..experts.gating import route
-    from ..experts.kv_cache import PagedKVPool
-    from ..experts.modeling import StepTrace
-    from ..experts.telemetry import build_tracer
-    from ..router_service.dispatch import RemoteExperts
-    from ..router_service.dispatch_plan import plan_calls
-    from ..router_service.observability import RouterObserver
+    from ...cluster.routing_table import RoutingTable
+    from ...experts.gating import route
+    from ...experts.kv_cache import PagedKVPool
+    from ...experts.modeling import StepTrace
+    from ...experts.telemetry import build_tracer
+    from ...router_service.dispatch import RemoteExperts
+    from ...router_service.dispatch_plan import plan_calls
+    from ...router_service.observability import RouterObserver
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """`expertmesh bench chunked`: inter-token latency of running streams while a long prompt is prefilled, with and
 without chunked prefill, against their latency with no long prompt.
 
-In process (no Ray, no gRPC): the dispatch benchmark's model (ops/bench_dispatch.py MODEL, fp32, context raised to
+In process (no Ray, no gRPC): the dispatch benchmark's model (ops/bench/dispatch.py MODEL, fp32, context raised to
 fit the prompt) as the in-process reference, behind the continuous batcher (router_service/batching.py), so what is
 measured is the step schedule. `streams` streams with short prompts decode; once each has produced a few tokens, a
 `prompt_tokens` prompt arrives (max_tokens 1). For each scenario the gaps between consecutive tokens of the running
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from .bench_dispatch import MODEL, write_bench_checkpoint
+from .dispatch import MODEL, write_bench_checkpoint
 
 
 def run_chunked_bench(prompt_tokens: int = 4096, streams: int = 8, chunks: tuple[int, ...] = (64, 256),
                       verbose: bool = True) -> dict:
-    from ..experts.reference import load_reference_model
+    from ...experts.reference import load_reference_model
 
     def say(msg: str) -> None:
         if verbose:
@@ -62,7 +62,7 @@ def run_chunked_bench(prompt_tokens: int = 4096, streams: int = 8, chunks: tuple
 
 async def _scenario(model, streams: int, long_prompt: int | None, max_prefill_tokens: int, steps: int = 0) -> dict:
     """Gaps between tokens of the running streams while the long prompt is served (or for `steps` steps)."""
-    from ..router_service.batching import BatcherConfig, ContinuousBatcher, GenerationRequest
+    from ...router_service.batching import BatcherConfig, ContinuousBatcher, GenerationRequest
 
     batcher = ContinuousBatcher(model, None, BatcherConfig(max_prefill_tokens=max_prefill_tokens))
     gen = torch.Generator().manual_seed(1)

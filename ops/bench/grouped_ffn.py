@@ -1,5 +1,5 @@
 """Which grouped formulation computes a call's experts fastest here, and which is bit-identical to one matmul per
-expert: `python -m expertmesh.ops.bench_grouped_ffn [--out FILE]` prints JSON.
+expert: `python -m expertmesh.ops.bench.grouped_ffn [--out FILE]` prints JSON.
 
 Candidates, on the same rows (a random top-k routing of T tokens, rows grouped by expert ascending):
   loop        one gated_mlp (two F.linear) per expert hit: main's actor and reference
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from ..experts.ffn import GatedMLPWeights, activation, gated_mlp
-from ..experts.grouped_ffn import GroupedExperts
+from ...experts.ffn import GatedMLPWeights, activation, gated_mlp
+from ...experts.grouped_ffn import GroupedExperts
 
 CASES = [(8, 2, 64), (8, 2, 1024), (64, 8, 64), (64, 8, 1024), (128, 8, 64), (128, 8, 1024), (256, 8, 64),
          (256, 8, 1024)]  # (experts, top-k, tokens)

@@ -27,20 +27,20 @@ from pathlib import Path
 
 import torch
 
-from ..experts.checkpoint import CheckpointReader
-from ..experts.ffn import GatedMLPWeights, activation
-from ..experts.grouped_ffn import GroupedExperts
-from ..experts.quant import QUANT_MODES, quantize_mlp
-from ..experts.reference import all_shards, load_reference_model
-from ..experts.weights import load_expert_shards
-from .drill.workload import PPL_WINDOW, held_out_chunk
-from .perplexity import held_out_perplexity
+from ...experts.checkpoint import CheckpointReader
+from ...experts.ffn import GatedMLPWeights, activation
+from ...experts.grouped_ffn import GroupedExperts
+from ...experts.quant import QUANT_MODES, quantize_mlp
+from ...experts.reference import all_shards, load_reference_model
+from ...experts.weights import load_expert_shards
+from ..drill.workload import PPL_WINDOW, held_out_chunk
+from ..perplexity import held_out_perplexity
 
 TARGETS = {"int8": {"perplexity_ratio_max": 1.01, "bytes_vs_bf16_max": 0.5},
            "int4": {"perplexity_ratio_max": 1.05, "bytes_vs_bf16_max": 0.25}}
 DECODE_TOKENS, PREFILL_TOKENS = 32, 256
 TIMED_DTYPES = ("float32", "bfloat16")
-BIG_SHAPE = dict(hidden=1024, inter=2816, experts=8, top_k=2)  # ops/bench_dispatch.py's Mixtral-like model
+BIG_SHAPE = dict(hidden=1024, inter=2816, experts=8, top_k=2)  # ops/bench/dispatch.py's Mixtral-like model
 DLOGIT_WINDOWS = 4
 
 
@@ -104,7 +104,7 @@ def run_quant_bench(model_dir: str | Path | None = None, tokens: int = 8192, dty
                     verbose: bool = True) -> dict:
     """model_dir: None = the embedded model (its tokenizer gives the held-out text); tokens: held-out tokens scored
     per mode; threads: torch threads, as one expert actor given that many CPUs."""
-    from ..experts.embedded_model import EMBEDDED_MODEL_DIR
+    from ...experts.embedded_model import EMBEDDED_MODEL_DIR
 
     torch.set_num_threads(threads)
     folder = Path(model_dir) if model_dir else EMBEDDED_MODEL_DIR

@@ -1,6 +1,6 @@
 """The embedded model's text corpus and its train / held-out split: the Python standard library's own source.
 
-Shared by ops/train_demo.py (which trains on one part and reports perplexity on the other) and the drill (which
+Shared by ops/train/train_demo.py (which trains on one part and reports perplexity on the other) and the drill (which
 scores held-out text under faults), so both read exactly the same held-out files. Imports only the standard
 library: the drill needs the split on machines without torch or transformers.
 """
