@@ -1,7 +1,7 @@
 """`expertmesh bench chunked`: inter-token latency of running streams while a long prompt is prefilled, with and
 without chunked prefill, against their latency with no long prompt.
 
-In process (no Ray, no gRPC): the dispatch benchmark's model (ops/bench/dispatch.py MODEL, fp32, context raised to
+In process (no Ray, no gRPC): the dispatch benchmark's model (checkpoints.MIXTRAL, fp32, context raised to
 fit the prompt) as the in-process reference, behind the continuous batcher (router_service/batching.py), so what is
 measured is the step schedule. `streams` streams with short prompts decode; once each has produced a few tokens, a
 `prompt_tokens` prompt arrives (max_tokens 1). For each scenario the gaps between consecutive tokens of the running
@@ -16,43 +16,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .dispatch import MODEL, write_bench_checkpoint
+from .checkpoints import MIXTRAL, write_bench_checkpoint
+from .common import all_cores, machine_info, say_to_stderr
 
 
-def run_chunked_bench(prompt_tokens: int = 4096, streams: int = 8, chunks: tuple[int, ...] = (64, 256),
-                      verbose: bool = True) -> dict:
+@dataclass(frozen=True)
+class ChunkedParams:
+    prompt_tokens: int = 4096
+    streams: int = 8
+    chunks: tuple[int, ...] = (64, 256)  # max_prefill_tokens tried
+    model: dict = field(default_factory=lambda: MIXTRAL)
+
+    @classmethod
+    def from_args(cls, args) -> ChunkedParams:
+        return cls(args.prompt_tokens, args.streams, tuple(int(c) for c in args.chunks.split(",")))
+
+
+def run_chunked_bench(params: ChunkedParams = ChunkedParams(), verbose: bool = True) -> dict:
     from ...experts.reference import load_reference_model
 
-    def say(msg: str) -> None:
-        if verbose:
-            print(msg, file=sys.stderr, flush=True)
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    result: dict = {"benchmark": "chunked-prefill", "model": MODEL, "prompt_tokens": prompt_tokens,
-                    "streams": streams, "in_process": True,
-                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
+    say = say_to_stderr(verbose)
+    prompt_tokens, streams, vocab = params.prompt_tokens, params.streams, params.model["vocab"]
+    all_cores()
+    result: dict = {"benchmark": "chunked-prefill", "model": params.model, "prompt_tokens": prompt_tokens,
+                    "streams": streams, "in_process": True, "machine": machine_info()}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
-        model_dir = write_bench_checkpoint(Path(tmp) / "model", max_positions=prompt_tokens + 1024)
+        model_dir = write_bench_checkpoint(Path(tmp) / "model", params.model, max_positions=prompt_tokens + 1024)
         model = load_reference_model(model_dir)
         scenarios = {}
         say("baseline ...")
-        scenarios["baseline"] = asyncio.run(_scenario(model, streams, None, prompt_tokens + 1, steps=48))
+        scenarios["baseline"] = asyncio.run(_scenario(model, vocab, streams, None, prompt_tokens + 1, steps=48))
         say("unchunked ...")
-        scenarios["unchunked"] = asyncio.run(_scenario(model, streams, prompt_tokens, prompt_tokens + 1))
-        for chunk in chunks:
+        scenarios["unchunked"] = asyncio.run(_scenario(model, vocab, streams, prompt_tokens, prompt_tokens + 1))
+        for chunk in params.chunks:
             say(f"chunked {chunk} ...")
-            scenarios[f"chunked_{chunk}"] = asyncio.run(_scenario(model, streams, prompt_tokens, chunk))
+            scenarios[f"chunked_{chunk}"] = asyncio.run(_scenario(model, vocab, streams, prompt_tokens, chunk))
     base = scenarios["baseline"]["inter_token_p99_s"]
     for s in scenarios.values():
         s["p99_vs_baseline"] = round(s["inter_token_p99_s"] / base, 3)
@@ -60,7 +67,8 @@ def run_chunked_bench(prompt_tokens: int = 4096, streams: int = 8, chunks: tuple
     return result
 
 
-async def _scenario(model, streams: int, long_prompt: int | None, max_prefill_tokens: int, steps: int = 0) -> dict:
+async def _scenario(model, vocab: int, streams: int, long_prompt: int | None, max_prefill_tokens: int,
+                    steps: int = 0) -> dict:
     """Gaps between tokens of the running streams while the long prompt is served (or for `steps` steps)."""
     from ...router_service.batching import BatcherConfig, ContinuousBatcher, GenerationRequest
 
@@ -76,7 +84,7 @@ async def _scenario(model, streams: int, long_prompt: int | None, max_prefill_to
     max_tokens = model.cfg.max_position_embeddings - 16
 
     async def consume(i: int) -> None:
-        request = GenerationRequest(torch.randint(0, MODEL["vocab"], (16,), generator=gen).tolist(), max_tokens)
+        request = GenerationRequest(torch.randint(0, vocab, (16,), generator=gen).tolist(), max_tokens)
         try:
             async with contextlib.aclosing(batcher.stream(request)) as events:
                 async for _ in events:
@@ -98,7 +106,7 @@ async def _scenario(model, streams: int, long_prompt: int | None, max_prefill_to
     recording = True
     started, steps_before = time.perf_counter(), batcher.steps
     if long_prompt is not None:
-        request = GenerationRequest(torch.randint(0, MODEL["vocab"], (long_prompt,), generator=gen).tolist(), 1)
+        request = GenerationRequest(torch.randint(0, vocab, (long_prompt,), generator=gen).tolist(), 1)
         async for _ in batcher.stream(request):
             pass
     else:

@@ -1,7 +1,7 @@
 """`expertmesh bench dispatch --context N`: decode at long context over the paged KV cache, against `transformers`
 with a static (preallocated) cache, same weights, same batch, same context, measured alternately in one run.
 
-Setup: the dispatch benchmark's model (ops/bench/dispatch.py MODEL, fp32, its context raised to fit N); `streams`
+Setup: the dispatch benchmark's model (checkpoints.MIXTRAL, fp32, its context raised to fit N); `streams`
 sequences of N random tokens are prefilled on both sides in chunks of 512 tokens across the batch (transformers into
 its StaticCache, expertmesh into the paged pool), then every forward adds one token to each.
 Reported: η = transformers' decode step time / expertmesh's, the KV bytes per token (from the pool's tensors) against
@@ -11,44 +11,52 @@ and the process's peak RSS (router and transformers share this process, so it bo
 
 from __future__ import annotations
 
-import os
-import platform
 import resource
 import statistics
-import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ...router_service.config import MeshConfig
-from .dispatch import MODEL, write_bench_checkpoint
+from .checkpoints import MIXTRAL, write_bench_checkpoint
+from .common import all_cores, machine_info, say_to_stderr
 
 HF_PREFILL_CHUNK = 512  # transformers' prefill into its static cache, in pieces (its mask is [B, 1, S, max_len])
 
 
-def run_context_bench(context: int, streams: int = 8, repeats: int = 5, verbose: bool = True,
+@dataclass(frozen=True)
+class ContextParams:
+    context: int = 4096
+    streams: int = 8
+    repeats: int = 5
+    model: dict = field(default_factory=lambda: MIXTRAL)
+
+    @classmethod
+    def from_args(cls, args) -> ContextParams:
+        return cls(args.context, streams=args.streams, repeats=args.repeats)
+
+
+def run_context_bench(params: ContextParams = ContextParams(), verbose: bool = True,
                       config: MeshConfig | None = None) -> dict:
     from transformers import AutoModelForCausalLM, StaticCache
 
     from ...router_service.mesh import ExpertMesh
 
-    def say(msg: str) -> None:
-        if verbose:
-            print(msg, file=sys.stderr, flush=True)
-
+    say = say_to_stderr(verbose)
+    context, streams, repeats = params.context, params.streams, params.repeats
     config = config or MeshConfig()
-    torch.set_num_threads(os.cpu_count() or 1)
+    all_cores()
     torch.manual_seed(0)
-    result: dict = {"benchmark": "dispatch-context", "model": MODEL, "context": context, "streams": streams,
-                    "repeats": repeats, "transport": config.router.transport,
-                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
+    result: dict = {"benchmark": "dispatch-context", "model": params.model, "context": context, "streams": streams,
+                    "repeats": repeats, "transport": config.router.transport, "machine": machine_info()}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
-        model_dir = write_bench_checkpoint(Path(tmp) / "model", max_positions=context + repeats + 8)
+        model_dir = write_bench_checkpoint(Path(tmp) / "model", params.model, max_positions=context + repeats + 8)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        ids = torch.randint(0, MODEL["vocab"], (streams, context))
+        ids = torch.randint(0, params.model["vocab"], (streams, context))
         say(f"transformers: prefill {streams} x {context} into a static cache ...")
         hf_cache = StaticCache(config=hf.config, max_cache_len=context + repeats + 2)
         with torch.inference_mode():

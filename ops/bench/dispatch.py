@@ -8,123 +8,90 @@ transformers loaded with the same dtype; "auto" is float32 on this CPU benchmark
   prefill  hidden 1024, ffn 2816, 8 experts top-2, 4 layers; 4 sequences x 256 tokens per forward
   decode   same model; 32 sequences with 64 tokens of context, one new token each per forward
 --shape qwen3-30b-a3b / deepseek-v3 runs the same workloads on a many-expert model (128 or 256 experts, top-8;
-ops/bench/shapes.py) instead of the Mixtral one.
+ops/bench/checkpoints.py) instead of the Mixtral one. Parameters: DispatchParams.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ...router_service.config import MeshConfig
-
-MODEL = dict(hidden=1024, inter=2816, experts=8, top_k=2, layers=4, heads=16, kv_heads=4, vocab=4096)
-PREFILL = dict(sequences=4, tokens=256)
-DECODE = dict(sequences=32, context=64)
+from .checkpoints import MIXTRAL, SHAPES, write_shape_checkpoint
+from .common import all_cores, machine_info, median_ms, say_to_stderr
 
 
-def write_bench_checkpoint(out: Path, seed: int = 0, max_positions: int = 1024, layers: int | None = None) -> Path:
-    """Random Mixtral weights at the benchmark's size, written shard-free with safetensors (fast, ~1.1 GB).
-    max_positions: config.json's max_position_embeddings (long-context benchmarks raise it); layers: fewer (or
-    more) layers than MODEL's."""
-    from safetensors.torch import save_file
+@dataclass(frozen=True)
+class DispatchParams:
+    """workload: prefill, decode or both; shape: a checkpoints.SHAPES name, or None with `model` given (a test's
+    smaller model); prefill / decode: the batches timed."""
 
-    m = MODEL if layers is None else dict(MODEL, layers=layers)
-    gen = torch.Generator().manual_seed(seed)
-    head_dim = m["hidden"] // m["heads"]
+    workload: str = "both"
+    repeats: int = 5
+    shape: str = "mixtral"
+    model: dict | None = None  # overrides SHAPES[shape]
+    prefill: dict = field(default_factory=lambda: dict(sequences=4, tokens=256))
+    decode: dict = field(default_factory=lambda: dict(sequences=32, context=64))
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.02
+    @property
+    def model_shape(self) -> dict:
+        return self.model if self.model is not None else SHAPES[self.shape]
 
-    tensors = {"model.embed_tokens.weight": rand(m["vocab"], m["hidden"]),
-               "model.norm.weight": torch.ones(m["hidden"]), "lm_head.weight": rand(m["vocab"], m["hidden"])}
-    for i in range(m["layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": torch.ones(m["hidden"]),
-            p + "post_attention_layernorm.weight": torch.ones(m["hidden"]),
-            p + "self_attn.q_proj.weight": rand(m["heads"] * head_dim, m["hidden"]),
-            p + "self_attn.k_proj.weight": rand(m["kv_heads"] * head_dim, m["hidden"]),
-            p + "self_attn.v_proj.weight": rand(m["kv_heads"] * head_dim, m["hidden"]),
-            p + "self_attn.o_proj.weight": rand(m["hidden"], m["heads"] * head_dim),
-            p + "block_sparse_moe.gate.weight": rand(m["experts"], m["hidden"]) * 5,  # visibly uneven routing
-        }
-        for e in range(m["experts"]):
-            q = f"{p}block_sparse_moe.experts.{e}."
-            tensors |= {q + "w1.weight": rand(m["inter"], m["hidden"]), q + "w3.weight": rand(m["inter"], m["hidden"]),
-                        q + "w2.weight": rand(m["hidden"], m["inter"])}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"))
-    config = {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": m["vocab"],
-        "hidden_size": m["hidden"], "intermediate_size": m["inter"], "num_hidden_layers": m["layers"],
-        "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"], "num_local_experts": m["experts"],
-        "num_experts_per_tok": m["top_k"], "rms_norm_eps": 1e-5, "rope_theta": 1e6,
-        "max_position_embeddings": max_positions,
-        "hidden_act": "silu", "tie_word_embeddings": False, "sliding_window": None, "torch_dtype": "float32",
-    }
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+    @classmethod
+    def from_args(cls, args) -> DispatchParams:
+        return cls(workload=args.workload, repeats=args.repeats, shape=args.shape)
 
 
-def run_dispatch_bench(workload: str = "both", repeats: int = 5, verbose: bool = True,
-                       config: MeshConfig | None = None, shape: str = "mixtral") -> dict:
-    """config: the mesh's settings (transport, overlap, ...); its model path is replaced by the bench checkpoint.
-    shape: "mixtral" (MODEL) or a many-expert shape of ops/bench/shapes.py."""
+def run_dispatch_bench(params: DispatchParams = DispatchParams(), verbose: bool = True,
+                       config: MeshConfig | None = None) -> dict:
+    """config: the mesh's settings (transport, overlap, ...); its model path is replaced by the bench checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from ...experts.dtypes import resolve_dtype
     from ...router_service.mesh import ExpertMesh
     from ...router_service.transports.base import resolve_transport
-    from .shapes import SHAPES, write_shape_checkpoint
 
     config = config or MeshConfig()
     transport, overlap = resolve_transport(config.router.transport, config.ray.address), config.router.overlap
     dtype = resolve_dtype(config.model.dtype, "float32", on_gpu=False)  # the CPU benchmark's checkpoint is fp32
 
-    def say(msg: str) -> None:
-        if verbose:
-            print(msg, file=sys.stderr, flush=True)
-
-    torch.set_num_threads(os.cpu_count() or 1)
+    say = say_to_stderr(verbose)
+    all_cores()
     torch.manual_seed(0)
-    model = MODEL if shape == "mixtral" else SHAPES[shape]
-    result: dict = {"benchmark": "dispatch", "shape": shape, "model": model, "transport": transport, "overlap": overlap,
-                    "dtype": dtype, "repeats": repeats,
-                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
+    model, repeats = params.model_shape, params.repeats
+    result: dict = {"benchmark": "dispatch", "shape": params.shape, "model": model, "transport": transport,
+                    "overlap": overlap, "dtype": dtype, "repeats": repeats, "machine": machine_info()}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
-        model_dir = (write_bench_checkpoint(Path(tmp) / "model") if shape == "mixtral"
-                     else write_shape_checkpoint(Path(tmp) / "model", model))
+        model_dir = write_shape_checkpoint(Path(tmp) / "model", model)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         say("starting expert actors ...")
         with ExpertMesh(config.replace(**{"model.path": str(model_dir), "model.dtype": dtype})) as mesh:
             result["noop_round_ms"] = _noop_round_ms(mesh)
             result["transport_round_ms"] = _transport_round_ms(mesh, hidden=model["hidden"])
             result["transport_round_vs_noop"] = round(result["transport_round_ms"] / result["noop_round_ms"], 3)
-            if workload in ("prefill", "both"):
+            if params.workload in ("prefill", "both"):
                 say("prefill ...")
-                result["prefill"] = _with_floor(_bench_prefill(hf, mesh, repeats, model), result["noop_round_ms"])
-            if workload in ("decode", "both"):
+                result["prefill"] = _with_floor(_bench_prefill(hf, mesh, params), result["noop_round_ms"])
+            if params.workload in ("decode", "both"):
                 say("decode ...")
-                result["decode"] = _with_floor(_bench_decode(hf, mesh, repeats, model), result["noop_round_ms"])
+                result["decode"] = _with_floor(_bench_decode(hf, mesh, params), result["noop_round_ms"])
             say("device reads (router step on a fake GPU) ...")
-            result["device_reads"] = device_reads(mesh, model_dir, getattr(torch, dtype), model)
+            result["device_reads"] = device_reads(mesh, model_dir, getattr(torch, dtype), model, params.decode)
             stats = {k: getattr(mesh.router.transport, k, None) for k in ("builds", "compiled_rounds",
                                                                             "fallback_rounds", "reconnects")}
             result["transport_stats"] = {k: v for k, v in stats.items() if v is not None}
     return result
 
 
-def device_reads(mesh, model_dir: Path, dtype: torch.dtype, model: dict = MODEL) -> dict:
+def device_reads(mesh, model_dir: Path, dtype: torch.dtype, model: dict = MIXTRAL,
+                 decode: dict = DispatchParams().decode) -> dict:
     """How often the router's step reads the device (README: The router on a GPU), counted by running it with its
     dense weights, KV pool and gates on a fake GPU (ops/fake_cuda: CUDA's device rules on the CPU, every
     device->host read and wait counted) against the mesh's live expert actors: one prefill forward and one decode
@@ -135,7 +102,7 @@ def device_reads(mesh, model_dir: Path, dtype: torch.dtype, model: dict = MODEL)
     from ...experts.weights import load_dense_weights
     from ..fake_cuda import fake_cuda
 
-    n, ctx = DECODE["sequences"], DECODE["context"]
+    n, ctx = decode["sequences"], decode["context"]
     ids = torch.randint(0, model["vocab"], (n, ctx), generator=torch.Generator().manual_seed(1))
     out: dict = {"method": "router step on a fake GPU (ops/fake_cuda) against the live expert actors",
                  "sequences": n, "context": ctx}
@@ -180,10 +147,10 @@ def _noop_round_ms(mesh, rounds: int = 20) -> float:
         started = time.perf_counter()
         ray.get([h.ready.remote() for h in handles])
         times.append(time.perf_counter() - started)
-    return round(1000 * statistics.median(times), 3)
+    return median_ms(times)
 
 
-def _transport_round_ms(mesh, rounds: int = 20, hidden: int = MODEL["hidden"]) -> float:
+def _transport_round_ms(mesh, rounds: int = 20, hidden: int = MIXTRAL["hidden"]) -> float:
     """The transport's own cost of one layer round: an empty batch (0 rows) to every expert actor through the
     mesh's transport, all in flight, then gather. Same shape as a real round, with no expert compute in it."""
     from ...experts.arrays import pack
@@ -201,11 +168,11 @@ def _transport_round_ms(mesh, rounds: int = 20, hidden: int = MODEL["hidden"]) -
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise RuntimeError(f"empty expert round failed: {failed[0]!r}")
-    return round(1000 * statistics.median(times), 3)
+    return median_ms(times)
 
 
 def _summary(tokens: int, hf_times: list[float], mesh_times: list[float], rounds: list[float], delta: float,
-             compute: list[float], model: dict = MODEL) -> dict:
+             compute: list[float], model: dict = MIXTRAL) -> dict:
     hf_s, mesh_s, round_s = statistics.median(hf_times), statistics.median(mesh_times), statistics.median(rounds)
     compute_s = statistics.median(compute)
     layers = model["layers"]
@@ -244,8 +211,9 @@ def _timed_mesh(mesh, fn, compute: list[float] | None = None):
     return out, elapsed, round_s
 
 
-def _bench_prefill(hf, mesh, repeats: int, model: dict = MODEL) -> dict:
-    ids = torch.randint(0, model["vocab"], (PREFILL["sequences"], PREFILL["tokens"]))
+def _bench_prefill(hf, mesh, params: DispatchParams) -> dict:
+    model, repeats = params.model_shape, params.repeats
+    ids = torch.randint(0, model["vocab"], (params.prefill["sequences"], params.prefill["tokens"]))
     rows = [r for r in ids]
     with torch.inference_mode():
         hf(ids)  # warm-up both
@@ -263,10 +231,11 @@ def _bench_prefill(hf, mesh, repeats: int, model: dict = MODEL) -> dict:
     return _summary(ids.numel(), hf_times, mesh_times, rounds, delta, compute, model)
 
 
-def _bench_decode(hf, mesh, repeats: int, model: dict = MODEL) -> dict:
+def _bench_decode(hf, mesh, params: DispatchParams) -> dict:
     from transformers import DynamicCache
 
-    n, ctx = DECODE["sequences"], DECODE["context"]
+    model, repeats = params.model_shape, params.repeats
+    n, ctx = params.decode["sequences"], params.decode["context"]
     ids = torch.randint(0, model["vocab"], (n, ctx))
     hf_cache = DynamicCache(config=hf.config)
     with torch.inference_mode():

@@ -17,9 +17,6 @@ layer (the default above 16 experts: on this CPU box one device; `devices` 8 sho
 
 from __future__ import annotations
 
-import os
-import platform
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,8 +27,9 @@ from ...cluster.routing_table import RoutingTable, Shard, split_tokens
 from ...experts.arrays import pack, to_tensor
 from ...experts.gating import Routing, route
 from ...router_service.dispatch import RemoteExperts
+from .common import best_ms, machine_info
 
-SHAPES = [(8, 2), (128, 8), (256, 8)]  # (experts, top-k)
+SHAPES = ((8, 2), (128, 8), (256, 8))  # (experts, top-k)
 
 
 # --- "before": main's per-expert loops, as they were before router_service/dispatch_plan.py replaced them. Kept for
@@ -112,21 +110,6 @@ def layouts(experts: int, devices: tuple[int, ...] = (1, 8)) -> dict[str, Routin
     return tables
 
 
-def _best_ms(fn, repeats: int, setup=None) -> float:
-    """The fastest of `repeats` runs after a warm-up: on a shared machine the minimum is the code's own cost, the
-    median mostly the neighbours'. setup (untimed) runs before each."""
-    for _ in range(max(3, repeats // 10)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return round(1000 * min(times), 4)
-
-
 def pipeline_after(hidden, routing, table):
     from ...router_service.dispatch_plan import combine, plan_calls
 
@@ -141,17 +124,36 @@ def pipeline_before(hidden, routing, table):
     return loop_combine(hidden, routing, calls, outputs)
 
 
-def run_overhead_bench(tokens: int = 64, hidden_size: int = 1024, repeats: int = 200, seed: int = 0,
-                       threads: int = 1) -> dict:
-    """-> {"shapes": {"E{experts}_top{k}": {layout: {...ms...}}}}. threads: torch threads, as a router replica's
+@dataclass(frozen=True)
+class OverheadParams:
+    """tokens x hidden per layer; shapes: (experts, top-k) pairs; threads: torch threads, as a router replica's
     (router.threads, default 1)."""
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(seed)
+
+    tokens: int = 64
+    hidden: int = 1024
+    repeats: int = 200
+    seed: int = 0
+    threads: int = 1
+    shapes: tuple[tuple[int, int], ...] = SHAPES
+
+    @classmethod
+    def from_args(cls, args) -> OverheadParams:
+        return cls(tokens=args.tokens, hidden=args.hidden, repeats=args.repeats)
+
+
+def _best_ms(fn, repeats: int, setup=None) -> float:
+    """common.best_ms with this benchmark's longer warm-up (its runs are microseconds) and finer rounding."""
+    return best_ms(fn, repeats, warmup=max(3, repeats // 10), setup=setup, digits=4)
+
+
+def run_overhead_bench(params: OverheadParams = OverheadParams()) -> dict:
+    """-> {"shapes": {"E{experts}_top{k}": {layout: {...ms...}}}}."""
+    tokens, hidden_size, repeats = params.tokens, params.hidden, params.repeats
+    torch.set_num_threads(params.threads)
+    gen = torch.Generator().manual_seed(params.seed)
     result: dict = {"benchmark": "dispatch-overhead", "tokens": tokens, "hidden": hidden_size, "repeats": repeats,
-                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                                "torch_threads": torch.get_num_threads()},
-                    "shapes": {}}
-    for experts, k in SHAPES:
+                    "machine": machine_info(torch_threads=torch.get_num_threads()), "shapes": {}}
+    for experts, k in params.shapes:
         hidden = torch.randn(tokens, hidden_size, generator=gen)  # [T, H]
         routing = route(torch.randn(tokens, experts, generator=gen), k, renormalize=True)
         per_layout = {}

@@ -1,5 +1,6 @@
 """Which grouped formulation computes a call's experts fastest here, and which is bit-identical to one matmul per
-expert: `python -m expertmesh.ops.bench.grouped_ffn [--out FILE]` prints JSON.
+expert: `expertmesh bench grouped-ffn` (or `python -m expertmesh.ops.bench.grouped_ffn [--out FILE]`) prints
+JSON.
 
 Candidates, on the same rows (a random top-k routing of T tokens, rows grouped by expert ascending):
   loop        one gated_mlp (two F.linear) per expert hit: main's actor and reference
@@ -10,19 +11,16 @@ Candidates, on the same rows (a random top-k routing of T tokens, rows grouped b
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import time
+from dataclasses import dataclass
 
 import torch
 
 from ...experts.ffn import GatedMLPWeights, activation, gated_mlp
 from ...experts.grouped_ffn import GroupedExperts
+from .common import best_ms, machine_info
 
-CASES = [(8, 2, 64), (8, 2, 1024), (64, 8, 64), (64, 8, 1024), (128, 8, 64), (128, 8, 1024), (256, 8, 64),
-         (256, 8, 1024)]  # (experts, top-k, tokens)
+CASES = ((8, 2, 64), (8, 2, 1024), (64, 8, 64), (64, 8, 1024), (128, 8, 64), (128, 8, 1024), (256, 8, 64),
+         (256, 8, 1024))  # (experts, top-k, tokens)
 
 
 def _bmm(x, counts, gate_up, down, hit, act):
@@ -38,26 +36,32 @@ def _bmm(x, counts, gate_up, down, hit, act):
     return torch.bmm(act(g) * u, down[idx].transpose(1, 2))[seg, pos]  # [N, H]
 
 
-def _best_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return round(1000 * min(times), 3)
+@dataclass(frozen=True)
+class GroupedFFNParams:
+    """hidden / inter: the experts' size; cases: (experts, top-k, tokens); threads: torch threads, as an expert
+    actor given that many CPUs (on a shared machine more than the free cores measures the neighbours, not the
+    kernels)."""
+
+    hidden: int = 256
+    inter: int = 96
+    repeats: int = 7
+    seed: int = 0
+    threads: int = 1
+    cases: tuple[tuple[int, int, int], ...] = CASES
+
+    @classmethod
+    def from_args(cls, args) -> GroupedFFNParams:
+        return cls(hidden=args.hidden, inter=args.inter, repeats=args.repeats, threads=args.threads)
 
 
-def run(hidden: int = 256, inter: int = 96, repeats: int = 7, seed: int = 0, threads: int = 1) -> dict:
-    """threads: torch threads, as an expert actor given that many CPUs (on a shared machine more than the free cores
-    measures the neighbours, not the kernels)."""
-    torch.set_num_threads(threads)
+def run_grouped_ffn_bench(params: GroupedFFNParams = GroupedFFNParams()) -> dict:
+    hidden, inter, repeats = params.hidden, params.inter, params.repeats
+    torch.set_num_threads(params.threads)
     act = activation("silu")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(params.seed)
     out: dict = {"benchmark": "grouped_ffn", "hidden": hidden, "inter": inter, "repeats": repeats,
-                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                             "torch_threads": torch.get_num_threads()}, "cases": []}
-    for experts, k, tokens in CASES:
+                 "machine": machine_info(torch_threads=torch.get_num_threads()), "cases": []}
+    for experts, k, tokens in params.cases:
         shards = {(0, e): GatedMLPWeights.from_parts(torch.randn(inter, hidden, generator=gen) * 0.05,
                                                      torch.randn(inter, hidden, generator=gen) * 0.05,
                                                      torch.randn(hidden, inter, generator=gen) * 0.05)
@@ -76,9 +80,9 @@ def run(hidden: int = 256, inter: int = 96, repeats: int = 7, seed: int = 0, thr
         want = loop()
         out["cases"].append({
             "experts": experts, "top_k": k, "tokens": tokens, "rows": int(x.shape[0]), "experts_hit": len(hit),
-            "loop_ms": _best_ms(loop, repeats),
-            "grouped_mm_ms": _best_ms(lambda: grouped.run(0, hit, counts, x), repeats),  # noqa: B023
-            "bmm_ms": _best_ms(lambda: _bmm(x, counts, stack.gate_up, stack.down, hit, act), repeats),  # noqa: B023
+            "loop_ms": best_ms(loop, repeats),
+            "grouped_mm_ms": best_ms(lambda: grouped.run(0, hit, counts, x), repeats),  # noqa: B023
+            "bmm_ms": best_ms(lambda: _bmm(x, counts, stack.gate_up, stack.down, hit, act), repeats),  # noqa: B023
             "grouped_mm_bit_identical": bool(torch.equal(grouped.run(0, hit, counts, x), want)),
             "bmm_bit_identical": bool(torch.equal(_bmm(x, counts, stack.gate_up, stack.down, hit, act), want)),
         })
@@ -86,18 +90,12 @@ def run(hidden: int = 256, inter: int = 96, repeats: int = 7, seed: int = 0, thr
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--inter", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", help="also write the JSON here")
-    args = parser.parse_args()
-    text = json.dumps(run(args.hidden, args.inter, args.repeats, threads=args.threads), indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    """`python -m expertmesh.ops.bench.grouped_ffn [flags]`: the same as `expertmesh bench grouped-ffn [flags]`."""
+    import sys
+
+    from ..cli import main as cli_main
+
+    sys.exit(cli_main(["bench", "grouped-ffn", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,24 @@ per-layer hook, and its per-step hook (all MoE layers of one decode step at once
 from __future__ import annotations
 
 import timeit
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class ObservabilityParams:
+    """The decode step timed: `sequences` sequences through `layers` MoE layers of `experts` experts, top_k."""
+
+    layers: int = 4
+    experts: int = 8
+    top_k: int = 2
+    sequences: int = 32
+    repeats: int = 5
+
+    @classmethod
+    def from_args(cls, args) -> ObservabilityParams:
+        return cls(sequences=args.sequences)
 
 
 class _Cfg:
@@ -19,8 +35,7 @@ class _Cfg:
         self.top_k = top_k
 
 
-def run_observability_bench(layers: int = 4, experts: int = 8, top_k: int = 2, sequences: int = 32,
-                            repeats: int = 5) -> dict:
+def run_observability_bench(params: ObservabilityParams = ObservabilityParams()) -> dict:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -33,6 +48,8 @@ def run_observability_bench(layers: int = 4, experts: int = 8, top_k: int = 2, s
     from ...router_service.dispatch_plan import plan_calls
     from ...router_service.observability import RouterObserver
 
+    layers, experts, top_k, sequences, repeats = (params.layers, params.experts, params.top_k, params.sequences,
+                                                  params.repeats)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     table = RoutingTable.from_actor_shards({f"expert-e{e}-r0": [(layer, e) for layer in range(layers)]

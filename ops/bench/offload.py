@@ -25,34 +25,50 @@ must agree exactly (the run says whether they did); what a mode costs in quality
 
 from __future__ import annotations
 
-import os
-import platform
-import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ...router_service.config import MeshConfig
+from .checkpoints import MIXTRAL, write_bench_checkpoint
+from .common import all_cores, machine_info, say_to_stderr
 
-PREFILL = dict(sequences=2, tokens=128, repeats=3)
-DECODE = dict(sequences=16, context=32, steps=10)
 TIER_KEYS = ("hits", "misses", "bytes_moved", "stall_s", "prefetch_issued", "prefetch_useful")
 
 
-def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch: tuple[str, ...] = ("off", "gate"),
-                      layers: int = 4, quant: tuple[str, ...] = ("none",), verbose: bool = True,
-                      config: MeshConfig | None = None, perplexity: bool = True) -> dict:
+@dataclass(frozen=True)
+class OffloadParams:
+    """residency: shares of each actor's shards kept resident (1: no budget, the baseline); prefetch: modes per
+    offloaded level; quant: expert quantisation modes, each against its own all-resident run; model: the benchmark
+    model (its layer count replaced by `layers`); prefill / decode: the workloads timed."""
+
+    residency: tuple[float, ...] = (1.0, 0.5, 0.25)
+    prefetch: tuple[str, ...] = ("off", "gate")
+    layers: int = 4
+    quant: tuple[str, ...] = ("none",)
+    perplexity: bool = True
+    ppl: dict = field(default_factory=dict)  # held_out_perplexity's tokens / window (default: its own)
+    model: dict = field(default_factory=lambda: MIXTRAL)
+    prefill: dict = field(default_factory=lambda: dict(sequences=2, tokens=128, repeats=3))
+    decode: dict = field(default_factory=lambda: dict(sequences=16, context=32, steps=10))
+
+    @classmethod
+    def from_args(cls, args) -> OffloadParams:
+        return cls(tuple(float(r) for r in args.residency.split(",")), tuple(args.prefetch_modes.split(",")),
+                   layers=args.layers, quant=tuple(args.quant.split(",")), perplexity=not args.no_perplexity)
+
+
+def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = True,
+                      config: MeshConfig | None = None) -> dict:
     from ...experts.checkpoint import CheckpointReader
     from ...experts.weights import load_expert_shards
     from ...router_service.mesh import ExpertMesh
-    from .dispatch import MODEL, write_bench_checkpoint
 
-    def say(msg: str) -> None:
-        if verbose:
-            print(msg, file=sys.stderr, flush=True)
-
+    say = say_to_stderr(verbose)
+    prefetch, quant, prefill, decode = params.prefetch, params.quant, params.prefill, params.decode
     config = (config or MeshConfig()).replace(**{"controller.enabled": False, "model.dtype": "float32"})
     if config.experts.layout == "auto":
         # One actor per expert, hosting expert e of every layer, so "50 %" is half of what each of 8 actors hosts.
@@ -60,17 +76,17 @@ def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch:
         config = config.replace(**{"experts.layout": "per-expert"})
     if config.router.transport == "compiled":
         prefetch = tuple(m for m in prefetch if m == "off")  # compiled graphs' actors take no prefetch calls
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = dict(MODEL, layers=layers)
-    result: dict = {"benchmark": "offload", "model": model, "prefill": PREFILL, "decode": DECODE,
+    all_cores()
+    model = dict(params.model, layers=params.layers)
+    result: dict = {"benchmark": "offload", "model": model, "prefill": prefill, "decode": decode,
                     "transport": config.router.transport, "layout": config.experts.layout, "runs": [],
-                    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
+                    "machine": machine_info()}
     gen = torch.Generator().manual_seed(0)
-    prefill_ids = torch.randint(0, model["vocab"], (PREFILL["sequences"], PREFILL["tokens"]), generator=gen)
-    context_ids = torch.randint(0, model["vocab"], (DECODE["sequences"], DECODE["context"]), generator=gen)
+    prefill_ids = torch.randint(0, model["vocab"], (prefill["sequences"], prefill["tokens"]), generator=gen)
+    context_ids = torch.randint(0, model["vocab"], (decode["sequences"], decode["context"]), generator=gen)
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
-        model_dir = write_bench_checkpoint(Path(tmp) / "model", layers=layers)
+        model_dir = write_bench_checkpoint(Path(tmp) / "model", model)
         reader = CheckpointReader(model_dir)
         per_actor = len(reader.config.moe_layers)  # per-expert layout: expert e of every MoE layer per actor
         if config.experts.layout != "per-expert":
@@ -86,7 +102,7 @@ def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch:
             shard_bytes = load_expert_shards(reader, [(0, 0)], quant=q)[(0, 0)].nbytes()
             result["shard_bytes"][q] = shard_bytes
             first_run = len(result["runs"])
-            for share in residency:
+            for share in params.residency:
                 keep = max(1, round(share * per_actor))
                 offload = keep < per_actor
                 mesh_config = base.replace(**{"experts.memory_gb": keep * shard_bytes / 2**30}) if offload else base
@@ -94,7 +110,7 @@ def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch:
                 with ExpertMesh(mesh_config) as mesh:
                     for mode in (prefetch if offload else ("off",)):
                         say(f"  prefetch {mode} ...")
-                        run = _run(mesh, mode, prefill_ids, context_ids, baseline)
+                        run = _run(mesh, mode, prefill_ids, context_ids, baseline, params)
                         run |= {"quant": q, "residency": share, "resident_shards_per_actor": keep}
                         if baseline is None:
                             baseline = run
@@ -104,12 +120,12 @@ def run_offload_bench(residency: tuple[float, ...] = (1.0, 0.5, 0.25), prefetch:
                 # the ratios use the better of the two resident runs (both are reported).
                 say(f"quant {q}, residency 100 % again ...")
                 with ExpertMesh(base) as mesh:
-                    again = _run(mesh, "off", prefill_ids, context_ids, baseline)
+                    again = _run(mesh, "off", prefill_ids, context_ids, baseline, params)
                 result.setdefault("resident_again", {})[q] = {k: v for k, v in again.items() if not k.startswith("_")}
                 _rebase(result["runs"][first_run:], again)
-    if perplexity:
+    if params.perplexity:
         say("held-out perplexity of the embedded model, resident in process and offloaded through actors ...")
-        result["perplexity"] = _perplexity(quant, config)
+        result["perplexity"] = _perplexity(quant, config, params.ppl)
     result["stall_removed_by_prefetch"] = _stall_removed(result["runs"])
     return result
 
@@ -123,7 +139,8 @@ def _rebase(runs: list[dict], again: dict) -> None:
         run["decode_vs_resident"] = round(run["decode_tokens_per_s"] / best["decode_tokens_per_s"], 3)
 
 
-def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, baseline: dict | None) -> dict:
+def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, baseline: dict | None,
+         params: OffloadParams) -> dict:
     from ...router_service.prefetch import NextLayerPredictor
 
     mesh.backend.prefetcher = (None if mode == "off" else
@@ -132,7 +149,7 @@ def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, 
     mesh.model.forward(rows)  # warm-up
     before = _actor_totals(mesh)
     times = []
-    for _ in range(PREFILL["repeats"]):
+    for _ in range(params.prefill["repeats"]):
         started = time.perf_counter()
         prefill_logits = mesh.model.forward(rows)
         times.append(time.perf_counter() - started)
@@ -148,7 +165,7 @@ def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, 
         mesh.backend.prefetcher.predicted = mesh.backend.prefetcher.actual = mesh.backend.prefetcher.hits = 0
     before = _actor_totals(mesh)
     step_times, logits = [], []
-    for step in range(DECODE["steps"]):
+    for step in range(params.decode["steps"]):
         next_ids = feed[step]
         started = time.perf_counter()
         out = mesh.model.forward([t.view(1) for t in next_ids], caches)
@@ -177,7 +194,7 @@ def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, 
     return run
 
 
-def _perplexity(quant: tuple[str, ...], config: MeshConfig) -> dict:
+def _perplexity(quant: tuple[str, ...], config: MeshConfig, ppl: dict) -> dict:
     """{mode: {"resident", "offloaded", "identical", ...}} on the embedded model (see the module docstring)."""
     from ...experts.checkpoint import CheckpointReader
     from ...experts.embedded_model import EMBEDDED_MODEL_DIR
@@ -190,7 +207,7 @@ def _perplexity(quant: tuple[str, ...], config: MeshConfig) -> dict:
     first = (reader.config.moe_layers[0], 0)
     out = {}
     for q in quant:
-        resident = held_out_perplexity(load_reference_model(EMBEDDED_MODEL_DIR, torch.float32, quant=q))
+        resident = held_out_perplexity(load_reference_model(EMBEDDED_MODEL_DIR, torch.float32, quant=q), **ppl)
         shard_bytes = load_expert_shards(reader, [first], quant=q)[first].nbytes()  # this mode's shard size
         mesh_config = config.replace(**{"model.path": str(EMBEDDED_MODEL_DIR), "experts.quant": q,
                                         "experts.prefetch": "gate"})
@@ -198,7 +215,7 @@ def _perplexity(quant: tuple[str, ...], config: MeshConfig) -> dict:
             hosted = min(len(info["shards"]) for info in mesh.actor_info())
         keep = max(1, hosted // 2)
         with ExpertMesh(mesh_config.replace(**{"experts.memory_gb": keep * shard_bytes / 2**30})) as mesh:
-            offloaded = held_out_perplexity(mesh)
+            offloaded = held_out_perplexity(mesh, **ppl)
             tiers = [info.get("tiers") or {} for info in mesh.actor_info()]
         misses, moved = (sum(t.get(key, 0) for t in tiers) for key in ("misses", "bytes_moved"))
         out[q] = {"resident": round(resident["perplexity"], 4), "offloaded": round(offloaded["perplexity"], 4),

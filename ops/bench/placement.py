@@ -18,16 +18,33 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ...cluster.eplb_greedy import greedy_plan
 from ...cluster.planner import plan
 from ...cluster.shard_placement import Placement, Topology, moves
+from ...experts.embedded_model import EMBEDDED_MODEL_DIR
 
 BIG = dict(layers=58, experts=256, nodes=8, gpus_per_node=8, slots_per_gpu=5)
-EMBEDDED_REPORT = Path(__file__).resolve().parent.parent / "experts" / "default_model" / "training_report.json"
+EMBEDDED_REPORT = EMBEDDED_MODEL_DIR / "training_report.json"
+
+
+@dataclass(frozen=True)
+class PlacementParams:
+    """seed: the synthetic traces'; repeats: timing, best of this many; balance_slack: also report drift moves at
+    this slack (0 is always reported); quick: 8 layers instead of big's; big: the synthetic cluster and model."""
+
+    seed: int = 0
+    repeats: int = 3
+    balance_slack: float = 0.02
+    quick: bool = False
+    big: dict = field(default_factory=lambda: BIG)
+
+    @classmethod
+    def from_args(cls, args) -> PlacementParams:
+        return cls(seed=args.seed, repeats=args.repeats, balance_slack=args.balance_slack, quick=args.quick)
 
 
 def zipf_load(rng: np.random.Generator, layers: int, experts: int, s: float) -> np.ndarray:
@@ -112,9 +129,10 @@ def bench_trace(name: str, load: np.ndarray, topology: Topology, rng: np.random.
     return result
 
 
-def run_placement_bench(seed: int = 0, repeats: int = 3, balance_slack: float = 0.02, quick: bool = False) -> dict:
+def run_placement_bench(params: PlacementParams = PlacementParams()) -> dict:
+    seed, repeats, balance_slack, quick = params.seed, params.repeats, params.balance_slack, params.quick
     rng = np.random.default_rng(seed)
-    big = dict(BIG, layers=8) if quick else BIG
+    big = dict(params.big, layers=8) if quick else params.big
     topo = Topology(big["nodes"], big["gpus_per_node"], big["slots_per_gpu"])
     traces = [(f"zipf-{s}", zipf_load(rng, big["layers"], big["experts"], s)) for s in (0.8, 1.0, 1.2)]
     traces.append(("random", rng.random((big["layers"], big["experts"]))))

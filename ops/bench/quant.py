@@ -20,9 +20,8 @@ matrices (gate_up has 64 inputs: one group of 64), so there INT4 is per-row INT4
 
 from __future__ import annotations
 
-import os
-import platform
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,13 +34,33 @@ from ...experts.reference import all_shards, load_reference_model
 from ...experts.weights import load_expert_shards
 from ..drill.workload import PPL_WINDOW, held_out_chunk
 from ..perplexity import held_out_perplexity
+from .checkpoints import MIXTRAL
+from .common import best_ms, machine_info
 
 TARGETS = {"int8": {"perplexity_ratio_max": 1.01, "bytes_vs_bf16_max": 0.5},
            "int4": {"perplexity_ratio_max": 1.05, "bytes_vs_bf16_max": 0.25}}
 DECODE_TOKENS, PREFILL_TOKENS = 32, 256
 TIMED_DTYPES = ("float32", "bfloat16")
-BIG_SHAPE = dict(hidden=1024, inter=2816, experts=8, top_k=2)  # ops/bench/dispatch.py's Mixtral-like model
 DLOGIT_WINDOWS = 4
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    """model_dir: None = the embedded model (its tokenizer gives the held-out text); tokens: held-out tokens scored
+    per mode; dtype: the serving dtype; threads: torch threads, as one expert actor given that many CPUs; big_shape:
+    the second timed expert shape (default: checkpoints.MIXTRAL's experts)."""
+
+    model_dir: str | None = None
+    tokens: int = 8192
+    dtype: str = "float32"
+    repeats: int = 5
+    threads: int = 1
+    modes: tuple[str, ...] = QUANT_MODES
+    big_shape: dict = field(default_factory=lambda: {k: MIXTRAL[k] for k in ("hidden", "inter", "experts", "top_k")})
+
+    @classmethod
+    def from_args(cls, args) -> QuantParams:
+        return cls(args.model, tokens=args.tokens, dtype=args.dtype, repeats=args.repeats, threads=args.threads)
 
 
 def _load_experts(model_dir: Path, dtype: torch.dtype, mode: str) -> dict:
@@ -64,28 +83,17 @@ def _routed_rows(tokens: int, experts: int, top_k: int, hidden: int, dtype: torc
     return hit, [int(counts[e]) for e in hit], x
 
 
-def _best_ms(fn, repeats: int) -> float:
-    fn()  # warm-up: lazy kernel set-up, probes
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return round(1000 * min(times), 3)
-
-
 def _compute_times(experts: GroupedExperts, layer: int, n_experts: int, top_k: int, hidden: int,
                    dtype: torch.dtype, repeats: int) -> dict:
     out = {}
     for phase, tokens in (("decode", DECODE_TOKENS), ("prefill", PREFILL_TOKENS)):
         hit, counts, x = _routed_rows(tokens, n_experts, top_k, hidden, dtype)
         with torch.inference_mode():
-            out[f"{phase}_ms"] = _best_ms(lambda: experts.run(layer, hit, counts, x), repeats)  # noqa: B023
+            out[f"{phase}_ms"] = best_ms(lambda: experts.run(layer, hit, counts, x), repeats)  # noqa: B023
     return out
 
 
-def _big_shape_experts() -> dict[tuple[int, int], GatedMLPWeights]:
-    s = BIG_SHAPE
+def _big_shape_experts(s: dict) -> dict[tuple[int, int], GatedMLPWeights]:
     gen = torch.Generator().manual_seed(1)
     return {(0, e): GatedMLPWeights(torch.randn(2 * s["inter"], s["hidden"], generator=gen) * 0.02,
                                     torch.randn(s["hidden"], s["inter"], generator=gen) * 0.02)
@@ -99,13 +107,12 @@ def _kernels(shards: dict) -> dict:
     return {"gate_up": w.gate_up.kernel, "down": w.down.kernel, "int4_group": w.gate_up.group or None}
 
 
-def run_quant_bench(model_dir: str | Path | None = None, tokens: int = 8192, dtype: str = "float32",
-                    repeats: int = 5, threads: int = 1, modes: tuple[str, ...] = QUANT_MODES,
-                    verbose: bool = True) -> dict:
-    """model_dir: None = the embedded model (its tokenizer gives the held-out text); tokens: held-out tokens scored
-    per mode; threads: torch threads, as one expert actor given that many CPUs."""
+def run_quant_bench(params: QuantParams = QuantParams(), verbose: bool = True) -> dict:
     from ...experts.embedded_model import EMBEDDED_MODEL_DIR
 
+    model_dir, tokens, dtype, repeats, threads = (params.model_dir, params.tokens, params.dtype, params.repeats,
+                                                  params.threads)
+    big_shape = params.big_shape
     torch.set_num_threads(threads)
     folder = Path(model_dir) if model_dir else EMBEDDED_MODEL_DIR
     serving = getattr(torch, dtype)
@@ -114,16 +121,15 @@ def run_quant_bench(model_dir: str | Path | None = None, tokens: int = 8192, dty
         "benchmark": "quant", "model": str(folder), "serving_dtype": dtype, "held_out_tokens": tokens,
         "expert_shapes": {"gate_up": [2 * cfg.expert_intermediate_size, cfg.hidden_size],
                           "down": [cfg.hidden_size, cfg.expert_intermediate_size]},
-        "big_shape": BIG_SHAPE, "timed_dtypes": list(TIMED_DTYPES), "decode_tokens": DECODE_TOKENS,
+        "big_shape": big_shape, "timed_dtypes": list(TIMED_DTYPES), "decode_tokens": DECODE_TOKENS,
         "prefill_tokens": PREFILL_TOKENS,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch_threads": threads},
+        "machine": machine_info(cpu_capability=torch.backends.cpu.get_cpu_capability(), torch_threads=threads),
         "modes": {},
     }
     act = activation(cfg.hidden_act)
-    big_float = _big_shape_experts()  # float32; each mode and timed dtype casts/quantises its own copy
+    big_float = _big_shape_experts(big_shape)  # float32; each mode and timed dtype casts/quantises its own copy
     base_logits = None
-    for mode in modes:
+    for mode in params.modes:
         started = time.perf_counter()
         model = load_reference_model(folder, serving, quant=mode)
         ppl = held_out_perplexity(model, str(folder) if model_dir else None, tokens=tokens)
@@ -149,7 +155,7 @@ def run_quant_bench(model_dir: str | Path | None = None, tokens: int = 8192, dty
             row["compute"][name] = {
                 "model_shape": _compute_times(experts, cfg.moe_layers[0], cfg.num_experts, cfg.top_k,
                                               cfg.hidden_size, timed, repeats) | {"kernels": _kernels(experts.shards)},
-                "big_shape": _compute_times(big, 0, BIG_SHAPE["experts"], BIG_SHAPE["top_k"], BIG_SHAPE["hidden"],
+                "big_shape": _compute_times(big, 0, big_shape["experts"], big_shape["top_k"], big_shape["hidden"],
                                             timed, repeats) | {"kernels": _kernels(big.shards)},
             }
         row["seconds"] = round(time.perf_counter() - started, 1)

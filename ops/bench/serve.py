@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -39,6 +38,8 @@ from ...protos import inference_pb2 as pb
 from .. import client
 from ..measure import percentile
 from ..server_process import ServerProcess, start_server
+from .checkpoints import write_bench_checkpoint
+from .common import machine_info, say_to_stderr
 from .serve_chart import write_profile_chart
 from .serve_profile import eta_serve, profile_table, stage_deltas
 from .serve_reference import EngineReference, TransformersReference, combine_rates
@@ -216,28 +217,49 @@ def _model_dir(model: str | None, tmp: Path) -> tuple[str, str | None]:
 
         return "embedded", str(EMBEDDED_MODEL_DIR)
     if model == "mid":
-        from .dispatch import write_bench_checkpoint
-
         return "mid", str(write_bench_checkpoint(tmp / "mid"))
     return model, model
 
 
-def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tokens: int = 32,
-                    requests_per_stream: int = 2, model_dir: str | None = None, verbose: bool = True,
-                    transports=("socket",), reference: bool = True, chart: Path | None = None,
-                    serve_args: tuple[str, ...] = (), reference_threads: int | None = None) -> dict:
-    """Benchmark streaming generation against `target` (host:port), or against one server started here per transport
-    when None; beside each level, the in-process `transformers` generate rate at the same batch size (reference) and
-    η_serve = ours ÷ theirs, and the step profile from the router's stage clocks. model_dir: "embedded", "mid" or a
-    checkpoint folder. chart: where to write the profile chart (PNG), None for none. reference_threads: torch threads
-    of the transformers reference; None: torch's default (every core), what a user running transformers here gets.
-    1 is steadier on a loaded box, where a 2-thread OpenMP team spins waiting for a descheduled peer (14.7 then 1.6
-    tok/s in two runs a minute apart), but it handicaps the baseline on a quiet one."""
+@dataclass(frozen=True)
+class ServeParams:
+    """target: a running server (host:port), or None to start one per transport; model_dir: "embedded", "mid" or a
+    checkpoint folder; reference: time the in-process transformers generate (and η_serve); chart: where to write
+    the profile chart (PNG), None for none; serve_args: extra `expertmesh serve` arguments for started servers;
+    reference_threads: torch threads of the transformers reference; None: torch's default (every core), what a user
+    running transformers here gets. 1 is steadier on a loaded box, where a 2-thread OpenMP team spins waiting for a
+    descheduled peer (14.7 then 1.6 tok/s in two runs a minute apart), but it handicaps the baseline on a quiet one."""
 
-    def say(msg: str) -> None:
-        if verbose:
-            print(msg, file=sys.stderr, flush=True)
+    target: str | None = None
+    concurrencies: tuple[int, ...] = (1, 8, 32)
+    max_tokens: int = 32
+    requests_per_stream: int = 2
+    model_dir: str | None = None
+    transports: tuple[str, ...] = ("socket",)
+    reference: bool = True
+    chart: Path | None = None
+    serve_args: tuple[str, ...] = ()
+    reference_threads: int | None = None
 
+    @classmethod
+    def from_args(cls, args) -> ServeParams:
+        chart = args.chart or (str(Path(args.out).with_suffix(".png")) if args.out else None)
+        return cls(target=args.target, concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
+                   max_tokens=args.max_tokens, requests_per_stream=args.requests_per_stream, model_dir=args.model,
+                   transports=tuple(args.transports.split(",")), reference=not args.no_reference,
+                   chart=Path(chart) if chart else None, serve_args=tuple(args.serve_arg),
+                   reference_threads=args.reference_threads)
+
+
+def run_serve_bench(params: ServeParams = ServeParams(), verbose: bool = True) -> dict:
+    """Benchmark streaming generation against `target`, or against one server started here per transport; beside
+    each level, the in-process `transformers` generate rate at the same batch size (reference) and
+    η_serve = ours ÷ theirs, and the step profile from the router's stage clocks."""
+    say = say_to_stderr(verbose)
+    target, concurrencies, max_tokens = params.target, params.concurrencies, params.max_tokens
+    requests_per_stream, model_dir, transports = params.requests_per_stream, params.model_dir, params.transports
+    reference, chart, serve_args = params.reference, params.chart, params.serve_args
+    reference_threads = params.reference_threads
     if max_tokens < 2:
         raise ValueError(f"max_tokens: need >= 2 to measure inter-token latency, got {max_tokens}")
     if requests_per_stream < 1:
@@ -303,8 +325,8 @@ def run_serve_bench(target: str | None = None, concurrencies=(1, 8, 32), max_tok
     result["goal"] = GOAL
     result["goal_met"] = bool(speedup is not None and speedup >= GOAL_SPEEDUP and not first["32"]["errors"])
     result["eta_serve_targets"] = ETA_TARGETS
-    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": _load_average(),
-                         "python": platform.python_version(), "grpc": grpc.__version__, "torch": torch.__version__}
+    result["machine"] = machine_info(load_average=_load_average(), python=platform.python_version(),
+                                     grpc=grpc.__version__)
     if chart is not None:
         bars = [(f"{t} · {c} stream{'s' if c > 1 else ''}", run["levels"][str(c)]["profile"])
                 for t, run in result["runs"].items() for c in concurrencies

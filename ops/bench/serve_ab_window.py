@@ -11,7 +11,6 @@ A measurement record, not a product command: `expertmesh bench serve` is the ben
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from expertmesh.ops.bench import serve as b
+from expertmesh.ops.bench.common import write_report
 from expertmesh.ops.server_process import start_server
 
 LEVELS = (1, 8, 32)
@@ -94,7 +94,7 @@ def main() -> None:
     finally:
         result["server_exit"] = {name: server.stop() for name, server in servers.items()}
         result["load"] = os.getloadavg()
-        out_path.write_text(json.dumps(result, indent=1))
+        write_report(result, out_path, echo=False, indent=1)
 
 
 if __name__ == "__main__":

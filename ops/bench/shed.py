@@ -37,18 +37,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import platform
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..measure import percentile
 from ..perplexity import held_out_perplexity
+from .common import alternate, machine_info, say_to_stderr
 
 PPL_WINDOW = 256
 
@@ -207,20 +206,43 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000.0 * seconds, 2)
 
 
-def run_shed_bench(streams: int = 24, max_tokens: int = 64, hot_expert: int = 0, bias: float = 4.0,
-                   call_ms: float = 1.0, per_token_ms: float = 2.0, capacity: int = 8, threshold: float = 0.95,
-                   window_s: float = 1.0, max_share: float = 0.5, ppl_tokens: int = 1024, rounds: int = 5,
-                   verbose: bool = True) -> dict:
+@dataclass(frozen=True)
+class ShedParams:
+    """streams x max_tokens served per phase; bias: added to the hot expert's gate logit; call_ms / per_token_ms:
+    the modelled replica time; capacity, threshold, window_s, max_share: the shedding policy; ppl_tokens: held-out
+    tokens scored; rounds: off/on pairs, alternated."""
+
+    streams: int = 24
+    max_tokens: int = 64
+    hot_expert: int = 0
+    bias: float = 4.0
+    call_ms: float = 1.0
+    per_token_ms: float = 2.0
+    capacity: int = 8
+    threshold: float = 0.95
+    window_s: float = 1.0
+    max_share: float = 0.5
+    ppl_tokens: int = 1024
+    rounds: int = 5
+
+    @classmethod
+    def from_args(cls, args) -> ShedParams:
+        return cls(streams=args.streams, max_tokens=args.max_tokens, bias=args.gate_bias, call_ms=args.call_ms,
+                   per_token_ms=args.per_token_ms, capacity=args.capacity, window_s=args.window_s,
+                   max_share=args.max_share, ppl_tokens=args.ppl_tokens, rounds=args.rounds)
+
+
+def run_shed_bench(params: ShedParams = ShedParams(), verbose: bool = True) -> dict:
     from ...cluster.routing_table import RoutingTable
     from ...experts.modeling import MoEDecoder
     from ...router_service.dispatch import FailoverConfig, RemoteExperts
     from ...router_service.shedding import ShedConfig
     from ..drill.workload import held_out_chunk, make_prompts
 
-    def say(msg: str) -> None:
-        if verbose:
-            print(msg, file=sys.stderr, flush=True)
-
+    say = say_to_stderr(verbose)
+    streams, max_tokens, hot_expert, bias = params.streams, params.max_tokens, params.hot_expert, params.bias
+    call_ms, per_token_ms, capacity, threshold = params.call_ms, params.per_token_ms, params.capacity, params.threshold
+    window_s, max_share, ppl_tokens, rounds = params.window_s, params.max_share, params.ppl_tokens, params.rounds
     run_started = time.perf_counter()
     torch.set_num_threads(1)  # the replicas are modelled; the dense work is small: keep the box's cores for them
     model, model_dir = hot_model(hot_expert, bias)
@@ -242,23 +264,22 @@ def run_shed_bench(streams: int = 24, max_tokens: int = 64, hot_expert: int = 0,
     hot_name = f"expert-e{hot_expert}-r0"
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     # Off and on alternate, `rounds` times, so background load on a shared box falls on both alike.
-    for round_index in range(rounds):
-        for name in ("off", "on"):
-            transport = ModelledDeviceTransport(model.experts.shards, model.experts.act, list(layout),
-                                                call_ms / 1000.0, per_token_ms / 1000.0)
-            failover = FailoverConfig(shed=replace(shed_config, enabled=name == "on"))
-            backend = RemoteExperts(table, transport, failover)  # a fresh policy: the window starts again
-            say(f"round {round_index + 1}/{rounds}, shedding {name}: {streams} streams x {max_tokens} tokens ...")
-            try:
-                run = asyncio.run(_phase(MoEDecoder(cfg, model.w, backend), streams, max_tokens, prompts,
-                                         settle_s=window_s + 0.5))
-            finally:
-                transport.close()
-            busy = transport.busy_s
-            run.update(shed_slots_dispatcher=backend.shed_slots, hot_busy_s=busy[hot_name],
-                       others_busy_s_max=max(v for k, v in busy.items() if k != hot_name))
-            runs[name].append(run)
-            say(f"  itl p99 {_ms(percentile(run['gaps'], 99))} ms, shed {backend.shed_slots}")
+    for round_index, name in alternate(rounds, ("off", "on")):
+        transport = ModelledDeviceTransport(model.experts.shards, model.experts.act, list(layout),
+                                            call_ms / 1000.0, per_token_ms / 1000.0)
+        failover = FailoverConfig(shed=replace(shed_config, enabled=name == "on"))
+        backend = RemoteExperts(table, transport, failover)  # a fresh policy: the window starts again
+        say(f"round {round_index + 1}/{rounds}, shedding {name}: {streams} streams x {max_tokens} tokens ...")
+        try:
+            run = asyncio.run(_phase(MoEDecoder(cfg, model.w, backend), streams, max_tokens, prompts,
+                                     settle_s=window_s + 0.5))
+        finally:
+            transport.close()
+        busy = transport.busy_s
+        run.update(shed_slots_dispatcher=backend.shed_slots, hot_busy_s=busy[hot_name],
+                   others_busy_s_max=max(v for k, v in busy.items() if k != hot_name))
+        runs[name].append(run)
+        say(f"  itl p99 {_ms(percentile(run['gaps'], 99))} ms, shed {backend.shed_slots}")
     phases = {name: _summary(r) for name, r in runs.items()}
     result["rounds"] = rounds
     result["phases"] = phases
@@ -305,8 +326,7 @@ def run_shed_bench(streams: int = 24, max_tokens: int = 64, hot_expert: int = 0,
             "perplexity_delta_pct": round(100.0 * (forced_ppl / unbiased_ppl - 1.0), 3),
             "shed_share_of_slots": round(forced.shed / max(1, forced.slots), 4)},
     }
-    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                         "python": platform.python_version()}
+    result["machine"] = machine_info(python=platform.python_version())
     result["run_wall_s"] = round(time.perf_counter() - run_started, 3)
     return result
 

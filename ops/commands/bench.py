@@ -1,13 +1,41 @@
-"""`expertmesh bench dispatch|serve|placement|observability|chunked|offload|quant|shed`: benchmarks, each printing
-one JSON object."""
+"""`expertmesh bench dispatch|dispatch-overhead|serve|placement|observability|chunked|offload|quant|shed|grouped-ffn`:
+benchmarks, each printing one JSON object.
+
+Each benchmark is one module of ops/bench/ with a parameters dataclass (`from_args` maps this command's flags onto
+it) and an entry function taking it; BENCHMARKS names them, so adding a benchmark is a module, a parser and a row.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+import importlib
+from dataclasses import dataclass
 
 from .mesh_flags import add_mesh_flags, mesh_config_from_args
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    module: str  # under expertmesh.ops.bench
+    entry: str  # entry(params, [verbose=...], [config=...]) -> dict
+    params: str  # the module's parameters dataclass, built with .from_args(args)
+    verbose: bool = True  # the entry reports progress on stderr unless --json
+    config: bool = False  # the entry takes the mesh's configuration (this command's mesh flags)
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "dispatch": Benchmark("dispatch", "run_dispatch_bench", "DispatchParams", config=True),
+    "dispatch --context": Benchmark("context", "run_context_bench", "ContextParams", config=True),
+    "dispatch-overhead": Benchmark("dispatch_overhead", "run_overhead_bench", "OverheadParams", verbose=False),
+    "serve": Benchmark("serve", "run_serve_bench", "ServeParams"),
+    "placement": Benchmark("placement", "run_placement_bench", "PlacementParams", verbose=False),
+    "chunked": Benchmark("chunked", "run_chunked_bench", "ChunkedParams"),
+    "offload": Benchmark("offload", "run_offload_bench", "OffloadParams", config=True),
+    "quant": Benchmark("quant", "run_quant_bench", "QuantParams"),
+    "shed": Benchmark("shed", "run_shed_bench", "ShedParams"),
+    "observability": Benchmark("observability", "run_observability_bench", "ObservabilityParams", verbose=False),
+    "grouped-ffn": Benchmark("grouped_ffn", "run_grouped_ffn_bench", "GroupedFFNParams", verbose=False),
+}
 
 
 def _output_flags(p: argparse.ArgumentParser) -> None:
@@ -107,70 +135,26 @@ def add_parser(sub) -> None:
     obs_bench = bench_sub.add_parser("observability", help="cost of load statistics and tracing per layer and step")
     obs_bench.add_argument("--sequences", type=int, default=32, help="sequences in the decode step")
     _output_flags(obs_bench)
+    grouped = bench_sub.add_parser("grouped-ffn", help="a call's experts computed per expert, with grouped_mm and "
+                                   "with bmm: time and bit-identity (in process)")
+    grouped.add_argument("--hidden", type=int, default=256)
+    grouped.add_argument("--inter", type=int, default=96)
+    grouped.add_argument("--repeats", type=int, default=7)
+    grouped.add_argument("--threads", type=int, default=1, help="torch threads (one expert actor's CPUs)")
+    _output_flags(grouped)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.bench == "dispatch" and args.context is not None:
-        from ..bench.context import run_context_bench
+    from ..bench.common import write_report
 
-        result = run_context_bench(args.context, streams=args.streams, repeats=args.repeats, verbose=not args.json,
-                                   config=mesh_config_from_args(args))
-    elif args.bench == "chunked":
-        from ..bench.chunked import run_chunked_bench
-
-        result = run_chunked_bench(args.prompt_tokens, args.streams, tuple(int(c) for c in args.chunks.split(",")),
-                                   verbose=not args.json)
-    elif args.bench == "dispatch":
-        from ..bench.dispatch import run_dispatch_bench
-
-        result = run_dispatch_bench(args.workload, repeats=args.repeats, verbose=not args.json,
-                                    config=mesh_config_from_args(args), shape=args.shape)
-    elif args.bench == "dispatch-overhead":
-        from ..bench.dispatch_overhead import run_overhead_bench
-
-        result = run_overhead_bench(tokens=args.tokens, hidden_size=args.hidden, repeats=args.repeats)
-    elif args.bench == "serve":
-        from ..bench.serve import run_serve_bench
-
-        levels = tuple(int(c) for c in args.concurrency.split(","))
-        chart = args.chart or (str(Path(args.out).with_suffix(".png")) if args.out else None)
-        result = run_serve_bench(target=args.target, concurrencies=levels, max_tokens=args.max_tokens,
-                                 requests_per_stream=args.requests_per_stream,
-                                 model_dir=args.model,
-                                 verbose=not args.json, transports=tuple(args.transports.split(",")),
-                                 reference=not args.no_reference, chart=Path(chart) if chart else None,
-                                 serve_args=tuple(args.serve_arg), reference_threads=args.reference_threads)
-    elif args.bench == "offload":
-        from ..bench.offload import run_offload_bench
-
-        result = run_offload_bench(tuple(float(r) for r in args.residency.split(",")),
-                                   tuple(args.prefetch_modes.split(",")), layers=args.layers,
-                                   quant=tuple(args.quant.split(",")), verbose=not args.json,
-                                   config=mesh_config_from_args(args), perplexity=not args.no_perplexity)
-    elif args.bench == "quant":
-        from ..bench.quant import run_quant_bench
-
-        result = run_quant_bench(args.model, tokens=args.tokens, dtype=args.dtype, repeats=args.repeats,
-                                 threads=args.threads, verbose=not args.json)
-    elif args.bench == "shed":
-        from ..bench.shed import run_shed_bench
-
-        result = run_shed_bench(streams=args.streams, max_tokens=args.max_tokens, bias=args.gate_bias,
-                                call_ms=args.call_ms, per_token_ms=args.per_token_ms, capacity=args.capacity,
-                                window_s=args.window_s, max_share=args.max_share, ppl_tokens=args.ppl_tokens,
-                                rounds=args.rounds, verbose=not args.json)
-    elif args.bench == "observability":
-        from ..bench.observability import run_observability_bench
-
-        result = run_observability_bench(sequences=args.sequences)
-    else:
-        from ..bench.placement import run_placement_bench
-
-        result = run_placement_bench(seed=args.seed, repeats=args.repeats, balance_slack=args.balance_slack,
-                                     quick=args.quick)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    name = "dispatch --context" if args.bench == "dispatch" and args.context is not None else args.bench
+    bench = BENCHMARKS[name]
+    module = importlib.import_module(f"{__package__.rpartition('.')[0]}.bench.{bench.module}")
+    kwargs: dict = {}
+    if bench.verbose:
+        kwargs["verbose"] = not args.json
+    if bench.config:
+        kwargs["config"] = mesh_config_from_args(args)
+    result = getattr(module, bench.entry)(getattr(module, bench.params).from_args(args), **kwargs)
+    write_report(result, args.out)
     return 0

@@ -5,28 +5,25 @@ same resident in process and offloaded through actors."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from expertmesh.ops import perplexity
-from expertmesh.ops.bench import dispatch as bench_dispatch
-from expertmesh.ops.bench import offload as bench_offload
-from expertmesh.ops.bench.offload import run_offload_bench
+from expertmesh.ops.bench.checkpoints import MIXTRAL
+from expertmesh.ops.bench.dispatch import DispatchParams, run_dispatch_bench
+from expertmesh.ops.bench.offload import OffloadParams, run_offload_bench
+
+# The benchmark model shrunk: the same code path, seconds instead of minutes.
+SMALL = dict(MIXTRAL, hidden=64, inter=128, heads=4, kv_heads=2, vocab=256)
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
 
-def test_offload_bench_reports_each_mode_against_its_own_resident_run(monkeypatch):
-    monkeypatch.setattr(bench_dispatch, "MODEL", dict(bench_dispatch.MODEL, hidden=64, inter=128, heads=4,
-                                                      kv_heads=2, vocab=256))
+def test_offload_bench_reports_each_mode_against_its_own_resident_run():
     # Fewer tokens than the benchmark's (its figures need them, the code path does not): minutes of CI, not many.
-    monkeypatch.setattr(bench_offload, "PREFILL", dict(sequences=2, tokens=32, repeats=1))
-    monkeypatch.setattr(bench_offload, "DECODE", dict(sequences=4, context=8, steps=4))
-    monkeypatch.setattr(perplexity, "held_out_perplexity",
-                        functools.partial(perplexity.held_out_perplexity, tokens=512, window=128))
-    result = run_offload_bench(residency=(1.0, 0.5), prefetch=("off", "gate"), layers=2, quant=("none", "int8"),
-                               verbose=False)
+    params = OffloadParams(residency=(1.0, 0.5), prefetch=("off", "gate"), layers=2, quant=("none", "int8"),
+                           ppl=dict(tokens=512, window=128), model=SMALL,
+                           prefill=dict(sequences=2, tokens=32, repeats=1),
+                           decode=dict(sequences=4, context=8, steps=4))
+    result = run_offload_bench(params, verbose=False)
     assert result["layout"] == "per-expert"  # budgets are shares of what each of the per-expert actors hosts
     runs = result["runs"]
     assert [(r["quant"], r["residency"], r["prefetch"]) for r in runs] == [
@@ -50,13 +47,12 @@ def test_offload_bench_reports_each_mode_against_its_own_resident_run(monkeypatc
     assert abs(ppl["int8"]["resident"] / ppl["none"]["resident"] - 1) < 0.01  # the issue's INT8 bound
 
 
-def test_dispatch_bench_counts_the_routers_device_reads_per_moe_layer(monkeypatch):
+def test_dispatch_bench_counts_the_routers_device_reads_per_moe_layer():
     """`expertmesh bench dispatch` runs the router's step on a fake GPU against the live actors and reports its
     device reads: one wait per MoE layer at decode and at prefill, nothing else (README: The router on a GPU)."""
-    monkeypatch.setattr(bench_dispatch, "MODEL", dict(bench_dispatch.MODEL, hidden=64, inter=128, heads=4,
-                                                      kv_heads=2, vocab=256, layers=2))
-    monkeypatch.setattr(bench_dispatch, "DECODE", dict(sequences=4, context=8))
-    result = bench_dispatch.run_dispatch_bench("decode", repeats=1, verbose=False)
+    params = DispatchParams(workload="decode", repeats=1, shape="small", model=dict(SMALL, layers=2),
+                            decode=dict(sequences=4, context=8))
+    result = run_dispatch_bench(params, verbose=False)
     reads = result["device_reads"]
     for phase in ("prefill", "decode"):
         assert reads[phase]["moe_layers"] == 2

@@ -4,14 +4,13 @@ fields the README's tables are read from, and its figures are consistent with ea
 
 from __future__ import annotations
 
-from expertmesh.ops.bench import quant as bench_quant
-from expertmesh.ops.bench.quant import run_quant_bench
-from expertmesh.ops.bench.shed import run_shed_bench
+from expertmesh.ops.bench.quant import QuantParams, run_quant_bench
+from expertmesh.ops.bench.shed import ShedParams, run_shed_bench
 
 
 def test_shed_bench_sheds_the_hot_expert_and_counts_every_moved_slot():
-    result = run_shed_bench(streams=6, max_tokens=12, capacity=2, window_s=0.05, call_ms=0.2, per_token_ms=0.5,
-                            ppl_tokens=512, rounds=1, verbose=False)
+    result = run_shed_bench(ShedParams(streams=6, max_tokens=12, capacity=2, window_s=0.05, call_ms=0.2,
+                                       per_token_ms=0.5, ppl_tokens=512, rounds=1), verbose=False)
     assert result["shed_counted_per_response_equals_dispatcher"]
     off, on = result["phases"]["off"], result["phases"]["on"]
     assert on["shed_slots_dispatcher"] > 0 and off["shed_slots_dispatcher"] == 0
@@ -19,9 +18,10 @@ def test_shed_bench_sheds_the_hot_expert_and_counts_every_moved_slot():
     assert cost["perplexity_shedding"] > cost["perplexity"] > 1  # moving tokens off their first choice costs
 
 
-def test_quant_bench_reports_perplexity_bytes_and_kernels_per_mode(monkeypatch):
-    monkeypatch.setattr(bench_quant, "BIG_SHAPE", dict(hidden=128, inter=256, experts=4, top_k=2))
-    result = run_quant_bench(tokens=512, repeats=1, modes=("none", "int8", "int4"), verbose=False)
+def test_quant_bench_reports_perplexity_bytes_and_kernels_per_mode():
+    params = QuantParams(tokens=512, repeats=1, modes=("none", "int8", "int4"),
+                         big_shape=dict(hidden=128, inter=256, experts=4, top_k=2))
+    result = run_quant_bench(params, verbose=False)
     modes = result["modes"]
     assert modes["none"]["max_abs_dlogit"] == 0.0
     for mode, share in (("int8", 0.5), ("int4", 0.25)):

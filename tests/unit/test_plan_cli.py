@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from expertmesh.cluster.shard_placement import Placement, moves
-from expertmesh.ops.bench.placement import run_placement_bench
+from expertmesh.ops.bench.placement import PlacementParams, run_placement_bench
 
 
 def expertmesh(*args: str) -> subprocess.CompletedProcess:
@@ -53,7 +53,7 @@ def test_plan_bad_input_names_the_field(tmp_path):
 
 
 def test_bench_placement_quick():
-    result = run_placement_bench(seed=1, repeats=1, quick=True)
+    result = run_placement_bench(PlacementParams(seed=1, repeats=1, quick=True))
     names = [t["trace"] for t in result["traces"]]
     assert names[:4] == ["zipf-0.8", "zipf-1.0", "zipf-1.2", "random"]
     assert result["summary"]["never_worse_than_greedy"]

@@ -229,17 +229,16 @@ def test_status_shows_an_actors_tiers(reader):
     assert tier_note(admin_pb2.ReplicaState()) == ""  # all resident: nothing to show
 
 
-def test_one_row_calls_offloaded_equal_resident_on_weights_stored_off_the_boundary(tmp_path, monkeypatch):
+def test_one_row_calls_offloaded_equal_resident_on_weights_stored_off_the_boundary(tmp_path):
     """The `bench offload` model shrunk to hidden 64: its down weights sit 24 bytes past a 64-byte boundary in the
     file. A one-row product (a decode step's token) is a gemv whose sums depend on where the weight starts, so
     before loads were aligned the offloaded shards (read in place) and the resident stacks (fresh allocations)
     differed in the last bit. Every loaded weight now starts on the boundary, and the two agree bit for bit."""
     from expertmesh.experts.reproducible import CPU_ALIGN
-    from expertmesh.ops.bench import dispatch as bench_dispatch
+    from expertmesh.ops.bench.checkpoints import MIXTRAL, write_bench_checkpoint
 
-    monkeypatch.setattr(bench_dispatch, "MODEL", dict(bench_dispatch.MODEL, hidden=64, inter=128, heads=4,
-                                                      kv_heads=2, vocab=256))
-    reader = CheckpointReader(bench_dispatch.write_bench_checkpoint(tmp_path / "model", layers=2))
+    small = dict(MIXTRAL, hidden=64, inter=128, heads=4, kv_heads=2, vocab=256)
+    reader = CheckpointReader(write_bench_checkpoint(tmp_path / "model", small, layers=2))
     shards = [(layer, e) for layer in reader.config.moe_layers for e in range(reader.config.num_experts)]
     tier = DiskTier(reader, torch.float32, torch.device("cpu"))
     for weights in [*load_expert_shards(reader, shards).values(), *(tier.fetch(s) for s in shards[:4])]:
