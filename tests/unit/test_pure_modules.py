@@ -135,7 +135,11 @@ PURE_MODULES = (
     "expertmesh.ops.measure",
     "expertmesh.ops.perplexity",  # held_out_perplexity: benchmarks and drills score with it
     "expertmesh.ops.plan_cli",
+    "expertmesh.ops.bench",
+    "expertmesh.ops.bench.checkpoints",  # synthetic checkpoints: benchmarks and tests write them
+    "expertmesh.ops.bench.common",  # machine information, timing, the JSON report
     "expertmesh.ops.bench.serve_profile",  # bench serve's step-profile table and eta_serve
+    "expertmesh.ops.train",
 )
 
 # Runs in the fresh interpreter. argv[1]: JSON list of modules, argv[2]: JSON list of FORBIDDEN. Prints one JSON
