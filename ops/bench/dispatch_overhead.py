@@ -131,7 +131,7 @@ class OverheadParams:
 
     tokens: int = 64
     hidden: int = 1024
-    repeats: int = 200
+    repeats: int = 300
     seed: int = 0
     threads: int = 1
     shapes: tuple[tuple[int, int], ...] = SHAPES

@@ -1,8 +1,12 @@
 """`expertmesh bench observability`: what load statistics and tracing cost the router, in process, without Ray.
 
-The layer's real work (planning, calls, combine) is replaced by a no-op so only the bookkeeping around it is timed:
-the dispatcher's tracing wrapper off and on (span + W3C context injection, in-memory exporter), the observer's
-per-layer hook, and its per-step hook (all MoE layers of one decode step at once). Best of several repeats.
+The dispatcher runs a whole layer round against an echo transport (dispatch_overhead.EchoTransport: the "experts"
+return their input rows), so no expert compute and no transport is in it: the round with tracing off and on (span +
+W3C context injection, in-memory exporter; their difference is what tracing costs), the observer's per-layer hook,
+and its per-step hook (all MoE layers of one decode step at once). Best of several repeats.
+
+(The round used to be replaced by a no-op through RemoteExperts._run; since the dispatcher split a layer into
+submit and wait that hook is gone, so the round is now the router's real one, minus experts and transport.)
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def run_observability_bench(params: ObservabilityParams = ObservabilityParams())
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    from ...cluster.breaker import BreakerBoard
     from ...cluster.routing_table import RoutingTable
     from ...experts.gating import route
     from ...experts.kv_cache import PagedKVPool
@@ -47,6 +52,7 @@ def run_observability_bench(params: ObservabilityParams = ObservabilityParams())
     from ...router_service.dispatch import RemoteExperts
     from ...router_service.dispatch_plan import plan_calls
     from ...router_service.observability import RouterObserver
+    from .dispatch_overhead import EchoTransport
 
     layers, experts, top_k, sequences, repeats = (params.layers, params.experts, params.top_k, params.sequences,
                                                   params.repeats)
@@ -58,26 +64,25 @@ def run_observability_bench(params: ObservabilityParams = ObservabilityParams())
     routing = route(torch.randn(sequences, experts, generator=gen), top_k, True)
 
     def backend(tracer=None) -> RemoteExperts:
-        b = RemoteExperts(table, transport=None)
+        b = RemoteExperts(table, EchoTransport(list(table.actors)))
         b.tracer = tracer
-
-        def no_op(layer, h, r, trace):
-            b.calls_per_layer[layer] = experts
-            return h
-
-        b._run = no_op
         return b
 
-    def best(fn, number: int) -> float:
-        return min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
+    def best(fn, number: int, b: RemoteExperts | None = None) -> float:
+        # A breaker keeps every outcome of its window and scans it on each record: fresh ones per repeat, so
+        # thousands of rounds a second time the round, not that scan.
+        setup = (lambda: setattr(b, "breakers", BreakerBoard())) if b is not None else "pass"
+        return min(timeit.repeat(fn, setup=setup, number=number, repeat=repeats)) / number * 1e6
 
     off = backend()
     spans = InMemorySpanExporter()
     on = backend(build_tracer(None, "bench", [SimpleSpanProcessor(spans)]))
     result = {
-        "dispatch_tracing_off_us_per_layer": best(lambda: off.run(0, hidden, routing), 20000),
-        "dispatch_tracing_on_us_per_layer": best(lambda: on.run(0, hidden, routing), 2000),
+        "dispatch_tracing_off_us_per_layer": best(lambda: off.run(0, hidden, routing), 500, off),
+        "dispatch_tracing_on_us_per_layer": best(lambda: on.run(0, hidden, routing), 500, on),
     }
+    result["dispatch_tracing_cost_us_per_layer"] = (result["dispatch_tracing_on_us_per_layer"]
+                                                    - result["dispatch_tracing_off_us_per_layer"])
     spans.clear()
     observed = backend()
     observer = RouterObserver(_Cfg(layers, experts, top_k), observed, "bench")

@@ -48,7 +48,7 @@ class OffloadParams:
     residency: tuple[float, ...] = (1.0, 0.5, 0.25)
     prefetch: tuple[str, ...] = ("off", "gate")
     layers: int = 4
-    quant: tuple[str, ...] = ("none",)
+    quant: tuple[str, ...] = ("none", "int8", "int4")
     perplexity: bool = True
     ppl: dict = field(default_factory=dict)  # held_out_perplexity's tokens / window (default: its own)
     model: dict = field(default_factory=lambda: MIXTRAL)
