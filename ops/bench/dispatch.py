@@ -29,8 +29,8 @@ from .common import all_cores, machine_info, median_ms, say_to_stderr
 
 @dataclass(frozen=True)
 class DispatchParams:
-    """workload: prefill, decode or both; shape: a checkpoints.SHAPES name, or None with `model` given (a test's
-    smaller model); prefill / decode: the batches timed."""
+    """workload: prefill, decode or both; shape: a checkpoints.SHAPES name (and the result's label); model: a model
+    dict in place of SHAPES[shape] (a test's smaller one); prefill / decode: the batches timed."""
 
     workload: str = "both"
     repeats: int = 5
