@@ -49,3 +49,15 @@ def test_quick_benchmarks_run_through_the_cli(tmp_path, capsys):
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices
+
+
+def test_chunked_bench_runs_on_a_params_object_with_a_small_model():
+    """A benchmark runs smaller by its parameters alone (here the model dict), no module globals patched."""
+    from expertmesh.ops.bench.checkpoints import MIXTRAL
+    from expertmesh.ops.bench.chunked import ChunkedParams, run_chunked_bench
+
+    small = dict(MIXTRAL, hidden=64, inter=128, heads=4, kv_heads=2, vocab=256, layers=2)
+    result = run_chunked_bench(ChunkedParams(prompt_tokens=64, streams=2, chunks=(16,), model=small), verbose=False)
+    assert result["model"] == small
+    assert set(result["scenarios"]) == {"baseline", "unchunked", "chunked_16"}
+    assert result["scenarios"]["baseline"]["p99_vs_baseline"] == 1.0
