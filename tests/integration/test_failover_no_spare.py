@@ -22,9 +22,8 @@ from tests.clusters import FAKE_GPUS
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import MAX_TOKENS, NonStopClient, controller_state, mesh_sender, wait_for
 
-# A drill-length module (minutes of Ray, servers and kills): `pytest -m slow` runs it; CI's default set
-# stays under 30 minutes.
-pytestmark = pytest.mark.slow
+# A drill-length module (minutes of Ray, servers and kills): in CI's default set again (CI's limit is 90 minutes;
+# the whole run stays well under 45).
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 # Typical on an idle 2-core machine: the stand-in serves ~10 s after the node is removed (a process importing torch,

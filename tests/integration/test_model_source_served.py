@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import grpc
-import pytest
 
 from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
 from expertmesh.experts.reference import load_reference_model
@@ -16,7 +15,7 @@ from tests.served import generate_ids
 from tests.tiny_checkpoints import greedy_tokens
 
 
-@pytest.mark.slow  # ~2 min; the per-process file selection and revisions are unit-tested (test_model_source.py)
+# ~2 min; in CI's default set: the only end-to-end run of a repo id from an offline cache
 def test_serve_a_repo_id_from_an_offline_cache(tmp_path):
     cache = tmp_path / "hub"
     populate_hub_cache(cache, "acme/expertmesh-demo", EMBEDDED_MODEL_DIR, revision="v1")
