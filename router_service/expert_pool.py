@@ -49,9 +49,6 @@ class ExpertPool:
         self.start_timeout_s = start_timeout_s
         self.detached = detached
         self.reuse = reuse
-        if not reuse:
-            # a fresh pool: a routing table an earlier deployment of this mesh published on this cluster is stale
-            clear_table(spec.mesh_id)
         # slots: a planned layout's (router_service/pool_layout.py); otherwise spread the actors over the cluster.
         self.slots: list[ActorSlot] = slots or plan_actor_slots(list(spec.actor_shards), cluster_nodes(),
                                                                 num_cpus_per_actor)
@@ -71,6 +68,10 @@ class ExpertPool:
                 f"with mesh id '{self.spec.mesh_id}' is serving on this Ray cluster; stop it first, or give this one "
                 "another mesh.id (--mesh-id)"
             )
+        if not self.reuse:
+            # A fresh pool: a routing table an earlier deployment of this mesh published on this cluster is stale.
+            # Cleared only now, so a start refused above leaves a running mesh of the same id its table.
+            clear_table(self.spec.mesh_id)
         for slot in self.slots:
             self.actors[slot.name] = start_expert_actor(slot, self.spec, detached=self.detached, reuse=self.reuse)
         self._wait_ready()

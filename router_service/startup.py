@@ -101,8 +101,10 @@ class MeshRuntime:
         if self.controller is not None:
             stop_controller(self.config.mesh.id)
             self.controller = None
-        stop_remapped_actors(self.config.mesh.id)
         if self.pool is not None:
+            # Only a runtime that started its pool: a start refused because the mesh id is taken must not stop the
+            # running mesh's actors.
+            stop_remapped_actors(self.config.mesh.id)
             self.pool.shutdown()
             self.pool = None
         if self.owns_ray and not keep_ray:
