@@ -385,9 +385,9 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
     state = admin_pb2.ClusterState(model=model_name, router=stats,
                                    no_replica_policy=router.backend.failover.no_replica_policy)
     controller_state: dict = {}
-    names = router.spec.names
+    mesh = router.spec.names  # this router's mesh: its controller, actors and progress keys
     try:
-        controller = ray.get_actor(names.controller, namespace=names.namespace)
+        controller = ray.get_actor(mesh.controller, namespace=mesh.namespace)
         controller_state = await asyncio.wait_for(controller.get_state.remote(), timeout=5)
         state.controller_alive = True
     except Exception:
@@ -407,7 +407,7 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
 
     async def info(name: str) -> dict | None:
         try:
-            handle = ray.get_actor(name, namespace=names.namespace)
+            handle = ray.get_actor(name, namespace=mesh.namespace)
             return await asyncio.wait_for(handle.info.remote(), timeout=3)
         except Exception:
             return None
@@ -426,7 +426,7 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
             restoring=name in restoring,
             breaker=router.backend.breakers.get(name).state, drained=name in drained,
         )
-        progress = read_progress(name, cluster_store().get_key, names.mesh_id)
+        progress = read_progress(name, cluster_store().get_key, mesh.mesh_id)
         if progress is not None:
             replica_state.load_bytes = progress.loaded_bytes
             replica_state.load_total_bytes = progress.total_bytes
