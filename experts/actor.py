@@ -170,6 +170,7 @@ class ExpertActor:
         ctx = ray.get_runtime_context()
         return {
             "name": self.name,
+            "mesh_id": self.mesh_id,  # mesh.id: which mesh (namespace, stored keys) this actor belongs to
             "node_id": ctx.get_node_id(),
             "gpu_ids": self.gpu_ids,
             "device": str(self.device),

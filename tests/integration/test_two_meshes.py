@@ -68,7 +68,7 @@ def test_each_mesh_answers_like_its_own_reference(meshes, expected):
     assert not set(ids_a.values()) & set(ids_b.values())
     for mesh_id in MODELS:
         info = ray.get(ray.get_actor("expert-e0-r0", namespace=f"expertmesh-{mesh_id}").info.remote())
-        assert info["name"] == "expert-e0-r0"
+        assert info["name"] == "expert-e0-r0" and info["mesh_id"] == mesh_id
     # Each controller is its own mesh's, in its namespace; the default mesh's namespace holds neither.
     for mesh_id, mesh in meshes.items():
         names_of = MeshNames.of(mesh_id)
