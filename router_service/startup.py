@@ -34,6 +34,9 @@ from .pool_layout import pool_layout
 from .ray_join import prepare_join
 
 log = logging.getLogger(__name__)
+# Live runtimes (by id) on a Ray this process started: several meshes (mesh ids) may share it, and the last to stop
+# shuts it down, so closing one ExpertMesh leaves another of this process serving.
+_RAY_SHARERS: set[int] = set()
 
 
 def connect_ray(config: RayConfig, namespace: str = NAMESPACE) -> bool:
@@ -85,7 +88,7 @@ class MeshRuntime:
 
     config: MeshConfig
     reader: CheckpointReader  # the checkpoint's config and dense weights, for an in-process router
-    owns_ray: bool  # this process started (or joined) Ray for the mesh, so stop() disconnects
+    owns_ray: bool  # this process started (or joined) Ray for its meshes, so the last of them to stop disconnects
     spec: PoolSpec | None = None  # the expert actors: name -> shards, model, dtype (what routers connect to)
     pool: ExpertPool | None = None
     controller: ray.actor.ActorHandle | None = None
@@ -95,8 +98,10 @@ class MeshRuntime:
 
     def stop(self, keep_ray: bool = False) -> None:
         """Controller, then the actors a live remap added (the pool did not start those), then the pool, then Ray
-        (when start_mesh connected it and keep_ray is False). Safe to call twice."""
+        (when start_mesh connected it, keep_ray is False and no other mesh of this process uses it). Safe to call
+        twice."""
         if not ray.is_initialized():
+            _RAY_SHARERS.discard(id(self))
             return
         if self.controller is not None:
             stop_controller(self.config.mesh.id)
@@ -107,8 +112,10 @@ class MeshRuntime:
             stop_remapped_actors(self.config.mesh.id)
             self.pool.shutdown()
             self.pool = None
-        if self.owns_ray and not keep_ray:
-            ray.shutdown()
+        if self.owns_ray:
+            _RAY_SHARERS.discard(id(self))
+            if not keep_ray and not _RAY_SHARERS:  # no other mesh of this process still uses it
+                ray.shutdown()
             self.owns_ray = False
 
 
@@ -125,8 +132,14 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False,
     # if it routes itself, ExpertMesh); each node fetches the bytes of its own processes' tensors.
     reader = open_checkpoint(config.model.source, config.model.revision, dense_tensors)
     check_checkpoint(reader)  # fail here, naming file and key, before any actor starts (headers only)
-    owns_ray = connect_ray(config.ray, MeshNames.of(config.mesh.id).namespace)
+    # A Ray another mesh of this process started is shared with it (a Ray the caller started stays the caller's).
+    started = connect_ray(config.ray, MeshNames.of(config.mesh.id).namespace)
+    if started:
+        _RAY_SHARERS.clear()  # runtimes left from a Ray connection that is gone
+    owns_ray = started or bool(_RAY_SHARERS)
     runtime = MeshRuntime(config, reader, owns_ray)
+    if owns_ray:
+        _RAY_SHARERS.add(id(runtime))
     try:
         transport_secret()  # the expert transport's cluster secret exists before any actor or router needs it
         publish_hub_token()  # this driver's HF_TOKEN, for nodes started without one (gated repos)
