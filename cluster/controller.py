@@ -35,27 +35,24 @@ from .elastic import ElasticConfig, ElasticState, actor_slots, cluster_devices, 
 from .expert_actors import start_expert_actor
 from .load_stats import merge_snapshots
 from .lost_restore import LostActor, NodeRoom, RestorePlan, plan_restore, plan_return
-from .naming import CONTROLLER_NAME, NAMESPACE, stand_in_actor_name
+from .mesh_store import MeshStore
+from .naming import stand_in_actor_name
 from .pool_spec import PoolSpec
 from .router_gpus import NO_RESERVATION, RouterReservation, expert_nodes
 from .shard_liveness import describe_shards, orphaned_by_removal
 from .table_store import clear_table, publish_table, read_table
 
 log = logging.getLogger(__name__)
-_KV_KEY = b"expertmesh/controller"
+_KEY = "controller"  # the controller's record, in its mesh's store (cluster/mesh_store.py)
 
 
-def _kv_get() -> dict:
-    from ray.experimental import internal_kv
-
-    raw = internal_kv._internal_kv_get(_KV_KEY)
+def _kv_get(mesh_id: str) -> dict:
+    raw = MeshStore(mesh_id).get(_KEY)
     return json.loads(raw) if raw else {}
 
 
-def _kv_put(record: dict) -> None:
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_put(_KV_KEY, json.dumps(record).encode(), overwrite=True)
+def _kv_put(mesh_id: str, record: dict) -> None:
+    MeshStore(mesh_id).put(_KEY, json.dumps(record).encode())
 
 
 class Controller:
@@ -68,7 +65,8 @@ class Controller:
         self.spec = spec  # replaced (not mutated) when the placement changes
         self.reservation = RouterReservation.from_dict(reservation)
         self.slots = {s.name: s for s in slots}
-        published = read_table()
+        self.names = spec.names  # the mesh's namespace and stored keys; the same for every placement
+        published = read_table(spec.mesh_id)
         if published is not None:
             # Ray restarts a crashed controller with its first arguments; the placement may have changed since.
             self.spec = spec.with_actor_shards(published["actor_shards"])
@@ -76,7 +74,7 @@ class Controller:
         self.router_epochs: dict[str, tuple[float, int]] = {}  # router id -> (heard at, epoch it routes with)
         self._remap_lock = threading.Lock()  # one remap at a time, whichever thread's event loop asks
         self.config = (config or ControllerConfig()).validate()
-        saved = _kv_get()
+        saved = _kv_get(spec.mesh_id)
         self.epoch = int(saved.get("epoch", 0))
         self.drained: set[str] = set(saved.get("drained", []))
         self.generations: dict[str, int] = {}
@@ -154,7 +152,7 @@ class Controller:
 
     async def _probe(self, name: str) -> dict | None:
         try:
-            handle = ray.get_actor(name, namespace=NAMESPACE)
+            handle = ray.get_actor(name, namespace=self.names.namespace)
         except ValueError:
             return None
         try:
@@ -355,7 +353,7 @@ class Controller:
         del self.events[:-1000]
 
     def _persist(self) -> None:
-        _kv_put({"epoch": self.epoch, "drained": sorted(self.drained), "displaced": self.displaced,
+        _kv_put(self.names.mesh_id, {"epoch": self.epoch, "drained": sorted(self.drained), "displaced": self.displaced,
                  "stand_in_serial": self.stand_in_serial, "restore_request": self.restore_request})
 
     def _publish(self) -> None:
@@ -364,7 +362,8 @@ class Controller:
         # Lost actors this table retires: routers count them dead now, so a step waiting on them need not wait for
         # calls to them to time out before it switches to their stand-ins.
         gone = sorted(n for n in self.lost if n not in serving)
-        publish_table(self.epoch, serving, {n: asdict(self.slots[n]) for n in serving if n in self.slots}, gone)
+        publish_table(self.epoch, serving, {n: asdict(self.slots[n]) for n in serving if n in self.slots}, gone,
+                      mesh_id=self.names.mesh_id)
 
     # ---- API (admin and routers) ---------------------------------------------------------------------------
 
@@ -471,7 +470,7 @@ class Controller:
         behind = self.routers_behind(epoch)
         for name in retired:
             try:
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                ray.kill(ray.get_actor(name, namespace=self.names.namespace), no_restart=True)
             except ValueError:
                 pass
             self.slots.pop(name, None)
@@ -570,7 +569,7 @@ class Controller:
         if refused is not None:
             return refused
         try:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            ray.kill(ray.get_actor(name, namespace=self.names.namespace), no_restart=True)
         except ValueError:
             return _outcome("FAILED_PRECONDITION", f"{name} is not running (already lost or drained)")
         self._event("killed", name, forced=force)
@@ -595,7 +594,7 @@ class Controller:
             if self._drain_tickets.get(name) != ticket:
                 return  # undrained (or drained again) in the meantime: that call owns the actor now
             try:
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                ray.kill(ray.get_actor(name, namespace=self.names.namespace), no_restart=True)
             except ValueError:
                 pass
             self._event("drained", name)
@@ -645,14 +644,15 @@ def start_controller(spec: PoolSpec, slots: list[ActorSlot], config: ControllerC
                      fresh: bool = True, reservation: RouterReservation | None = None) -> ray.actor.ActorHandle:
     """Create (or find) the controller actor and start it watching. fresh=True clears a record left by an
     earlier deployment on this cluster. reservation: the GPUs kept for Serve router replicas."""
+    names = spec.names
     if fresh:
-        _kv_put({})
-        clear_table()
+        _kv_put(spec.mesh_id, {})
+        clear_table(spec.mesh_id)
     try:
-        handle = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        handle = ray.get_actor(names.controller, namespace=names.namespace)
     except ValueError:
         handle = ray.remote(Controller).options(
-            name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
+            name=names.controller, namespace=names.namespace, lifetime="detached", max_restarts=-1,
             max_concurrency=64, num_cpus=0,
         ).remote(spec, list(slots), config or ControllerConfig(), (reservation or NO_RESERVATION).as_dict())
     ray.get(handle.start.remote())

@@ -8,7 +8,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..experts.actor import ExpertActor
 from .actor_slots import ActorSlot
-from .naming import NAMESPACE
 from .pool_spec import PoolSpec
 
 
@@ -25,9 +24,9 @@ def start_expert_actor(slot: ActorSlot, spec: PoolSpec, *, detached: bool, reuse
     """
     shards = [(int(layer), int(expert)) for layer, expert in spec.actor_shards[slot.name]]
     return ray.remote(ExpertActor).options(
-        name=slot.name, namespace=NAMESPACE, num_cpus=slot.num_cpus, num_gpus=slot.num_gpus,
+        name=slot.name, namespace=spec.names.namespace, num_cpus=slot.num_cpus, num_gpus=slot.num_gpus,
         scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node_id, soft=soft_affinity),
         lifetime="detached" if detached else None, get_if_exists=reuse,
     ).remote(slot.name, spec.model_dir, shards, spec.dtype, generation, tracing=spec.tracing,
              revision=spec.revision, memory_gb=spec.memory_gb, quant=spec.quant,
-             gpu_without_cuda=spec.gpu_without_cuda)
+             gpu_without_cuda=spec.gpu_without_cuda, mesh_id=spec.mesh_id)

@@ -1,21 +1,76 @@
 """Names of the actors expertmesh creates, so operators can find them (and kill them in drills). No Ray here, so
 modules that only need a name (routers, drills, tests) need not import the actor modules.
 
-Every actor lives in the Ray namespace `expertmesh`; the controller is `controller`. An expert actor is
-`expert-e{group}-r{replica}`: with the default grouping the group is the logical expert id and the actor hosts that
-expert for every MoE layer, so `expert-e3-r0` is replica 0 of expert 3. A planned placement (cluster/planner.py)
-runs one actor per GPU hosting that GPU's shards, `expert-g{gpu}-v{version}`; a new version replaces it when its
-shard set changes. A stand-in the controller starts for lost actors when the survivors have no room for them at
-their normal size (cluster/lost_restore.py) is `expert-s{serial}`; it goes when they come back.
+Every actor of a mesh lives in that mesh's Ray namespace; the controller is `controller`. A mesh id (`mesh.id`,
+default "default") names the mesh: `MeshNames.of(mesh_id)` gives its namespace, controller name and stored-key
+prefix, so several meshes (models) share one Ray cluster. The default mesh keeps the names it always had: namespace
+`expertmesh`, keys `expertmesh/<what>`; mesh "chat" gets namespace `expertmesh-chat` and keys
+`expertmesh/chat/<what>`. Actor and controller names are the same in every mesh (Ray names are per namespace).
+
+An expert actor is `expert-e{group}-r{replica}`: with the default grouping the group is the logical expert id and
+the actor hosts that expert for every MoE layer, so `expert-e3-r0` is replica 0 of expert 3. A planned placement
+(cluster/planner.py) runs one actor per GPU hosting that GPU's shards, `expert-g{gpu}-v{version}`; a new version
+replaces it when its shard set changes. A stand-in the controller starts for lost actors when the survivors have no
+room for them at their normal size (cluster/lost_restore.py) is `expert-s{serial}`; it goes when they come back.
 `parse_expert_actor_name` reads both forms as (group, replica): (gpu, version) for the second.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-NAMESPACE = "expertmesh"
-CONTROLLER_NAME = "controller"  # the controller actor (cluster/controller.py), detached, in NAMESPACE
+NAMESPACE = "expertmesh"  # the default mesh's namespace
+CONTROLLER_NAME = "controller"  # the controller actor (cluster/controller.py), detached, in its mesh's namespace
+DEFAULT_MESH_ID = "default"
+MAX_MESH_ID_CHARS = 40
+# The default mesh's keys are expertmesh/<what>, another mesh's expertmesh/<id>/<what>: an id equal to the first
+# segment of one of the default mesh's keys could read them.
+RESERVED_MESH_IDS = frozenset({"load", "routing-table", "controller", "transport-secret", "hf-token"})
+_MESH_ID = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")  # a DNS label, lower case; used with fullmatch
+
+
+def mesh_id_problem(mesh_id: object) -> str | None:
+    """Why `mesh_id` is not a mesh id (a DNS-label-like string), or None when it is one."""
+    if not isinstance(mesh_id, str):
+        return f"must be a string, got {type(mesh_id).__name__}"
+    if not mesh_id or len(mesh_id) > MAX_MESH_ID_CHARS or not _MESH_ID.fullmatch(mesh_id):
+        return (f"must be 1-{MAX_MESH_ID_CHARS} lower-case letters, digits and '-', starting and ending with a "
+                f"letter or digit (like a DNS label), got {mesh_id!r}")
+    if mesh_id in RESERVED_MESH_IDS:
+        return f"{mesh_id!r} is reserved (the default mesh's stored keys use it)"
+    return None
+
+
+@dataclass(frozen=True)
+class MeshNames:
+    """Everything a mesh keeps in Ray, named from its id."""
+
+    mesh_id: str
+    namespace: str  # the Ray namespace of its expert actors and controller
+    controller: str  # the controller actor's name (in `namespace`)
+    key_prefix: str  # of its keys in Ray's GCS key-value store (cluster/mesh_store.py)
+    app_name: str  # its Ray Serve application
+
+    @classmethod
+    def of(cls, mesh_id: str = DEFAULT_MESH_ID) -> MeshNames:
+        """ValueError when `mesh_id` is not a mesh id."""
+        problem = mesh_id_problem(mesh_id)
+        if problem is not None:
+            raise ValueError(f"mesh id {problem}")
+        if mesh_id == DEFAULT_MESH_ID:
+            return cls(mesh_id, NAMESPACE, CONTROLLER_NAME, "expertmesh/", "expertmesh")
+        return cls(mesh_id, f"{NAMESPACE}-{mesh_id}", CONTROLLER_NAME, f"expertmesh/{mesh_id}/",
+                   f"expertmesh-{mesh_id}")
+
+    def key(self, what: str) -> bytes:
+        """The stored key of `what` ("routing-table", "controller", ...) for this mesh."""
+        if not what or what.startswith("/"):
+            raise ValueError(f"a stored key's name is a relative path, got {what!r}")
+        return (self.key_prefix + what).encode()
+
+
+DEFAULT_MESH = MeshNames.of(DEFAULT_MESH_ID)
 _EXPERT_ACTOR = re.compile(r"expert-e([0-9]+)-r([0-9]+)")  # ASCII digits only; used with fullmatch
 _GPU_ACTOR = re.compile(r"expert-g([0-9]+)-v([0-9]+)")
 _STAND_IN_ACTOR = re.compile(r"expert-s([0-9]+)")

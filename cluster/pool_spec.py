@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from .naming import DEFAULT_MESH_ID, MeshNames
 from .routing_table import Shard
 
 
@@ -20,6 +21,13 @@ class PoolSpec:
     memory_gb: float | None = None  # each actor's device budget for expert weights (experts.memory_gb); None: all
     quant: str = "none"  # experts.quant: routed experts stored as "none" (the dtype), "int8" or "int4"
     gpu_without_cuda: str = "refuse"  # devices.gpu_without_cuda: an actor given a GPU torch cannot see refuses
+    # mesh.id: the namespace, controller and stored keys of this pool (cluster/naming.py: MeshNames), carried to the
+    # controller and router replicas so restores and new routers find this mesh's names
+    mesh_id: str = DEFAULT_MESH_ID
+
+    @property
+    def names(self) -> MeshNames:
+        return MeshNames.of(self.mesh_id)
 
     def with_actor_shards(self, actor_shards: Mapping[str, Iterable[Iterable[int]]]) -> PoolSpec:
         """The same pool with another placement; shards may come as JSON lists ([layer, expert]), they are kept as

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 
+from .mesh_store import MeshStore
+from .naming import DEFAULT_MESH_ID
 from .routing_table import RoutingTable, Shard
 
-_KV_KEY = b"expertmesh/routing-table"
+_KEY = "routing-table"  # stored as expertmesh/routing-table (default mesh) or expertmesh/<mesh id>/routing-table
 
 
 def encode_table(epoch: int, actor_shards: dict[str, list[Shard]], slots: dict[str, dict] | None = None,
@@ -49,21 +51,16 @@ def table_of(record: dict) -> RoutingTable:
 
 
 def publish_table(epoch: int, actor_shards: dict[str, list[Shard]], slots: dict[str, dict] | None = None,
-                  gone: list[str] | None = None) -> None:
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_put(_KV_KEY, encode_table(epoch, actor_shards, slots, gone), overwrite=True)
+                  gone: list[str] | None = None, mesh_id: str = DEFAULT_MESH_ID) -> None:
+    MeshStore(mesh_id).put(_KEY, encode_table(epoch, actor_shards, slots, gone))
 
 
-def read_table() -> dict | None:
-    """The last published record, or None when nothing was published (the pool's initial table applies)."""
-    from ray.experimental import internal_kv
-
-    raw = internal_kv._internal_kv_get(_KV_KEY)
+def read_table(mesh_id: str = DEFAULT_MESH_ID) -> dict | None:
+    """Mesh `mesh_id`'s last published record, or None when nothing was published (the pool's initial table
+    applies)."""
+    raw = MeshStore(mesh_id).get(_KEY)
     return decode_table(raw) if raw else None
 
 
-def clear_table() -> None:
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_del(_KV_KEY)
+def clear_table(mesh_id: str = DEFAULT_MESH_ID) -> None:
+    MeshStore(mesh_id).delete(_KEY)

@@ -20,6 +20,7 @@ import time
 import ray
 import torch
 
+from ..cluster.naming import DEFAULT_MESH_ID
 from .arrays import HostStager, HostTensor, pack, to_tensor
 from .devices import gpus_given, local_device
 from .dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
@@ -34,15 +35,16 @@ from .weights import Shard, expert_shard_bytes, load_expert_shards
 
 
 def _kv_put(key: bytes, value: bytes) -> None:
-    from ray.experimental.internal_kv import _internal_kv_put
+    from ..cluster.mesh_store import cluster_store
 
-    _internal_kv_put(key, value, overwrite=True)
+    cluster_store().put_key(key, value)  # key: progress_key's, which carries the mesh's prefix
 
 
 class ExpertActor:
     def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "auto", generation: int = 0,
                  tracing: dict | None = None, metrics: bool = True, revision: str | None = None,
-                 memory_gb: float | None = None, quant: str = "none", gpu_without_cuda: str = "refuse"):
+                 memory_gb: float | None = None, quant: str = "none", gpu_without_cuda: str = "refuse",
+                 mesh_id: str = DEFAULT_MESH_ID):
         """dtype: model.dtype ("auto" or a name), resolved here for this actor's device; revision: with a Hub repo id
         as model_dir; tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
         expertmesh_expert_seconds (and the tier counters) through Ray's metrics API; memory_gb: device budget for
@@ -67,7 +69,8 @@ class ExpertActor:
         total = expert_shard_bytes(reader, shards)
         if memory_gb is not None:
             total = min(total, int(memory_gb * GIB))
-        reporter = ProgressReporter(name, total, _kv_put)
+        self.mesh_id = mesh_id
+        reporter = ProgressReporter(name, total, _kv_put, mesh_id=mesh_id)
         self.tiers: TierStore | None = None
         try:
             if memory_gb is None:
@@ -167,6 +170,7 @@ class ExpertActor:
         ctx = ray.get_runtime_context()
         return {
             "name": self.name,
+            "mesh_id": self.mesh_id,  # mesh.id: which mesh (namespace, stored keys) this actor belongs to
             "node_id": ctx.get_node_id(),
             "gpu_ids": self.gpu_ids,
             "device": str(self.device),

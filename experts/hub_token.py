@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 
 ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # huggingface_hub's order
-_KV_KEY = b"expertmesh/hf-token"
+_KEY = "hf-token"  # one per Ray cluster (cluster/mesh_store.py: cluster_store); the last driver's token wins
 
 
 def env_token(environ: Mapping[str, str]) -> str | None:
@@ -46,12 +46,12 @@ def token_for_download(environ: Mapping[str, str], published: str | None) -> str
 def publish_hub_token(environ: Mapping[str, str] | None = None) -> bool:
     """Driver side, with Ray connected: store this process's HF_TOKEN for the cluster's downloads. True when one was
     stored; without one, an earlier driver's token stays (a redeploy without HF_TOKEN keeps working)."""
-    from ray.experimental import internal_kv
+    from ..cluster.mesh_store import cluster_store
 
     token = env_token(os.environ if environ is None else environ)
     if token is None:
         return False
-    internal_kv._internal_kv_put(_KV_KEY, token.encode(), overwrite=True)
+    cluster_store().put(_KEY, token.encode())
     return True
 
 
@@ -61,9 +61,9 @@ def published_hub_token() -> str | None:
 
     if not ray.is_initialized():
         return None
-    from ray.experimental import internal_kv
+    from ..cluster.mesh_store import cluster_store
 
-    raw = internal_kv._internal_kv_get(_KV_KEY)
+    raw = cluster_store().get(_KEY)
     return raw.decode() if raw else None
 
 

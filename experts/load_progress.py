@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-KEY_PREFIX = "expertmesh/load/"
+from ..cluster.naming import DEFAULT_MESH_ID, MeshNames
+
+KEY_PREFIX = "expertmesh/load/"  # the default mesh's; mesh <id>: expertmesh/<id>/load/
 
 
 @dataclass(frozen=True)
@@ -37,16 +39,17 @@ class LoadProgress:
         return 1.0 if self.total_bytes <= 0 else min(1.0, self.loaded_bytes / self.total_bytes)
 
 
-def progress_key(actor: str) -> bytes:
-    return (KEY_PREFIX + actor).encode()
+def progress_key(actor: str, mesh_id: str = DEFAULT_MESH_ID) -> bytes:
+    return MeshNames.of(mesh_id).key(f"load/{actor}")
 
 
 class ProgressReporter:
     """Counts bytes as tensors arrive and publishes at most every `every_s` (and always at the end)."""
 
     def __init__(self, actor: str, total_bytes: int, put: Callable[[bytes, bytes], None], every_s: float = 0.5,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, mesh_id: str = DEFAULT_MESH_ID):
         self.actor, self.total, self.put, self.every_s, self.clock = actor, total_bytes, put, every_s, clock
+        self.mesh_id = mesh_id
         self.loaded = 0
         self._last = float("-inf")
         self._publish(done=False)
@@ -64,14 +67,15 @@ class ProgressReporter:
         self._last = now
         record = LoadProgress(self.actor, self.loaded, self.total, done, error, now)
         try:
-            self.put(progress_key(self.actor), record.encode())
+            self.put(progress_key(self.actor, self.mesh_id), record.encode())
         except Exception:  # progress is advisory: a store hiccup must not fail a load
             pass
 
 
-def read_progress(actor: str, get: Callable[[bytes], bytes | None]) -> LoadProgress | None:
+def read_progress(actor: str, get: Callable[[bytes], bytes | None],
+                  mesh_id: str = DEFAULT_MESH_ID) -> LoadProgress | None:
     try:
-        raw = get(progress_key(actor))
+        raw = get(progress_key(actor, mesh_id))
         return None if raw is None else LoadProgress.decode(raw)
     except Exception:
         return None

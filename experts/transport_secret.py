@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import secrets
 
-_KV_KEY = b"expertmesh/transport-secret"
+from ..cluster.mesh_store import cluster_store
+
+_KEY = "transport-secret"  # one per Ray cluster, shared by its meshes (cluster/mesh_store.py: cluster_store)
 
 
 def transport_secret() -> str:
     """This cluster's secret, created on the first call. Safe to race: the first writer wins, everyone reads it."""
-    from ray.experimental import internal_kv
-
-    raw = internal_kv._internal_kv_get(_KV_KEY)
+    store = cluster_store()
+    raw = store.get(_KEY)
     if not raw:
-        internal_kv._internal_kv_put(_KV_KEY, secrets.token_urlsafe(32).encode(), overwrite=False)
-        raw = internal_kv._internal_kv_get(_KV_KEY)
+        store.put(_KEY, secrets.token_urlsafe(32).encode(), overwrite=False)
+        raw = store.get(_KEY)
     return raw.decode()

@@ -70,6 +70,7 @@ README_SECTIONS = {
     "Security": "security.md",
     "Overload shedding": "operations/shedding.md",
     "Configuration": "serving/configuration.md",
+    "Actor naming": "concepts/architecture.md#actor-naming-for-operators-and-drills",
 }
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cluster.controller_config import ControllerConfig
+from ..cluster.naming import DEFAULT_MESH_ID, mesh_id_problem
 from ..experts.devices import DevicesConfig
 from ..experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ..experts.errors import ConfigError
@@ -48,7 +49,7 @@ from .observability_config import ObservabilityConfig
 from .server_checks import check_can_listen, check_tls_pair
 from .transports.base import TRANSPORT_SETTINGS
 
-__all__ = ["MeshConfig", "ModelConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "DevicesConfig",
+__all__ = ["MeshConfig", "ModelConfig", "MeshIdConfig", "RayConfig", "ExpertsConfig", "RouterConfig", "DevicesConfig",
            "ServerConfig", "ConfigError", "DTYPES"]
 
 DTYPES = DTYPE_CHOICES  # "auto", "bfloat16", "float16", "float32" (experts/dtypes.py resolves "auto")
@@ -121,6 +122,20 @@ class RayConfig:
                 raise ValueError("num_cpus: only for an embedded Ray (address 'local'); a cluster has its own")
             if self.num_cpus < 1:
                 raise ValueError(f"num_cpus: must be ≥ 1, got {self.num_cpus}")
+        return self
+
+
+@dataclass(frozen=True)
+class MeshIdConfig:
+    # Names this mesh in Ray: its namespace, controller and stored keys derive from it, so several meshes (models)
+    # share one Ray cluster. "default" keeps namespace `expertmesh`; "chat" gets `expertmesh-chat` (README: Actor
+    # naming). A DNS label: lower-case letters, digits and '-'.
+    id: str = DEFAULT_MESH_ID
+
+    def validate(self) -> MeshIdConfig:
+        problem = mesh_id_problem(self.id)
+        if problem is not None:
+            raise ValueError(f"id: {problem}")
         return self
 
 
@@ -320,6 +335,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshIdConfig = field(default_factory=MeshIdConfig)  # which mesh on the Ray cluster (README: Actor naming)
     ray: RayConfig = field(default_factory=RayConfig)
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     router: RouterConfig = field(default_factory=RouterConfig)

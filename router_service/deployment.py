@@ -20,7 +20,8 @@ import ray
 import torch
 from ray import serve
 
-from ..cluster.naming import CONTROLLER_NAME, NAMESPACE, parse_expert_actor_name
+from ..cluster.mesh_store import cluster_store
+from ..cluster.naming import DEFAULT_MESH_ID, parse_expert_actor_name
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.shard_liveness import HealthVerdict, health_verdict
 from ..cluster.table_store import read_table
@@ -57,7 +58,8 @@ def pool_spec_from_dict(pool: dict) -> PoolSpec:
     """A PoolSpec from the plain dict Serve ships to a router replica (shards as lists after a YAML/JSON trip)."""
     spec = PoolSpec(model_dir=pool["model_dir"], dtype=pool["dtype"], actor_shards={}, revision=pool.get("revision"),
                     tracing=pool.get("tracing"), memory_gb=pool.get("memory_gb"), quant=pool.get("quant", "none"),
-                    gpu_without_cuda=pool.get("gpu_without_cuda", "refuse"))
+                    gpu_without_cuda=pool.get("gpu_without_cuda", "refuse"),
+                    mesh_id=pool.get("mesh_id", DEFAULT_MESH_ID))
     return spec.with_actor_shards(pool["actor_shards"])
 
 
@@ -112,7 +114,7 @@ class RouterDeployment:
         assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
         torch.set_num_threads(replica_threads(self.config.router.threads, assigned))
         spec = pool_spec_from_dict(pool)
-        published = read_table()
+        published = read_table(spec.mesh_id)
         if published is not None:
             # A router replica started (or restarted by Serve) after a remap starts from the live placement.
             spec = spec.with_actor_shards(published["actor_shards"])
@@ -302,7 +304,8 @@ class RouterDeployment:
     async def _controller_down(self) -> set[str] | None:
         try:
             if self._controller is None:
-                self._controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+                names = self.router.spec.names
+                self._controller = ray.get_actor(names.controller, namespace=names.namespace)
             liveness = await asyncio.wait_for(self._controller.liveness.remote(), timeout=CONTROLLER_ASK_S)
             return set(liveness["down"])
         except Exception:  # no controller (--no-controller), restarting, or slow: fall back on the router's view
@@ -366,7 +369,8 @@ class RouterDeployment:
             raise _set_status(grpc_context, ApiError("NOT_FOUND", "actor: no expert replica named "
                                                                   f"{proto_mapping.shown(actor)}"))
         try:
-            controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            names = self.router.spec.names
+            controller = ray.get_actor(names.controller, namespace=names.namespace)
             outcome = await asyncio.wait_for(getattr(controller, method).remote(actor, **options), timeout=timeout_s)
         except Exception as exc:
             raise _set_status(grpc_context, ApiError("UNAVAILABLE", f"controller unavailable: {exc}")) from None
@@ -376,19 +380,14 @@ class RouterDeployment:
         return admin_pb2.ReplicaReply(ok=True, message=outcome["message"])
 
 
-def _kv_get(key: bytes) -> bytes | None:
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    return _internal_kv_get(key)
-
-
 async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name: str) -> admin_pb2.ClusterState:
     """Controller view (epoch, events, restores) + each actor's own report + this router's breakers."""
     state = admin_pb2.ClusterState(model=model_name, router=stats,
                                    no_replica_policy=router.backend.failover.no_replica_policy)
     controller_state: dict = {}
+    mesh = router.spec.names  # this router's mesh: its controller, actors and progress keys
     try:
-        controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        controller = ray.get_actor(mesh.controller, namespace=mesh.namespace)
         controller_state = await asyncio.wait_for(controller.get_state.remote(), timeout=5)
         state.controller_alive = True
     except Exception:
@@ -408,7 +407,7 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
 
     async def info(name: str) -> dict | None:
         try:
-            handle = ray.get_actor(name, namespace=NAMESPACE)
+            handle = ray.get_actor(name, namespace=mesh.namespace)
             return await asyncio.wait_for(handle.info.remote(), timeout=3)
         except Exception:
             return None
@@ -427,7 +426,7 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
             restoring=name in restoring,
             breaker=router.backend.breakers.get(name).state, drained=name in drained,
         )
-        progress = read_progress(name, _kv_get)
+        progress = read_progress(name, cluster_store().get_key, mesh.mesh_id)
         if progress is not None:
             replica_state.load_bytes = progress.loaded_bytes
             replica_state.load_total_bytes = progress.total_bytes

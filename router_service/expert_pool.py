@@ -22,7 +22,6 @@ from ..cluster.default_pool import (  # noqa: F401  (re-exported: the pure layou
     expert_slices,
 )
 from ..cluster.expert_actors import start_expert_actor
-from ..cluster.naming import NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.table_store import clear_table
 from ..experts.devices import REFUSAL_FIELD, find_refusal
@@ -38,7 +37,7 @@ def cluster_nodes() -> list[NodeResources]:
 
 def connect_actors(spec: PoolSpec) -> dict[str, ray.actor.ActorHandle]:
     """Handles to a running pool's actors, looked up by name (from any driver or Serve replica)."""
-    return {name: ray.get_actor(name, namespace=NAMESPACE) for name in spec.actor_shards}
+    return {name: ray.get_actor(name, namespace=spec.names.namespace) for name in spec.actor_shards}
 
 
 class ExpertPool:
@@ -50,8 +49,6 @@ class ExpertPool:
         self.start_timeout_s = start_timeout_s
         self.detached = detached
         self.reuse = reuse
-        if not reuse:
-            clear_table()  # a fresh pool: a routing table an earlier deployment published on this cluster is stale
         # slots: a planned layout's (router_service/pool_layout.py); otherwise spread the actors over the cluster.
         self.slots: list[ActorSlot] = slots or plan_actor_slots(list(spec.actor_shards), cluster_nodes(),
                                                                 num_cpus_per_actor)
@@ -63,13 +60,18 @@ class ExpertPool:
             if self.reuse:
                 break
             try:
-                ray.get_actor(slot.name, namespace=NAMESPACE)
+                ray.get_actor(slot.name, namespace=self.spec.names.namespace)
             except ValueError:
                 continue
             raise RuntimeError(
-                f"actor '{slot.name}' already exists in namespace '{NAMESPACE}': another expertmesh is serving "
-                "on this Ray cluster; stop it first"
+                f"actor '{slot.name}' already exists in namespace '{self.spec.names.namespace}': another expertmesh "
+                f"with mesh id '{self.spec.mesh_id}' is serving on this Ray cluster; stop it first, or give this one "
+                "another mesh.id (--mesh-id)"
             )
+        if not self.reuse:
+            # A fresh pool: a routing table an earlier deployment of this mesh published on this cluster is stale.
+            # Cleared only now, so a start refused above leaves a running mesh of the same id its table.
+            clear_table(self.spec.mesh_id)
         for slot in self.slots:
             self.actors[slot.name] = start_expert_actor(slot, self.spec, detached=self.detached, reuse=self.reuse)
         self._wait_ready()
@@ -112,7 +114,7 @@ class ExpertPool:
         for name, handle in self.actors.items():
             ray.kill(handle, no_restart=True)
             try:
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                ray.kill(ray.get_actor(name, namespace=self.spec.names.namespace), no_restart=True)
             except ValueError:
                 pass
         self.actors = {}

@@ -75,10 +75,10 @@ def probe_gpu_memory(nodes: list[NodeResources], timeout_s: float = 60.0) -> dic
 
 
 def autoscaler_running() -> bool:
-    from ray.experimental import internal_kv
+    from ..cluster.mesh_store import raw_get  # Ray's own key, not a mesh's
 
     try:
-        return internal_kv._internal_kv_get(AUTOSCALER_STATUS_KEY) is not None
+        return raw_get(AUTOSCALER_STATUS_KEY) is not None
     except Exception:  # noqa: BLE001
         return False
 

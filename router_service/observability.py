@@ -26,6 +26,7 @@ from opentelemetry import trace as otel
 from opentelemetry.context import Context
 
 from ..cluster.load_stats import LoadWindow
+from ..cluster.naming import DEFAULT_MESH_ID, MeshNames
 from ..experts.config import MoEModelConfig
 from .metrics import RouterMetrics
 from .observability_config import ObservabilityConfig
@@ -35,10 +36,11 @@ log = logging.getLogger(__name__)
 
 class RouterObserver:
     def __init__(self, cfg: MoEModelConfig, backend, router_id: str, config: ObservabilityConfig | None = None,
-                 tracer: otel.Tracer | None = None):
+                 tracer: otel.Tracer | None = None, mesh_id: str = DEFAULT_MESH_ID):
         self.config = (config or ObservabilityConfig()).validate()
         self.backend = backend
         self.router_id = router_id
+        self.mesh_id = mesh_id  # whose controller gets the load reports
         self.num_experts = cfg.num_experts
         self.window = LoadWindow(list(cfg.moe_layers), cfg.num_experts, cfg.top_k, self.config.load)
         self.metrics = (RouterMetrics(list(cfg.moe_layers), cfg.num_experts, self.config.metrics)
@@ -176,16 +178,16 @@ class RouterObserver:
                 gauges.update(self.batcher_gauges())
             for name, value in gauges.items():
                 self.metrics.set_gauge(name, value)
-        push_to_controller(self.router_id, snap)
+        push_to_controller(self.router_id, snap, self.mesh_id)
         return snap
 
 
-def push_to_controller(router_id: str, snapshot: dict) -> bool:
-    """Fire-and-forget `Controller.report_load`; False when there is no controller (nothing waits either way)."""
-    from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
-
+def push_to_controller(router_id: str, snapshot: dict, mesh_id: str = DEFAULT_MESH_ID) -> bool:
+    """Fire-and-forget `Controller.report_load` to mesh `mesh_id`'s controller; False when there is none (nothing
+    waits either way)."""
+    names = MeshNames.of(mesh_id)
     try:
-        controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        controller = ray.get_actor(names.controller, namespace=names.namespace)
         controller.report_load.remote(router_id, snapshot)
         return True
     except Exception:

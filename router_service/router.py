@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from ..cluster.naming import NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
@@ -88,7 +87,7 @@ class Router:
         self.transport_name = resolve_transport(settings.transport, config.ray.address)
         self.transport = make_transport(self.transport_name, dict(actors))
         self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport,
-                                     config.failover, reviver=NameReviver(self.transport, NAMESPACE))
+                                     config.failover, reviver=NameReviver(self.transport, spec.names.namespace))
         # Dense weights, KV cache and sampling live on self.device; only rows for expert actors leave it.
         self.dtype_name = resolve_dtype(spec.dtype, read_checkpoint_dtype(self.reader.model_dir),
                                         self.device.type == "cuda")
@@ -108,7 +107,8 @@ class Router:
                                                          self.model.predict_experts)
         # Load statistics, metrics, traces (router_service/observability.py).
         self.observer = RouterObserver(self.model_config, self.backend, router_id or default_router_id(),
-                                       config.observability, build_tracer(config.tracing, "router"))
+                                       config.observability, build_tracer(config.tracing, "router"),
+                                       mesh_id=spec.mesh_id)
         self.enable_tracing(self.observer.tracer)
         self.backend.observer = self.observer
         self.model.step_observer = self.observer.on_step
@@ -118,7 +118,7 @@ class Router:
         self.model.profile = self.profile
         self.observer.start_reporter()
         # Follow the placement the controller publishes (live remap); switches happen between steps.
-        self.follower = TableFollower(self.backend, self.observer.router_id).start()
+        self.follower = TableFollower(self.backend, self.observer.router_id, mesh_id=spec.mesh_id).start()
 
     @property
     def table(self):

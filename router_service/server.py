@@ -19,7 +19,6 @@ import ray
 from ray import serve
 
 from ..cluster.controller import start_controller
-from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.router_gpus import RouterReservation
 from ..experts.devices import REFUSAL_FIELD, find_refusal
@@ -31,7 +30,7 @@ from .http_front import start_http_front
 from .startup import MeshRuntime, start_mesh
 
 log = logging.getLogger(__name__)
-APP_NAME = "expertmesh"
+APP_NAME = "expertmesh"  # the default mesh's Serve application; mesh <id>: expertmesh-<id> (MeshNames.app_name)
 
 
 async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
@@ -43,10 +42,11 @@ async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
         serve.start(proxy_location="Disabled")
         try:
             handle = serve.run(RouterDeployment.options(**router_options(config)).bind(
-                config.to_dict(), asdict(runtime.spec)), name=APP_NAME, route_prefix=None, blocking=False)
+                config.to_dict(), asdict(runtime.spec)), name=runtime.spec.names.app_name, route_prefix=None,
+                blocking=False)
         except Exception as exc:
             # A router replica given a GPU torch cannot see: its one line, not Serve's traceback around it.
-            if (line := router_refusal(exc, APP_NAME)) is not None:
+            if (line := router_refusal(exc, runtime.spec.names.app_name)) is not None:
                 raise ConfigError(REFUSAL_FIELD, line) from None
             raise
         server, port = await start_front(handle, config.server)
@@ -105,7 +105,7 @@ async def _supervise_controller(spec: PoolSpec, slots, config: MeshConfig, reser
     while True:
         await asyncio.sleep(every_s)
         try:
-            handle = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            handle = ray.get_actor(spec.names.controller, namespace=spec.names.namespace)
             await asyncio.wait_for(handle.start.remote(), timeout=30)
         except ValueError:
             log.warning("controller is gone; starting a new one")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import ray
 
 from ..cluster.controller import start_controller
-from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
+from ..cluster.naming import DEFAULT_MESH_ID, NAMESPACE, MeshNames
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.router_gpus import NO_RESERVATION, RouterReservation, expert_nodes
 from ..cluster.table_store import read_table
@@ -34,21 +34,25 @@ from .pool_layout import pool_layout
 from .ray_join import prepare_join
 
 log = logging.getLogger(__name__)
+# Live runtimes (by id) on a Ray this process started: several meshes (mesh ids) may share it, and the last to stop
+# shuts it down, so closing one ExpertMesh leaves another of this process serving.
+_RAY_SHARERS: set[int] = set()
 
 
-def connect_ray(config: RayConfig) -> bool:
-    """Start or join Ray unless this process already did; True when this call started the connection."""
+def connect_ray(config: RayConfig, namespace: str = NAMESPACE) -> bool:
+    """Start or join Ray unless this process already did; True when this call started the connection. namespace:
+    the driver's (its mesh's); the mesh's actors name theirs explicitly, so a driver may serve several meshes."""
     if ray.is_initialized():
         return False
     if config.address == "local":
         # "local" never joins a cluster that some earlier run left recorded on this machine, and its Ray listens on
         # loopback only (README: Security).
         with _loopback_node():
-            ray.init(address="local", namespace=NAMESPACE, num_cpus=config.num_cpus, include_dashboard=False,
+            ray.init(address="local", namespace=namespace, num_cpus=config.num_cpus, include_dashboard=False,
                      logging_level=logging.WARNING)
     else:
         prepare_join(config.address)  # token authentication, or one line saying why the cluster cannot be joined
-        ray.init(address=config.address, namespace=NAMESPACE, logging_level=logging.WARNING)
+        ray.init(address=config.address, namespace=namespace, logging_level=logging.WARNING)
     return True
 
 
@@ -84,7 +88,7 @@ class MeshRuntime:
 
     config: MeshConfig
     reader: CheckpointReader  # the checkpoint's config and dense weights, for an in-process router
-    owns_ray: bool  # this process started (or joined) Ray for the mesh, so stop() disconnects
+    owns_ray: bool  # this process started (or joined) Ray for its meshes, so the last of them to stop disconnects
     spec: PoolSpec | None = None  # the expert actors: name -> shards, model, dtype (what routers connect to)
     pool: ExpertPool | None = None
     controller: ray.actor.ActorHandle | None = None
@@ -94,18 +98,24 @@ class MeshRuntime:
 
     def stop(self, keep_ray: bool = False) -> None:
         """Controller, then the actors a live remap added (the pool did not start those), then the pool, then Ray
-        (when start_mesh connected it and keep_ray is False). Safe to call twice."""
+        (when start_mesh connected it, keep_ray is False and no other mesh of this process uses it). Safe to call
+        twice."""
         if not ray.is_initialized():
+            _RAY_SHARERS.discard(id(self))
             return
         if self.controller is not None:
-            stop_controller()
+            stop_controller(self.config.mesh.id)
             self.controller = None
-        stop_remapped_actors()
         if self.pool is not None:
+            # Only a runtime that started its pool: a start refused because the mesh id is taken must not stop the
+            # running mesh's actors.
+            stop_remapped_actors(self.config.mesh.id)
             self.pool.shutdown()
             self.pool = None
-        if self.owns_ray and not keep_ray:
-            ray.shutdown()
+        if self.owns_ray:
+            _RAY_SHARERS.discard(id(self))
+            if not keep_ray and not _RAY_SHARERS:  # no other mesh of this process still uses it
+                ray.shutdown()
             self.owns_ray = False
 
 
@@ -122,8 +132,14 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False,
     # if it routes itself, ExpertMesh); each node fetches the bytes of its own processes' tensors.
     reader = open_checkpoint(config.model.source, config.model.revision, dense_tensors)
     check_checkpoint(reader)  # fail here, naming file and key, before any actor starts (headers only)
-    owns_ray = connect_ray(config.ray)
+    # A Ray another mesh of this process started is shared with it (a Ray the caller started stays the caller's).
+    started = connect_ray(config.ray, MeshNames.of(config.mesh.id).namespace)
+    if started:
+        _RAY_SHARERS.clear()  # runtimes left from a Ray connection that is gone
+    owns_ray = started or bool(_RAY_SHARERS)
     runtime = MeshRuntime(config, reader, owns_ray)
+    if owns_ray:
+        _RAY_SHARERS.add(id(runtime))
     try:
         transport_secret()  # the expert transport's cluster secret exists before any actor or router needs it
         publish_hub_token()  # this driver's HF_TOKEN, for nodes started without one (gated repos)
@@ -143,7 +159,8 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False,
                                 # too, reads the same weights even if the branch moves (and finds its node's cache
                                 # without asking the Hub)
                                 revision=reader.commit or config.model.revision, memory_gb=config.experts.memory_gb,
-                                quant=config.experts.quant, gpu_without_cuda=config.devices.gpu_without_cuda)
+                                quant=config.experts.quant, gpu_without_cuda=config.devices.gpu_without_cuda,
+                                mesh_id=config.mesh.id)
         runtime.pool = ExpertPool(runtime.spec, config.experts.num_cpus_per_actor, config.experts.start_timeout_s,
                                   detached=detached, reuse=reuse, slots=slots)
         if config.controller.enabled:
@@ -155,21 +172,23 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False,
     return runtime
 
 
-def stop_remapped_actors() -> None:
-    """Stop the expert actors a live remap started (the pool stops the ones it started itself)."""
+def stop_remapped_actors(mesh_id: str = DEFAULT_MESH_ID) -> None:
+    """Stop the expert actors a live remap of mesh `mesh_id` started (the pool stops the ones it started itself)."""
+    names = MeshNames.of(mesh_id)
     try:
-        record = read_table()
+        record = read_table(mesh_id)
     except Exception:  # no table store (Ray going down): nothing a remap could have added is reachable anyway
         return
     for name in (record or {}).get("actor_shards", {}):
         try:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            ray.kill(ray.get_actor(name, namespace=names.namespace), no_restart=True)
         except ValueError:
             pass
 
 
-def stop_controller() -> None:
+def stop_controller(mesh_id: str = DEFAULT_MESH_ID) -> None:
+    names = MeshNames.of(mesh_id)
     try:
-        ray.kill(ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE), no_restart=True)
+        ray.kill(ray.get_actor(names.controller, namespace=names.namespace), no_restart=True)
     except ValueError:
         pass

@@ -15,7 +15,7 @@ import time
 
 import ray
 
-from ..cluster.naming import CONTROLLER_NAME, NAMESPACE
+from ..cluster.naming import DEFAULT_MESH_ID, MeshNames
 from ..cluster.table_store import read_table, table_of
 from .dispatch import RemoteExperts
 
@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 class TableFollower:
     def __init__(self, backend: RemoteExperts, router_id: str, poll_s: float = 0.5, ready_timeout_s: float = 60.0,
-                 heartbeat_s: float = 2.0, idle_apply_s: float = 2.0):
+                 heartbeat_s: float = 2.0, idle_apply_s: float = 2.0, mesh_id: str = DEFAULT_MESH_ID):
         self.backend = backend
+        self.names = MeshNames.of(mesh_id)  # whose table it follows and whose controller it tells
         self.idle_apply_s = idle_apply_s  # no layer ran this long: switch without waiting for a step
         self.heartbeat_s = heartbeat_s
         self.router_id = router_id
@@ -61,13 +62,13 @@ class TableFollower:
 
     def poll_once(self) -> bool:
         """Stage the published table if it is newer than what we have; True when it staged one."""
-        record = read_table()
+        record = read_table(self.names.mesh_id)
         if record is None or record["epoch"] <= self.staged_epoch:
             return False
         table = table_of(record)
         known = self.backend.transport.actors
         new_names = [name for name in table.actors if name not in known]
-        handles = {name: ray.get_actor(name, namespace=NAMESPACE) for name in new_names}
+        handles = {name: ray.get_actor(name, namespace=self.names.namespace) for name in new_names}
         if handles:
             ray.get([h.ready.remote() for h in handles.values()], timeout=self.ready_timeout_s)
         self.backend.stage_table(table, handles, gone=record.get("gone", []))
@@ -77,7 +78,7 @@ class TableFollower:
     def _acknowledge(self, epoch: int) -> None:
         """Fire-and-forget: the controller may be down; routers never wait for it."""
         try:
-            controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            controller = ray.get_actor(self.names.controller, namespace=self.names.namespace)
             controller.ack_epoch.remote(self.router_id, int(epoch))
         except Exception:
             pass

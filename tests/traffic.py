@@ -100,7 +100,7 @@ def code_prompts(count: int = 16) -> list[str]:
     return lines[::25][:count]
 
 
-def kill_and_wait(name: str, timeout: float = 60.0) -> None:
+def kill_and_wait(name: str, timeout: float = 60.0, namespace: str | None = None) -> None:
     """Kill the actor and return once it is really gone: a call to it fails and its process has exited. Ray marks
     a killed actor dead in its control store before the worker process is gone, and until then a server the actor
     runs on its own thread (its gRPC transport) can still answer; on a loaded machine a whole step fits in that gap,
@@ -110,7 +110,7 @@ def kill_and_wait(name: str, timeout: float = 60.0) -> None:
 
     from expertmesh.cluster.naming import NAMESPACE
 
-    handle = ray.get_actor(name, namespace=NAMESPACE)
+    handle = ray.get_actor(name, namespace=namespace or NAMESPACE)  # namespace: another mesh id's
     pid = state.actors(handle._actor_id.hex()).get("Pid") or None  # from the control store: no call to the actor
     ray.kill(handle, no_restart=True)
     deadline = time.monotonic() + timeout

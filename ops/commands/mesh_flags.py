@@ -46,6 +46,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--dtype", "model.dtype", "model", "weights and activations; auto: the checkpoint's dtype on a GPU, "
          "float32 on a CPU (README: Data types)", {"choices": DTYPES}),
     Flag("--address", "ray.address", "ray", "Ray cluster to join (default: start an embedded one)"),
+    Flag("--mesh-id", "mesh.id", "ray", "which mesh on the Ray cluster: its namespace, controller and stored keys "
+         "derive from it, so several models share one Ray (a DNS label)"),
     Flag("--ray-cpus", "ray.num_cpus", "ray", "CPUs of the embedded Ray (default: the machine's)", {"type": int}),
     Flag("--replicas-per-expert", "experts.replicas_per_expert", "experts", "replicas of each expert actor",
          {"type": int}),

@@ -117,6 +117,7 @@ PURE_MODULES = (
     "expertmesh.cluster.eplb_greedy",
     "expertmesh.cluster.load_stats",
     "expertmesh.cluster.naming",
+    "expertmesh.cluster.mesh_store",  # imports Ray only inside its calls
     "expertmesh.cluster.placement_actors",
     "expertmesh.cluster.planner",
     "expertmesh.cluster.pool_spec",
