@@ -14,7 +14,7 @@ repeated expert in slot order - whichever replicas computed the rows and in what
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,9 +93,11 @@ def combine_rows(hidden: torch.Tensor, routing: Routing, tokens: torch.Tensor, s
     by_rank = torch.sort(ranks, stable=True).indices  # [N]
     weights = routing.weights[tokens, slots]  # [N]
     sizes = torch.bincount(ranks, minlength=k).tolist()  # a device read only for a device routing (the reference)
-    groups = [(tokens[rows], weights[rows], outputs.index_select(0, rows.to(outputs.device)))
-              for rows in by_rank.split(sizes) if rows.numel()]
-    return _accumulate(hidden, groups)
+    # A generator: on one device each rank's rows are gathered just before they are added (no [N, H] temporaries);
+    # rows on the host are gathered once and sent up together by _accumulate.
+    groups = ((tokens[rows], weights[rows], outputs.index_select(0, rows.to(outputs.device)))
+              for rows in by_rank.split(sizes) if rows.numel())
+    return _accumulate(hidden, groups, same_device=_all_on(hidden.device, tokens, weights, outputs))
 
 
 def combine_pieces(hidden: torch.Tensor, routing: Routing, pieces: Sequence[Piece]) -> torch.Tensor:
@@ -109,18 +111,24 @@ def combine_pieces(hidden: torch.Tensor, routing: Routing, pieces: Sequence[Piec
     # The keys are host reads only when the pieces' indices are on a device (the reference on a GPU).
     ordered = sorted((p for p in pieces if p.tokens.numel()),
                      key=lambda p: (p.expert, int(p.tokens[0]), int(p.slots[0])))
-    return _accumulate(hidden, [(p.tokens, routing.weights[p.tokens, p.slots], p.outputs) for p in ordered])
+    groups = [(p.tokens, routing.weights[p.tokens, p.slots], p.outputs) for p in ordered]
+    return _accumulate(hidden, groups, same_device=all(_all_on(hidden.device, *g) for g in groups))
 
 
-def _accumulate(hidden: torch.Tensor,
-                groups: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def _all_on(device: torch.device, *tensors: torch.Tensor) -> bool:
+    return all(t.device == device for t in tensors)
+
+
+def _accumulate(hidden: torch.Tensor, groups: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                same_device: bool) -> torch.Tensor:
     """zeros [T, H] on hidden's device + each group's weight * output, in the order given. groups: (tokens [n],
-    weights [n], outputs [n, H]). Groups held on the host (the router's) go to the device in one batch of
-    non-blocking copies; the products and sums are the same operations wherever the rows came from, so the same
-    bits."""
+    weights [n], outputs [n, H]), all on hidden's device when same_device. Groups held on the host (the router's)
+    go to the device in one batch of non-blocking copies; the products and sums are the same operations wherever
+    the rows came from, so the same bits."""
     result = torch.zeros_like(hidden)  # [T, H]
     device = hidden.device
-    if any(t.device != device or w.device != device or y.device != device for t, w, y in groups):
+    if not same_device:
+        groups = list(groups)
         sizes = [t.numel() for t, _, _ in groups]
         tokens = to_device(torch.cat([t.cpu() for t, _, _ in groups]), device).split(sizes)
         weights = to_device(torch.cat([w.cpu() for _, w, _ in groups]), device).split(sizes)
