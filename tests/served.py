@@ -13,6 +13,7 @@ from expertmesh.ops.server_process import ServerProcess
 from expertmesh.ops.server_process import start_server as _start
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
+from tests.clusters import init_local_ray
 
 # The test servers keep the one-actor-per-expert layout (expert-e{E}-r{R} hosts expert E) that their kills, replica
 # counts and per-actor assertions name; on the 2-CPU test Rays the default (auto) would pick one actor per node.
@@ -31,7 +32,7 @@ def server_on_own_ray(*args: str, num_cpus: int = 4) -> Iterator[ServerProcess]:
     test can kill the server's actors (experts, controller, router replicas) directly. Stops both on exit."""
     import ray
 
-    ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False)
+    init_local_ray(num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False)
     try:
         server = start_server("--address", ray.get_runtime_context().gcs_address, *args)
         try:

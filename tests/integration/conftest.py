@@ -9,12 +9,13 @@ import ray
 
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.reference import load_reference_model
+from tests.clusters import init_local_ray
 
 
 @pytest.fixture(scope="module")
 def local_ray():
     """A 2-CPU local Ray for the module (modules opt in with `pytestmark = pytest.mark.usefixtures("local_ray")`)."""
-    ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
+    init_local_ray(num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
     yield
     ray.shutdown()
 

@@ -29,6 +29,7 @@ from expertmesh.experts.tracing_config import TracingConfig
 from expertmesh.router_service.config import ExpertsConfig, ModelConfig
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.observability_config import MetricsConfig, ObservabilityConfig
+from tests.clusters import init_local_ray
 from tests.tiny_checkpoints import write_direct_mixtral
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
@@ -44,7 +45,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def metrics_port():
     port = free_port()
-    ray.init(address="local", num_cpus=2, namespace=NAMESPACE, include_dashboard=False,
+    init_local_ray(num_cpus=2, namespace=NAMESPACE, include_dashboard=False,
              _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
     yield port
     ray.shutdown()

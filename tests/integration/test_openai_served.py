@@ -38,6 +38,7 @@ from tests.browser_and_prometheus import (
     headless_chromium,
     prometheus_missing,
 )
+from tests.clusters import init_local_ray
 from tests.served import start_server
 from tests.traffic import wait_for
 
@@ -52,7 +53,7 @@ EOS = 1  # the embedded model's eos_token_id
 @pytest.fixture(scope="module")
 def served():
     metrics_port = free_port()
-    ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False,
+    init_local_ray(num_cpus=4, namespace=NAMESPACE, include_dashboard=False,
              _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
     try:
         server = start_server("--address", ray.get_runtime_context().gcs_address, "--http-port", "0",

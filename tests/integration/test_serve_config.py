@@ -21,6 +21,7 @@ from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import kserve_v2_pb2 as kpb
+from tests.clusters import init_local_ray
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import wait_for
 
@@ -35,7 +36,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def deployed(checkpoints, tmp_path_factory):
-    ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
+    init_local_ray(num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
     config = yaml.safe_load(CONFIG.read_text())
     port = free_port()
     config["grpc_options"]["port"] = port

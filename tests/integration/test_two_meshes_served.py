@@ -12,6 +12,7 @@ import ray
 from expertmesh.cluster.naming import MeshNames
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import admin_pb2, admin_pb2_grpc
+from tests.clusters import init_local_ray
 from tests.served import generate_ids, start_server
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import kill_and_wait, wait_for
@@ -30,7 +31,7 @@ def expected(checkpoints) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def servers(checkpoints):
-    ray.init(address="local", num_cpus=4, namespace=MeshNames.of().namespace, include_dashboard=False)
+    init_local_ray(num_cpus=4, namespace=MeshNames.of().namespace, include_dashboard=False)
     started = {}
     try:
         address = ray.get_runtime_context().gcs_address
