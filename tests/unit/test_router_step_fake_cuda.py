@@ -28,9 +28,8 @@ from tests.router_step import (
     serve,
     serving_requests,
 )
-from tests.router_step_cuda import write_checkpoint
+from tests.router_step_cuda import FAMILIES, write_checkpoint
 
-FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2_grouped", "glm4_moe", "many_experts")
 # On the fake device: a small KV pool (the default would take 90 % of the fake 80 GiB), actors on the host (their
 # reads are the actors', in other processes, not the router's).
 FAKE = dict(kv_cache_gb=0.01, actor_device="cpu", observe=True)
