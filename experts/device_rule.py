@@ -35,7 +35,7 @@ import torch
 from .arrays import HostStager
 from .gating import Routing
 
-__all__ = ["layer_to_host", "routing_on_host", "to_device", "tensor_on", "HOST"]
+__all__ = ["cat_to_device", "layer_to_host", "routing_on_host", "to_device", "tensor_on", "HOST"]
 
 HOST = torch.device("cpu")
 
@@ -53,6 +53,17 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not tensor.is_pinned():
         tensor = tensor.pin_memory()  # page-locked, so the copy is asynchronous (torch's caching host allocator)
     return tensor.to(device, non_blocking=True)
+
+
+def cat_to_device(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """torch.cat of host tensors, on `device`: on a GPU concatenated straight into pinned memory and sent up without
+    a wait (to_device of a fresh cat would copy the rows once more, into a pinned buffer)."""
+    if device.type == "cpu":
+        return torch.cat(list(parts))
+    first = parts[0]
+    rows = sum(p.shape[0] for p in parts)
+    pinned = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    return to_device(torch.cat(list(parts), out=pinned), device)
 
 
 def tensor_on(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .device_rule import to_device
+from .device_rule import cat_to_device
 from .gating import Routing
 
 # Up to this many pieces, one index_add_ per piece (no copies: the pieces' outputs are views) beats the rank passes,
@@ -130,9 +130,9 @@ def _accumulate(hidden: torch.Tensor, groups: Iterable[tuple[torch.Tensor, torch
     if not same_device:
         groups = list(groups)
         sizes = [t.numel() for t, _, _ in groups]
-        tokens = to_device(torch.cat([t.cpu() for t, _, _ in groups]), device).split(sizes)
-        weights = to_device(torch.cat([w.cpu() for _, w, _ in groups]), device).split(sizes)
-        outputs = to_device(torch.cat([y.cpu() for _, _, y in groups]), device).split(sizes)
+        tokens = cat_to_device([t.cpu() for t, _, _ in groups], device).split(sizes)
+        weights = cat_to_device([w.cpu() for _, w, _ in groups], device).split(sizes)
+        outputs = cat_to_device([y.cpu() for _, _, y in groups], device).split(sizes)
         groups = list(zip(tokens, weights, outputs))
     for tokens, weights, outputs in groups:
         weighted = outputs * weights[:, None]  # [n, H]
