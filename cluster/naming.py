@@ -63,6 +63,12 @@ class MeshNames:
         return cls(mesh_id, f"{NAMESPACE}-{mesh_id}", CONTROLLER_NAME, f"expertmesh/{mesh_id}/",
                    f"expertmesh-{mesh_id}")
 
+    def is_router_replica(self, actor_name: str) -> bool:
+        """Whether a Ray actor name is one of this mesh's router replicas: Serve names them
+        `SERVE_REPLICA::<app>#router#<id>`, and the app is per mesh (a prefix test on "expertmesh" alone would also
+        match mesh "chat"'s `expertmesh-chat`)."""
+        return actor_name.startswith(f"SERVE_REPLICA::{self.app_name}#router#")
+
     def key(self, what: str) -> bytes:
         """The stored key of `what` ("routing-table", "controller", ...) for this mesh."""
         if not what or what.startswith("/"):

@@ -33,23 +33,36 @@ def add_parser(sub) -> None:
     p.add_argument("--admin-token", default=os.environ.get("EXPERTMESH_ADMIN_TOKEN"),
                    help="admin token: sent with Admin KillReplica when attached with --target and no --address; a "
                         "self-started server gets it (default: $EXPERTMESH_ADMIN_TOKEN)")
+    p.add_argument("--mesh-id", help="the drilled mesh (default: default): with --target, the running server's "
+                   "--mesh-id, so the drill kills only that mesh's actors, router replicas and controller; a "
+                   "self-started server serves under it")
     p.add_argument("--out", metavar="DIR", default="drill_out", help="report folder (default: drill_out)")
     p.add_argument("--json", action="store_true", help="print only the JSON report")
     # The self-started server's settings (ignored with --target).
     add_mesh_flags(p, DRILLED_SERVER_GROUPS)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..drill import DrillConfig, run_drill
+def _with_mesh_id(mesh, mesh_id: str | None):
+    return mesh if mesh_id is None else mesh.replace(**{"mesh.id": mesh_id})
+
+
+def config_from_args(args: argparse.Namespace):
+    """The DrillConfig the parsed flags describe (not yet validated)."""
+    from ..drill import DrillConfig
     from ..drill.config import default_drill_mesh
 
-    config = DrillConfig(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
-                         concurrency=args.concurrency, max_tokens=args.max_tokens, seed=args.seed,
-                         fraction=args.fraction, nodes=args.nodes, node_cpus=args.node_cpus,
-                         node_gpus=args.node_gpus, target=args.target, address=args.address,
-                         out=args.out, admin_token=args.admin_token,
-                         mesh=mesh_config_from_args(args, default_drill_mesh()))
-    result = run_drill(config, verbose=not args.json)
+    return DrillConfig(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
+                       concurrency=args.concurrency, max_tokens=args.max_tokens, seed=args.seed,
+                       fraction=args.fraction, nodes=args.nodes, node_cpus=args.node_cpus,
+                       node_gpus=args.node_gpus, target=args.target, address=args.address,
+                       out=args.out, admin_token=args.admin_token,
+                       mesh=_with_mesh_id(mesh_config_from_args(args, default_drill_mesh()), args.mesh_id))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..drill import run_drill
+
+    result = run_drill(config_from_args(args), verbose=not args.json)
     summary = result.pop("summary")
     print(json.dumps(result, indent=2) if args.json else f"{summary}\nreport: {result['files']['markdown']}")
     return 0

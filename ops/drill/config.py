@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from ...cluster.naming import MeshNames
 from ...experts.errors import ConfigError
 from ...router_service.config import MeshConfig
 
@@ -57,6 +58,12 @@ class DrillConfig:
     @property
     def replicas_per_expert(self) -> int:
         return self.mesh.experts.replicas_per_expert
+
+    @property
+    def names(self) -> MeshNames:
+        """The drilled mesh's names in Ray (`mesh.mesh.id`; with `target`, the running server's mesh id): its
+        namespace, controller and router replicas are what the drill kills, and nothing of another mesh."""
+        return MeshNames.of(self.mesh.mesh.id)
 
     @property
     def no_replica_policy(self) -> str:

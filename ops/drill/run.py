@@ -29,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-from ...cluster.naming import CONTROLLER_NAME, NAMESPACE, is_expert_actor_name
+from ...cluster.naming import is_expert_actor_name
 from ...protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from ...protos import inference_pb2 as pb
 from ...router_service.admin_auth import admin_metadata
@@ -192,7 +192,7 @@ class _Drill:
             import ray
 
             registered = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                          if a.get("namespace") == NAMESPACE and is_expert_actor_name(a["name"])}
+                          if a.get("namespace") == self.o.names.namespace and is_expert_actor_name(a["name"])}
             alive = alive & registered if alive else registered
         return sorted(alive)
 
@@ -201,9 +201,9 @@ class _Drill:
 
         names = self._live_experts()
         if names:
-            ray.get_actor(names[0], namespace=NAMESPACE)
+            ray.get_actor(names[0], namespace=self.o.names.namespace)
         try:
-            ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            ray.get_actor(self.o.names.controller, namespace=self.o.names.namespace)
         except ValueError:
             pass
 
@@ -225,7 +225,7 @@ class _Drill:
         handles = []
         for name in names:
             try:
-                handles.append(ray.get_actor(name, namespace=NAMESPACE))
+                handles.append(ray.get_actor(name, namespace=self.o.names.namespace))
             except ValueError:
                 pass
         t = time.time()
@@ -237,7 +237,7 @@ class _Drill:
         import ray
 
         replicas = sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-                          if "SERVE_REPLICA" in a["name"] and "router" in a["name"])
+                          if self.o.names.is_router_replica(a["name"]))
         if not replicas:
             raise RuntimeError("no router replica registered at the tick (the replacement is not up yet)")
         name, namespace = self.rng.choice(replicas)
@@ -251,7 +251,7 @@ class _Drill:
         import ray
 
         try:
-            old = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            old = ray.get_actor(self.o.names.controller, namespace=self.o.names.namespace)
         except ValueError:
             kill.error = "no controller registered at the tick (not recreated since an earlier kill?)"
             return None
@@ -267,7 +267,7 @@ class _Drill:
         deadline = kill.t + limit_s
         while time.time() < deadline and not self.stop_side.is_set():
             try:
-                if ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)._actor_id.hex() != old_id:
+                if ray.get_actor(self.o.names.controller, namespace=self.o.names.namespace)._actor_id.hex() != old_id:
                     kill.recreated_t = time.time()
                     return
             except ValueError:
@@ -308,7 +308,7 @@ class _Drill:
         elif mode == "router":
             kill.t, kill.targets, kill.note = await asyncio.to_thread(self._kill_router)
         elif mode == "controller":
-            kill.targets = [CONTROLLER_NAME]
+            kill.targets = [self.o.names.controller]
             old_id = await asyncio.to_thread(self._kill_controller, kill)
             if old_id is not None:
                 self.watchers.append(asyncio.create_task(asyncio.to_thread(self._wait_controller, kill, old_id)))
@@ -438,11 +438,12 @@ def _start_ray(config: DrillConfig, verbose: bool):
         for _ in range(config.nodes):
             cluster.add_node(num_cpus=config.node_cpus, num_gpus=config.node_gpus)
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(address=cluster.address, namespace=config.names.namespace, logging_level=logging.WARNING,
+                 log_to_driver=False)
         return cluster, cluster.address
     cpus = config.num_cpus or max(2, os.cpu_count() or 2)
     say(verbose, f"starting Ray ({cpus} CPUs) ...")
-    ctx = ray.init(address="local", num_cpus=cpus, namespace=NAMESPACE, include_dashboard=False,
+    ctx = ray.init(address="local", num_cpus=cpus, namespace=config.names.namespace, include_dashboard=False,
                    logging_level=logging.WARNING, log_to_driver=False)
     return None, ctx.address_info["gcs_address"]
 
@@ -493,7 +494,7 @@ def record_drill(config: DrillConfig, verbose: bool = True) -> DrillRecord:
             target = config.target
             if config.address is not None:
                 prepare_join(config.address, field="address")
-                ray.init(address=config.address, namespace=NAMESPACE, logging_level=logging.WARNING,
+                ray.init(address=config.address, namespace=config.names.namespace, logging_level=logging.WARNING,
                          log_to_driver=False)
                 ray_connected = True
             policy = _server_policy(target) or config.no_replica_policy

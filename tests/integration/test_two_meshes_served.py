@@ -5,6 +5,10 @@ answers alone while the first restores it."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import grpc
 import pytest
 import ray
@@ -88,3 +92,27 @@ def test_two_served_meshes_kill_in_one(servers, expected):
     assert actor_ids("beta") == beta_before
     assert all(r.alive and not r.restoring for r in cluster_state(servers["beta"]).replicas)
     assert ask(servers["beta"]) == expected["beta"]
+
+
+def test_a_drill_on_one_mesh_kills_only_that_meshs_actors(servers, expected, checkpoints, tmp_path):
+    """`expertmesh drill --target --address --mesh-id beta` (an operator drilling one model of a shared cluster): the
+    kills land in beta's namespace, beta restores them without a failed request, alpha's actors are untouched."""
+    alpha_before = actor_ids("alpha")
+    beta_before = actor_ids("beta")
+    out = tmp_path / "drill"
+    proc = subprocess.run(
+        [sys.executable, "-m", "expertmesh.ops.cli", "drill", "--target", servers["beta"].target,
+         "--address", ray.get_runtime_context().gcs_address, "--mesh-id", "beta",
+         "--model", str(checkpoints[MODELS["beta"]]), "--kill", "actor", "--duration", "4", "--every", "4",
+         "--baseline", "2", "--concurrency", "2", "--max-tokens", "4", "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    (kill,) = report["kills"]
+    assert kill["error"] is None and len(kill["targets"]) == 1 and kill["targets"][0] in beta_before, kill
+    assert report["requests"]["failed"] == 0, report["requests"]["failed_by_code"]
+    wait_for(lambda: all(r.alive and not r.restoring for r in cluster_state(servers["beta"]).replicas), RESTORE_S,
+             "beta to restore the drilled actor", every=0.5, ignore=(grpc.RpcError,))
+    assert actor_ids("beta")[kill["targets"][0]] != beta_before[kill["targets"][0]]  # killed and restored
+    assert actor_ids("alpha") == alpha_before
+    assert ask(servers["alpha"]) == expected["alpha"]

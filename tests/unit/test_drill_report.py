@@ -373,3 +373,25 @@ def test_a_stand_in_taking_over_the_lost_shards_counts_as_the_restore(wait_recor
     assert second["actors"][actor]["stood_in_by"] == ["expert-s0"]
     assert second["actors"][actor]["controller_restore_work_s"] == 2.4
     assert all_recovered(record)[0]
+
+
+def test_the_drill_kills_in_the_mesh_its_flag_names(tmp_path):
+    from expertmesh.ops.cli import build_parser
+    from expertmesh.ops.commands.drill import config_from_args
+
+    parser = build_parser()
+    chat = config_from_args(parser.parse_args(["drill", "--target", "127.0.0.1:9000", "--address", "auto",
+                                                "--mesh-id", "chat", "--out", str(tmp_path)]))
+    chat.validate()
+    assert (chat.names.namespace, chat.names.controller) == ("expertmesh-chat", "controller")
+    assert chat.names.is_router_replica("SERVE_REPLICA::expertmesh-chat#router#abc")
+    assert not chat.names.is_router_replica("SERVE_REPLICA::expertmesh#router#abc")  # the default mesh's router
+    default = config_from_args(parser.parse_args(["drill", "--out", str(tmp_path)]))
+    assert default.names.namespace == "expertmesh"
+    assert not default.names.is_router_replica("SERVE_REPLICA::expertmesh-chat#router#abc")
+    # A self-started server serves under the id the drill kills in (its tree carries it).
+    path = tmp_path / "serve_config.json"
+    serve_args(chat, "127.0.0.1:6379", path)
+    assert MeshConfig.load(path).mesh.id == "chat"
+    with pytest.raises(ValueError, match="mesh.mesh.id: "):
+        config_from_args(parser.parse_args(["drill", "--mesh-id", "Bad_Id"])).validate()
