@@ -35,8 +35,7 @@ import torch
 from ...router_service.config import MeshConfig
 from .checkpoints import MIXTRAL, write_bench_checkpoint
 from .common import all_cores, machine_info, say_to_stderr
-
-TIER_KEYS = ("hits", "misses", "bytes_moved", "stall_s", "prefetch_issued", "prefetch_useful")
+from .offload_report import TIER_KEYS, counter_delta, rebase_on_best_resident, stall_removed_by_prefetch, tier_summary
 
 
 @dataclass(frozen=True)
@@ -122,21 +121,12 @@ def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = T
                 with ExpertMesh(base) as mesh:
                     again = _run(mesh, "off", prefill_ids, context_ids, baseline, params)
                 result.setdefault("resident_again", {})[q] = {k: v for k, v in again.items() if not k.startswith("_")}
-                _rebase(result["runs"][first_run:], again)
+                rebase_on_best_resident(result["runs"][first_run:], again)
     if params.perplexity:
         say("held-out perplexity of the embedded model, resident in process and offloaded through actors ...")
         result["perplexity"] = _perplexity(quant, config, params.ppl)
-    result["stall_removed_by_prefetch"] = _stall_removed(result["runs"])
+    result["stall_removed_by_prefetch"] = stall_removed_by_prefetch(result["runs"])
     return result
-
-
-def _rebase(runs: list[dict], again: dict) -> None:
-    """Ratios against the faster of the two all-resident runs, per workload."""
-    first = runs[0]
-    best = {k: max(first[k], again[k]) for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
-    for run in runs:
-        run["prefill_vs_resident"] = round(run["prefill_tokens_per_s"] / best["prefill_tokens_per_s"], 3)
-        run["decode_vs_resident"] = round(run["decode_tokens_per_s"] / best["decode_tokens_per_s"], 3)
 
 
 def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, baseline: dict | None,
@@ -154,7 +144,7 @@ def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, 
         prefill_logits = mesh.model.forward(rows)
         times.append(time.perf_counter() - started)
     prefill_s = min(times)
-    prefill_tiers = _delta(before, _actor_totals(mesh))
+    prefill_tiers = counter_delta(before, _actor_totals(mesh))
 
     caches = [mesh.model.new_cache() for _ in range(len(context_ids))]
     out = mesh.model.forward(list(context_ids), caches)
@@ -174,14 +164,14 @@ def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, 
         if baseline is None:
             feed.append(logits[-1].argmax(-1))
     decode_s = min(step_times)  # best step: the least disturbed by other work on a shared machine
-    decode_tiers = _delta(before, _actor_totals(mesh))
+    decode_tiers = counter_delta(before, _actor_totals(mesh))
 
     run = {
         "prefetch": mode,
         "prefill_tokens_per_s": round(prefill_ids.numel() / prefill_s, 1),
         "decode_tokens_per_s": round(len(context_ids) / decode_s, 1),
-        "prefill_tiers": _tier_summary(prefill_tiers),
-        "decode_tiers": _tier_summary(decode_tiers),
+        "prefill_tiers": tier_summary(prefill_tiers),
+        "decode_tiers": tier_summary(decode_tiers),
         "prefetch_prediction": None if mesh.backend.prefetcher is None else mesh.backend.prefetcher.stats(),
         "_feed": feed, "_prefill_logits": prefill_logits, "_decode_logits": logits,
     }
@@ -232,32 +222,3 @@ def _actor_totals(mesh) -> dict:
         for key in TIER_KEYS:
             totals[key] += (info.get("tiers") or {}).get(key, 0)
     return totals
-
-
-def _delta(before: dict, after: dict) -> dict:
-    return {k: after[k] - before[k] for k in after}
-
-
-def _tier_summary(d: dict) -> dict:
-    asked = d["hits"] + d["misses"]
-    return {"hit_rate": round(d["hits"] / asked, 3) if asked else None,
-            "stall_s": round(d["stall_s"], 4),
-            "stall_share": round(d["stall_s"] / d["compute_s"], 3) if d["compute_s"] else None,
-            "bytes_moved": int(d["bytes_moved"]), "prefetch_issued": int(d["prefetch_issued"]),
-            "prefetch_useful": int(d["prefetch_useful"])}
-
-
-def _stall_removed(runs: list[dict]) -> list[dict]:
-    """Per (quant, residency): 1 - decode stall with prefetch / decode stall on demand."""
-    out = []
-    for run in runs:
-        if run["prefetch"] == "off" or run["residency"] >= 1.0:
-            continue
-        off = next((r for r in runs if r["prefetch"] == "off" and r["residency"] == run["residency"]
-                    and r["quant"] == run["quant"]), None)
-        if off is None or not off["decode_tiers"]["stall_s"]:
-            continue
-        out.append({"quant": run["quant"], "residency": run["residency"], "prefetch": run["prefetch"],
-                    "decode_stall_removed": round(1 - run["decode_tiers"]["stall_s"] / off["decode_tiers"]["stall_s"],
-                                                  3)})
-    return out

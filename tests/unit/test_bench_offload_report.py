@@ -1,0 +1,47 @@
+"""`bench offload`'s report assembly on crafted runs (ops/bench/offload_report.py): no mesh, no Ray."""
+
+from __future__ import annotations
+
+from expertmesh.ops.bench.offload_report import (
+    counter_delta,
+    rebase_on_best_resident,
+    stall_removed_by_prefetch,
+    tier_summary,
+)
+
+
+def _run(quant: str, residency: float, prefetch: str, stall_s: float, prefill: float = 100.0,
+         decode: float = 10.0) -> dict:
+    return {"quant": quant, "residency": residency, "prefetch": prefetch, "prefill_tokens_per_s": prefill,
+            "decode_tokens_per_s": decode, "decode_tiers": {"stall_s": stall_s}}
+
+
+def test_ratios_use_the_faster_resident_run_per_workload():
+    runs = [_run("none", 1.0, "off", 0, prefill=100, decode=10), _run("none", 0.5, "off", 1, prefill=60, decode=4)]
+    again = {"prefill_tokens_per_s": 80.0, "decode_tokens_per_s": 16.0}  # prefill slower, decode faster the 2nd time
+    rebase_on_best_resident(runs, again)
+    assert [(r["prefill_vs_resident"], r["decode_vs_resident"]) for r in runs] == [(1.0, 0.625), (0.6, 0.25)]
+
+
+def test_tier_summary_rates_and_shares():
+    delta = counter_delta({"hits": 2, "misses": 1, "bytes_moved": 10, "stall_s": 0.5, "prefetch_issued": 0,
+                           "prefetch_useful": 0, "compute_s": 1.0},
+                          {"hits": 8, "misses": 3, "bytes_moved": 4106, "stall_s": 0.75, "prefetch_issued": 5,
+                           "prefetch_useful": 4, "compute_s": 2.0})
+    assert tier_summary(delta) == {"hit_rate": 0.75, "stall_s": 0.25, "stall_share": 0.25, "bytes_moved": 4096,
+                                   "prefetch_issued": 5, "prefetch_useful": 4}
+    idle = dict.fromkeys(delta, 0)
+    assert tier_summary(idle)["hit_rate"] is None and tier_summary(idle)["stall_share"] is None
+
+
+def test_stall_removed_pairs_each_prefetch_run_with_its_own_on_demand_run():
+    runs = [_run("none", 1.0, "off", 0.0), _run("none", 0.5, "off", 2.0), _run("none", 0.5, "gate", 0.5),
+            _run("int8", 1.0, "off", 0.0), _run("int8", 0.5, "off", 1.0), _run("int8", 0.5, "gate", 1.5),
+            _run("int8", 0.25, "gate", 1.0)]  # no on-demand run at 25 %: left out, not paired with another level
+    assert stall_removed_by_prefetch(runs) == [
+        {"quant": "none", "residency": 0.5, "prefetch": "gate", "decode_stall_removed": 0.75},
+        {"quant": "int8", "residency": 0.5, "prefetch": "gate", "decode_stall_removed": -0.5}]  # prefetch cost time
+
+
+def test_no_on_demand_stall_reports_nothing_rather_than_dividing_by_zero():
+    assert stall_removed_by_prefetch([_run("none", 0.5, "off", 0.0), _run("none", 0.5, "gate", 0.1)]) == []
