@@ -14,7 +14,6 @@ ops/bench/checkpoints.py) instead of the Mixtral one. Parameters: DispatchParams
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import torch
 from ...router_service.config import MeshConfig
 from .checkpoints import MIXTRAL, SHAPES, write_shape_checkpoint
 from .common import all_cores, machine_info, median_ms, say_to_stderr
+from .dispatch_report import forward_summary, with_noop_floor
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,10 @@ def run_dispatch_bench(params: DispatchParams = DispatchParams(), verbose: bool 
             result["transport_round_vs_noop"] = round(result["transport_round_ms"] / result["noop_round_ms"], 3)
             if params.workload in ("prefill", "both"):
                 say("prefill ...")
-                result["prefill"] = _with_floor(_bench_prefill(hf, mesh, params), result["noop_round_ms"])
+                result["prefill"] = with_noop_floor(_bench_prefill(hf, mesh, params), result["noop_round_ms"])
             if params.workload in ("decode", "both"):
                 say("decode ...")
-                result["decode"] = _with_floor(_bench_decode(hf, mesh, params), result["noop_round_ms"])
+                result["decode"] = with_noop_floor(_bench_decode(hf, mesh, params), result["noop_round_ms"])
             say("device reads (router step on a fake GPU) ...")
             result["device_reads"] = device_reads(mesh, model_dir, getattr(torch, dtype), model, params.decode)
             stats = {k: getattr(mesh.router.transport, k, None) for k in ("builds", "compiled_rounds",
@@ -131,11 +131,6 @@ def device_reads(mesh, model_dir: Path, dtype: torch.dtype, model: dict = MIXTRA
     return out
 
 
-def _with_floor(summary: dict, noop_round_ms: float) -> dict:
-    summary["overhead_vs_noop_floor"] = round(summary["per_layer_overhead_ms"] / noop_round_ms, 3)
-    return summary
-
-
 def _noop_round_ms(mesh, rounds: int = 20) -> float:
     """Ray's floor for one layer round: one no-op call to every expert actor, all in flight, then wait."""
     import ray
@@ -171,30 +166,6 @@ def _transport_round_ms(mesh, rounds: int = 20, hidden: int = MIXTRAL["hidden"])
     return median_ms(times)
 
 
-def _summary(tokens: int, hf_times: list[float], mesh_times: list[float], rounds: list[float], delta: float,
-             compute: list[float], model: dict = MIXTRAL) -> dict:
-    hf_s, mesh_s, round_s = statistics.median(hf_times), statistics.median(mesh_times), statistics.median(rounds)
-    compute_s = statistics.median(compute)
-    layers = model["layers"]
-    # The experts' own work in a round: their CPU time spread over the cores the actors share (the router waits
-    # during a round). What a round takes beyond it is the transport's: serialisation, calls, scheduling, waits.
-    compute_wall_s = compute_s / (os.cpu_count() or 1)
-    return {
-        "tokens_per_forward": tokens,
-        "transformers_tokens_per_s": round(tokens / hf_s, 2),
-        "expertmesh_tokens_per_s": round(tokens / mesh_s, 2),
-        "eta": round(hf_s / mesh_s, 4),
-        "transformers_forward_s": round(hf_s, 5),
-        "expertmesh_forward_s": round(mesh_s, 5),
-        "expertmesh_expert_rounds_s": round(round_s, 5),  # wall time in the per-layer expert rounds
-        "expertmesh_dense_s": round(mesh_s - round_s, 5),
-        "expert_compute_cpu_s": round(compute_s, 5),  # summed over actors, per forward
-        "per_layer_round_ms": round(1000 * round_s / layers, 3),
-        "per_layer_overhead_ms": round(1000 * max(0.0, round_s - compute_wall_s) / layers, 3),
-        "max_abs_logit_diff": delta,
-    }
-
-
 def _compute_cpu_s(mesh) -> float:
     return sum(info.get("compute_cpu_s", 0.0) for info in mesh.actor_info())
 
@@ -228,7 +199,8 @@ def _bench_prefill(hf, mesh, params: DispatchParams) -> dict:
         mesh_times.append(elapsed)
         rounds.append(round_s)
         delta = max(delta, float((torch.stack(out).float() - hf_logits.float()).abs().max()))
-    return _summary(ids.numel(), hf_times, mesh_times, rounds, delta, compute, model)
+    return forward_summary(ids.numel(), hf_times, mesh_times, rounds, delta, compute, model["layers"],
+                           os.cpu_count() or 1)
 
 
 def _bench_decode(hf, mesh, params: DispatchParams) -> dict:
@@ -260,4 +232,4 @@ def _bench_decode(hf, mesh, params: DispatchParams) -> dict:
             rounds.append(round_s)
         delta = max(delta, float((torch.stack([x[-1] for x in out]).float() - hf_step.float()).abs().max()))
         next_ids = hf_step.argmax(-1)
-    return _summary(n, hf_times, mesh_times, rounds, delta, compute, model)
+    return forward_summary(n, hf_times, mesh_times, rounds, delta, compute, model["layers"], os.cpu_count() or 1)

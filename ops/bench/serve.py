@@ -41,8 +41,9 @@ from ..server_process import ServerProcess, start_server
 from .checkpoints import write_bench_checkpoint
 from .common import machine_info, say_to_stderr
 from .serve_chart import write_profile_chart
-from .serve_profile import eta_serve, profile_table, stage_deltas
-from .serve_reference import EngineReference, TransformersReference, combine_rates
+from .serve_profile import profile_table, stage_deltas
+from .serve_reference import EngineReference, TransformersReference
+from .serve_report import add_eta, engine_levels
 
 GOAL = "aggregate tokens/s at 32 streams >= 10x one stream"
 GOAL_SPEEDUP = 10.0
@@ -305,12 +306,12 @@ def run_serve_bench(params: ServeParams = ServeParams(), verbose: bool = True) -
             # One transport's "after" is the next one's "before".
             if ref is not None and before is None:
                 before = _reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream, say)
-                result["in_process_engine"] = _engine_levels(engine, before)
+                result["in_process_engine"] = engine_levels(engine, before)
             run = _run_transport(transport, target, folder, concurrencies, max_tokens, requests_per_stream,
                                  serve_args, say)
             if ref is not None:
                 after = _reference_rates(ref, folder, concurrencies, max_tokens, requests_per_stream, say)
-                _add_eta(run, before, after, engine)
+                add_eta(run, before, after, engine)
                 before = after
                 say(f"{transport}: eta_serve {run['eta_serve']}")
             result["runs"][transport] = run
@@ -400,24 +401,3 @@ def _reference_rates(ref: TransformersReference | EngineReference, folder: str, 
         rates[str(c)] = ref.rate(rounds, max_tokens)
         say(f"  {label}, batch {c}: {rates[str(c)]['tokens_per_s']} tok/s")
     return rates
-
-
-def _add_eta(run: dict, before: dict[str, dict], after: dict[str, dict], engine: dict[str, dict] | None = None
-             ) -> None:
-    """Fill each level's reference rate (before and after its server ran, combined) and η_serve; with the in-process
-    engine's rates, also served ÷ engine (what distribution keeps of the engine's rate)."""
-    for c, level in run["levels"].items():
-        theirs = combine_rates(before[c], after[c])
-        level["transformers"] = theirs
-        level["eta_serve"] = eta_serve({c: level["aggregate_tokens_per_s"]}, {c: theirs["tokens_per_s"]})[c]
-        run["eta_serve"][c] = level["eta_serve"]
-        if engine is not None:
-            level["served_vs_engine"] = eta_serve({c: level["aggregate_tokens_per_s"]},
-                                                  {c: engine[c]["tokens_per_s"]})[c]
-
-
-def _engine_levels(engine: dict[str, dict], transformers: dict[str, dict]) -> dict[str, dict]:
-    """The in-process engine's rate per level and its ratio to transformers' (measured right after it)."""
-    return {c: rate | {"vs_transformers": eta_serve({c: rate["tokens_per_s"]},
-                                                    {c: transformers[c]["tokens_per_s"]})[c]}
-            for c, rate in engine.items()}

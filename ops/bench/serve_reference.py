@@ -4,7 +4,7 @@ so every sequence generates exactly that many, as the served streams do with `ig
 
 One batch per request round of the served level (the served level runs `requests_per_stream` requests one after
 another on each stream), so both sides produce the same number of tokens; the rate is tokens over wall time, and the
-benchmark runs it right before and right after each served level (combine_rates).
+benchmark runs it right before and right after each served level (serve_report.combine_rates).
 """
 
 from __future__ import annotations
@@ -81,12 +81,3 @@ def timed_rate(generate, rounds: list[list[list[int]]], max_tokens: int) -> dict
     wall = time.perf_counter() - started
     return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 3),
             "batch": len(rounds[0]), "rounds": len(rounds), "torch_threads": torch.get_num_threads()}
-
-
-def combine_rates(before: dict, after: dict) -> dict:
-    """The reference measured before and after a served level: tokens over time of both, and each run's rate."""
-    tokens, wall = before["tokens"] + after["tokens"], before["wall_s"] + after["wall_s"]
-    return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 3),
-            "before_tokens_per_s": before["tokens_per_s"], "after_tokens_per_s": after["tokens_per_s"],
-            "batch": before["batch"], "rounds": before["rounds"] + after["rounds"],
-            "torch_threads": before["torch_threads"]}

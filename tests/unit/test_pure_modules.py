@@ -140,6 +140,9 @@ PURE_MODULES = (
     "expertmesh.ops.bench.checkpoints",  # synthetic checkpoints: benchmarks and tests write them
     "expertmesh.ops.bench.common",  # machine information, timing, the JSON report
     "expertmesh.ops.bench.serve_profile",  # bench serve's step-profile table and eta_serve
+    "expertmesh.ops.bench.dispatch_report",  # report assembly: checked at unit level (test_bench_reports.py)
+    "expertmesh.ops.bench.offload_report",
+    "expertmesh.ops.bench.serve_report",
     "expertmesh.ops.train",
 )
 

@@ -195,7 +195,7 @@ def test_the_profile_chart_is_a_png_drawn_from_a_saved_result(tmp_path):
 
 
 def test_the_reference_rate_is_both_runs_tokens_over_their_time():
-    from expertmesh.ops.bench.serve_reference import combine_rates
+    from expertmesh.ops.bench.serve_report import combine_rates
 
     run = {"tokens": 64, "batch": 1, "rounds": 2, "torch_threads": 2}
     got = combine_rates(run | {"wall_s": 1.0, "tokens_per_s": 64.0}, run | {"wall_s": 3.0, "tokens_per_s": 64 / 3})
