@@ -1,11 +1,12 @@
-"""Destructive Admin calls and health through the real gRPC front (`expertmesh serve` in a subprocess), with an admin
-token and the default layout (one replica per expert, so every replica is the last live one of its shards):
+"""Destructive Admin calls and health through the real gRPC front (the session's shared `expertmesh serve`
+subprocess, tests/shared_server.py, restored when this module ends), with an admin token and the default layout
+(one replica per expert, so every replica is the last live one of its shards):
 
 - without the admin token (or with a wrong one) Kill/Drain/UndrainReplica are refused PERMISSION_DENIED and the
   service keeps serving;
 - with it, draining or killing the last live replica is refused FAILED_PRECONDITION naming the shards, unless forced;
-- a forced drain turns health NOT_SERVING and requests for that expert fail UNAVAILABLE (after the short wait
-  timeout set here); UndrainReplica brings it back: SERVING again and the same answers as before;
+- a forced drain turns health NOT_SERVING and requests for that expert fail UNAVAILABLE (after the shared server's
+  short wait timeout); UndrainReplica brings it back: SERVING again and the same answers as before;
 - Health.Watch streams each change; a forced kill is NOT_SERVING until the controller restored the replica.
 
 A server without any admin token refusing them is in test_grpc_serve.py (its server has none), and behind Serve's
@@ -22,15 +23,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh.protos import admin_pb2, admin_pb2_grpc
 from expertmesh.router_service.admin_auth import ADMIN_TOKEN_KEY
-from tests.served import generate_ids, start_server
+from tests.served import generate_ids
+from tests.shared_server import ADMIN, ADMIN_TOKEN, wait_until_restored
 from tests.traffic import wait_for
 
-ADMIN_TOKEN = "adm1n-s3cret"
-ADMIN = ((ADMIN_TOKEN_KEY, ADMIN_TOKEN),)
 ACTOR = "expert-e0-r0"  # hosts expert 0 of both MoE layers of the tiny Mixtral, its only replica
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]  # long enough that expert 0 gets tokens in every layer
 MAX_TOKENS = 4
-WAIT_TIMEOUT_S = 2  # a request for a drained expert fails after this (the default 30 s would only slow the test)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Restores and undrains start a process that imports torch; generous on a loaded 2-core machine.
@@ -38,11 +37,16 @@ BACK_S = 90
 
 
 @pytest.fixture(scope="module")
-def served(checkpoints):
-    server = start_server("--model", str(checkpoints["mixtral"]), "--admin-token", ADMIN_TOKEN,
-                          "--wait-timeout", str(WAIT_TIMEOUT_S))
-    yield server
-    assert server.stop() == 0, server.log()
+def served(shared_server):
+    """The session's shared server (its admin token is this module's); left as found: every replica alive,
+    undrained, SERVING."""
+    yield shared_server
+    wait_until_restored(shared_server.target)
+
+
+@pytest.fixture(scope="module")
+def generation_before(channel) -> int:
+    return replica(channel).generation
 
 
 def generate(chan, timeout: float = 60) -> list[int]:
@@ -104,22 +108,22 @@ def expected(channel) -> list[int]:
 @pytest.mark.parametrize("method", ["KillReplica", "DrainReplica", "UndrainReplica"])
 @pytest.mark.parametrize("metadata", [(), ((ADMIN_TOKEN_KEY, "wrong"),), (("authorization", f"Bearer {ADMIN_TOKEN}"),)])
 def test_destructive_calls_without_the_admin_token_are_refused_and_change_nothing(channel, expected, method,
-                                                                                 metadata):
+                                                                                 metadata, generation_before):
     error = refused(lambda: admin_call(channel, method, force=True, metadata=metadata))
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED and ADMIN_TOKEN_KEY in error.details()
     state = replica(channel)
-    assert state.alive and not state.drained and state.generation == 0
+    assert state.alive and not state.drained and state.generation == generation_before
     assert health(channel) == SERVING and generate(channel) == expected
 
 
 @pytest.mark.parametrize("method", ["KillReplica", "DrainReplica"])
-def test_the_last_live_replica_is_not_taken_out_without_force(channel, expected, method):
+def test_the_last_live_replica_is_not_taken_out_without_force(channel, expected, method, generation_before):
     error = refused(lambda: admin_call(channel, method))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "(layer 0, expert 0)" in error.details() and "(layer 1, expert 0)" in error.details(), error.details()
     assert "force" in error.details()
     state = replica(channel)
-    assert state.alive and not state.drained and state.generation == 0
+    assert state.alive and not state.drained and state.generation == generation_before
     assert health(channel) == SERVING and generate(channel) == expected
 
 

@@ -18,7 +18,6 @@ from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.ops.cli import main
-from tests.served import start_server
 from tests.tiny_checkpoints import greedy_tokens
 
 TOL = 1e-4
@@ -84,10 +83,8 @@ def test_user_errors_exit_2_with_one_line_naming_the_field(checkpoints):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoints):
-    server = start_server("--model", str(checkpoints["mixtral"]))
-    yield server
-    assert server.stop() == 0, server.log()
+def server(shared_server):
+    return shared_server  # the session's tiny Mixtral (tests/shared_server.py); these tests only read from it
 
 
 def test_remote_generate_json_equals_transformers_greedy(server, checkpoints, capsys):

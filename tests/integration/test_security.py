@@ -18,7 +18,6 @@ import pytest
 
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
-from tests.served import start_server
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads sockets from /proc")
 
@@ -26,10 +25,8 @@ LISTEN = "0A"  # TCP state in /proc/net/tcp*
 
 
 @pytest.fixture(scope="module")
-def served(checkpoints):
-    server = start_server("--model", str(checkpoints["mixtral"]))  # the default expert transport: socket
-    yield server
-    assert server.stop() == 0, server.log()
+def served(shared_server):
+    return shared_server  # the session's tiny Mixtral (tests/shared_server.py), the default expert transport: socket
 
 
 def _descendants(root: int) -> set[int]:

@@ -1,0 +1,84 @@
+"""One `expertmesh serve` of the tiny Mixtral shared by the integration modules that only need *a* running server
+(issue 25: tests that boot less). Started on first use, stopped right after the last test that uses it (not at the
+end of the session: an idle Ray would take CPU from every module after it on the 2-core CI machine), and the
+modules that use it run one after another (`group_shared_server_users`).
+
+Its settings are the union of what its users need: an admin token (test_admin_served.py's destructive calls) and a
+2 s wait for a drained expert. A module that changes the server (drains, kills) restores it before it ends
+(`wait_until_restored`), so the next user meets every replica alive, undrained and SERVING.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from expertmesh.ops.server_process import ServerProcess
+from expertmesh.protos import admin_pb2, admin_pb2_grpc
+from expertmesh.router_service.admin_auth import ADMIN_TOKEN_KEY
+from tests.served import start_server
+from tests.traffic import wait_for
+
+FIXTURE = "shared_server"
+ADMIN_TOKEN = "adm1n-s3cret"
+ADMIN = ((ADMIN_TOKEN_KEY, ADMIN_TOKEN),)
+WAIT_TIMEOUT_S = 2  # a request for a drained expert fails after this (the default 30 s would only slow tests)
+RESTORE_S = 120
+
+
+class SharedServer:
+    """The server, started lazily and stopped once (by the last user's teardown or the session's end)."""
+
+    def __init__(self) -> None:
+        self.server: ServerProcess | None = None
+        self.last_user: str | None = None  # node id of the last collected test that uses it
+
+    def get(self, model_dir: str) -> ServerProcess:
+        if self.server is None:
+            self.server = start_server("--model", model_dir, "--admin-token", ADMIN_TOKEN,
+                                       "--wait-timeout", str(WAIT_TIMEOUT_S))
+        return self.server
+
+    def stop(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            assert server.stop() == 0, server.log()
+
+
+SHARED = SharedServer()
+
+
+def uses_shared_server(item) -> bool:
+    return FIXTURE in getattr(item, "fixturenames", ())
+
+
+def group_shared_server_users(items: list) -> None:
+    """Reorder `items` in place so the modules using the shared server run consecutively, where the first of them
+    was; every other test and the order within each module stay as they were."""
+    def module(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    modules = {module(item) for item in items if uses_shared_server(item)}
+    if not modules:
+        return
+    first = next(i for i, item in enumerate(items) if module(item) in modules)
+    grouped = [item for item in items[first:] if module(item) in modules]
+    rest = [item for item in items[first:] if module(item) not in modules]
+    items[first:] = grouped + rest
+
+
+def wait_until_restored(target: str) -> None:
+    """Undrain what is drained and wait until every replica is alive, not restoring, and health is SERVING."""
+    with grpc.insecure_channel(target) as chan:
+        admin = admin_pb2_grpc.AdminStub(chan)
+        for r in admin.GetClusterState(admin_pb2.ClusterStateRequest(), timeout=30).replicas:
+            if r.drained:
+                admin.UndrainReplica(admin_pb2.ReplicaRequest(actor=r.actor), metadata=ADMIN, timeout=300)
+
+        def restored() -> bool:
+            state = admin.GetClusterState(admin_pb2.ClusterStateRequest(), timeout=30)
+            health = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(), timeout=15).status
+            return (all(r.alive and not r.drained and not r.restoring for r in state.replicas)
+                    and health == health_pb2.HealthCheckResponse.SERVING)
+
+        wait_for(restored, RESTORE_S, "the shared server restored", every=0.5, ignore=(grpc.RpcError,))
