@@ -39,6 +39,8 @@ def init_local_ray(**kwargs) -> None:
     """ray.init(address="local", **kwargs), tried once more when the new node times out starting: on the loaded
     2-core CI machine a module's Ray sometimes starts while the previous module's processes are still exiting
     (seen once in a fresh-clone run: "The current node timed out during startup"; not reproducible alone)."""
+    if ray.is_initialized():  # the session's shared Ray (tests/shared_ray.py), should its users not be grouped
+        ray.shutdown()
     try:
         ray.init(address="local", **kwargs)
     except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this

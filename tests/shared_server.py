@@ -1,7 +1,7 @@
 """One `expertmesh serve` of the tiny Mixtral shared by the integration modules that only need *a* running server
 (issue 25: tests that boot less). Started on first use, stopped right after the last test that uses it (not at the
 end of the session: an idle Ray would take CPU from every module after it on the 2-core CI machine), and the
-modules that use it run one after another (`group_shared_server_users`).
+modules that use it run one after another (tests/session_groups.py).
 
 Its settings are the union of what its users need: an admin token (test_admin_served.py's destructive calls) and a
 2 s wait for a drained expert. A module that changes the server (drains, kills) restores it before it ends
@@ -19,7 +19,6 @@ from expertmesh.router_service.admin_auth import ADMIN_TOKEN_KEY
 from tests.served import start_server
 from tests.traffic import wait_for
 
-FIXTURE = "shared_server"
 ADMIN_TOKEN = "adm1n-s3cret"
 ADMIN = ((ADMIN_TOKEN_KEY, ADMIN_TOKEN),)
 WAIT_TIMEOUT_S = 2  # a request for a drained expert fails after this (the default 30 s would only slow tests)
@@ -31,7 +30,6 @@ class SharedServer:
 
     def __init__(self) -> None:
         self.server: ServerProcess | None = None
-        self.last_user: str | None = None  # node id of the last collected test that uses it
 
     def get(self, model_dir: str) -> ServerProcess:
         if self.server is None:
@@ -46,25 +44,6 @@ class SharedServer:
 
 
 SHARED = SharedServer()
-
-
-def uses_shared_server(item) -> bool:
-    return FIXTURE in getattr(item, "fixturenames", ())
-
-
-def group_shared_server_users(items: list) -> None:
-    """Reorder `items` in place so the modules using the shared server run consecutively, where the first of them
-    was; every other test and the order within each module stay as they were."""
-    def module(item) -> str:
-        return item.nodeid.split("::")[0]
-
-    modules = {module(item) for item in items if uses_shared_server(item)}
-    if not modules:
-        return
-    first = next(i for i, item in enumerate(items) if module(item) in modules)
-    grouped = [item for item in items[first:] if module(item) in modules]
-    rest = [item for item in items[first:] if module(item) not in modules]
-    items[first:] = grouped + rest
 
 
 def wait_until_restored(target: str) -> None:

@@ -1,25 +1,26 @@
-"""Fixtures shared by integration modules: one local Ray per module, the in-process reference of the tiny Mixtral
-checkpoint, a gRPC channel to the module's own `served` server (modules that start one define `served`), and the
-session's shared server (tests/shared_server.py: its users run one after another and it stops after the last)."""
+"""Fixtures shared by integration modules: the session's local Ray (tests/shared_ray.py), the in-process reference
+of the tiny Mixtral checkpoint, a gRPC channel to the module's own `served` server (modules that start one define
+`served`), and the session's shared server (tests/shared_server.py). Both shared ones are used by modules run one
+after another and stop after their last user (tests/session_groups.py)."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
-import ray
 
-from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.reference import load_reference_model
-from tests.clusters import init_local_ray
-from tests.shared_server import SHARED, group_shared_server_users, uses_shared_server
+from tests.session_groups import LastUserStops, group_users
+from tests.shared_ray import SHARED_RAY
+from tests.shared_server import SHARED
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A 2-CPU local Ray for the module (modules opt in with `pytestmark = pytest.mark.usefixtures("local_ray")`)."""
-    init_local_ray(num_cpus=2, namespace=NAMESPACE, include_dashboard=False)
+    """A 2-CPU local Ray for the module (modules opt in with `pytestmark = pytest.mark.usefixtures("local_ray")`):
+    the session's shared one (tests/shared_ray.py), handed back clean when the module ends."""
+    SHARED_RAY.acquire()
     yield
-    ray.shutdown()
+    SHARED_RAY.release()
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +42,28 @@ def shared_server(checkpoints):
     SHARED.stop()
 
 
+_LAST_USER_STOPS = LastUserStops({"shared_server": SHARED.stop, "local_ray": SHARED_RAY.stop})
+
+
 def pytest_collection_modifyitems(config, items):
-    group_shared_server_users(items)
+    group_users(items, "shared_server")
+    group_users(items, "local_ray")
 
 
 def pytest_collection_finish(session):
-    users = [item.nodeid for item in session.items if uses_shared_server(item)]
-    SHARED.last_user = users[-1] if users else None
+    _LAST_USER_STOPS.collected(session.items)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the last user's own teardown (its module's fixtures, a restore among them), stop the shared server."""
+    """After the last user's own teardown (its module's fixtures, a restore among them), stop what it shared."""
     try:
         return (yield)
     finally:
-        if item.nodeid == SHARED.last_user:
-            SHARED.stop()
+        _LAST_USER_STOPS.torn_down(item)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SHARED_RAY.starts:
+        terminalreporter.write_line(f"shared local Ray: {SHARED_RAY.starts} start(s) for "
+                                    f"{SHARED_RAY.modules} in-process module(s)")
