@@ -17,6 +17,7 @@ logic balances actors across CPU nodes.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -73,6 +74,31 @@ def actor_slots(plans: dict[str, ActorPlan], devices: Devices, config: ElasticCo
                                 num_gpus=config.gpu_fraction if devices.has_gpus else 0.0,
                                 gpu_slot=p.gpu % devices.topology.gpus_per_node if devices.has_gpus else None)
     return slots
+
+
+def locate_actors(running: Mapping[str, object], slots: Mapping[str, ActorSlot], nodes: Mapping[str, str],
+                  restoring: Collection[str], devices: Devices) -> dict[str, int] | str:
+    """actor -> the index of the device it runs on (its node's first device, plus its slot's GPU on GPU nodes), or a
+    reason to skip this control step: an actor not (yet) on a live device, or being restored (failover first).
+    nodes: actor -> node it was last seen on (else its slot's)."""
+    actor_device = {}
+    for name in running:
+        slot = slots.get(name)
+        node = nodes.get(name) or (slot.node_id if slot else None)
+        if node not in devices.node_ids or name in restoring:
+            return f"{name} is not placed on a live device yet (failover first)"
+        local = slot.gpu_slot if (slot is not None and devices.has_gpus and slot.gpu_slot is not None) else 0
+        actor_device[name] = devices.node_ids.index(node) * devices.topology.gpus_per_node + local
+    return actor_device
+
+
+def actors_per_node(actor_device: Mapping[str, int], devices: Devices) -> dict[str, int]:
+    """node -> how many of the running actors it holds (new actors' CPU shares count them during a transition)."""
+    per_node: dict[str, int] = {}
+    for device in actor_device.values():
+        node = devices.node_ids[device // devices.topology.gpus_per_node]
+        per_node[node] = per_node.get(node, 0) + 1
+    return per_node
 
 
 def current_placement(running: dict[str, list[Shard]], actor_device: dict[str, int], devices: Devices,

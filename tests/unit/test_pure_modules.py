@@ -125,6 +125,18 @@ PURE_MODULES = (
     "expertmesh.cluster.routing_table",
     "expertmesh.cluster.shard_placement",
     "expertmesh.cluster.shard_liveness",  # the last-live-replica guard and the health verdict
+    # the controller's state objects and flows (the Ray actor, cluster/controller.py, is a shell over them)
+    "expertmesh.cluster.activity_log",
+    "expertmesh.cluster.admin_checks",  # refusals of kill/drain/undrain
+    "expertmesh.cluster.control_pass",  # one elastic control pass on the controller's state
+    "expertmesh.cluster.controller_record",  # the persisted record (Ray only inside load/save, via MeshStore)
+    "expertmesh.cluster.displacement",  # displaced actors and their stand-ins
+    "expertmesh.cluster.node_choice",
+    "expertmesh.cluster.placement_change",
+    "expertmesh.cluster.remap_flow",  # the live remap's steps, Ray reached through an ops object
+    "expertmesh.cluster.replica_registry",
+    "expertmesh.cluster.restore_flow",  # the watch and restores, Ray reached through an ops object
+    "expertmesh.cluster.router_reports",
     # ops: helpers, the drill's configuration, record, pure report and rendering, the CLI's flag table
     "expertmesh.ops.train.corpus",
     "expertmesh.ops.drill",

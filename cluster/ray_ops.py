@@ -1,0 +1,118 @@
+"""The controller's Ray calls, in one place: find and probe an expert actor by name, start and kill one, read the
+cluster's nodes and free resources, ask Ray's autoscaler for a cluster shape, persist the controller's record and
+publish the routing table (`RayActorOps` bundles them for the flows). Everything decided from their answers lives in
+pure modules (replica_registry, node_choice, displacement, elastic, restore_flow, remap_flow)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import ray
+
+from .actor_slots import ActorSlot
+from .controller_record import save_record
+from .displacement import resource_bundles
+from .expert_actors import start_expert_actor
+from .lost_restore import NodeRoom
+from .node_choice import choose_node, node_rooms
+from .pool_spec import PoolSpec
+from .replica_registry import ReplicaRegistry
+from .router_gpus import RouterReservation
+from .table_store import publish_table
+
+
+async def probe_actor(name: str, namespace: str, timeout_s: float) -> dict | None:
+    """The actor's info() ({"generation", "node_id", ...}), or None when it is not registered or did not answer
+    within timeout_s. A hung or dying one is killed, so the name is free for its replacement."""
+    try:
+        handle = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+    try:
+        return await asyncio.wait_for(handle.info.remote(), timeout_s)
+    except Exception:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:
+            pass
+        return None
+
+
+def kill_actor(name: str, namespace: str) -> bool:
+    """Kill the named actor for good; False when no actor has that name."""
+    try:
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    except ValueError:
+        return False
+    return True
+
+
+def alive_nodes() -> list[dict]:
+    """ray.nodes() entries of the live nodes (may lag a moment behind a node's death)."""
+    return [n for n in ray.nodes() if n["Alive"]]
+
+
+def free_resources() -> dict[str, dict[str, float]]:
+    """node id -> what Ray has not given out on it ({"CPU": .., "GPU": ..})."""
+    from ray._private.state import available_resources_per_node
+
+    return available_resources_per_node()
+
+
+def request_bundles(bundles: list[dict]) -> None:
+    """Ask Ray's autoscaler for a cluster that can hold `bundles` (replaces the previous request; [] releases)."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles)
+
+
+class RayActorOps:
+    """What the controller's flows (cluster/restore_flow.py, cluster/remap_flow.py) do to the world, done with Ray:
+    start, await, kill expert actors; read the nodes; ask the autoscaler; persist the record and publish the table.
+    Tests give the flows a fake with the same methods instead."""
+
+    def __init__(self, registry: ReplicaRegistry, reservation: RouterReservation):
+        self.reg = registry
+        self.names = registry.spec.names  # the same for every placement
+        self.reservation = reservation
+
+    def spawn(self, slot: ActorSlot, spec: PoolSpec, generation: int, soft: bool = True) -> ray.actor.ActorHandle:
+        """Start slot.name (hosting spec.actor_shards[slot.name]) on the slot's node, or another if it is gone.
+        soft False: only there (a stand-in whose share was cut to what that node has free)."""
+        # soft affinity: choose_node can still pick a node that just died (ray.nodes() lags); Ray then places it
+        # on any node with room.
+        node = choose_node(slot, alive_nodes(), self.reservation.gpus, self.reg.nodes.values())
+        return start_expert_actor(replace(slot, node_id=node), spec, detached=True, generation=generation,
+                                  soft_affinity=soft)
+
+    async def ready(self, handle: ray.actor.ActorHandle, timeout_s: float) -> dict:
+        """The actor's info() once it loaded and warmed up; raises after timeout_s or when it died."""
+        return await asyncio.wait_for(handle.info.remote(), timeout_s)
+
+    def kill(self, handle: ray.actor.ActorHandle) -> None:
+        ray.kill(handle, no_restart=True)
+
+    def kill_named(self, name: str) -> bool:
+        return kill_actor(name, self.names.namespace)
+
+    async def probe(self, name: str, timeout_s: float) -> dict | None:
+        return await probe_actor(name, self.names.namespace, timeout_s)
+
+    def rooms(self) -> list[NodeRoom]:
+        """Live nodes and what Ray has not given out on each, less nodes where every actor of ours is lost."""
+        return node_rooms(alive_nodes(), free_resources(), self.reg.suspect_nodes())
+
+    def request_resources(self, gpus: int | None = None) -> None:
+        """One request for both needs (each call replaces the last): the elastic loop's GPUs (`gpus`, default what
+        it asked for last) and the normal shape of a pool whose lost actors are displaced."""
+        count = self.reg.requested_gpus if gpus is None else gpus
+        request_bundles(resource_bundles(count, self.reg.restore_request))
+
+    def persist(self) -> None:
+        save_record(self.names.mesh_id, self.reg.record())
+
+    def publish(self) -> None:
+        """Publish the current placement (minus drained replicas) as the routing table at the current epoch."""
+        serving, slots, gone = self.reg.table()
+        publish_table(self.reg.epoch, serving, slots, gone, mesh_id=self.names.mesh_id)

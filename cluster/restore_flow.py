@@ -1,0 +1,158 @@
+"""The controller's watch and restores, step by step: probe every expected actor, restore the lost ones (at their
+normal share where a live node has room, else through stand-ins on the survivors: cluster/lost_restore.py), and move
+displaced actors back when a node with room joins.
+
+No Ray here: the world is reached through `ops` (cluster/ray_ops.py: RayActorOps; a fake in tests), placements
+change through the Remapper (cluster/remap_flow.py), and the state is the controller's ReplicaRegistry and
+ActivityLog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict
+
+from .activity_log import ActivityLog
+from .actor_slots import ActorSlot
+from .controller_config import ControllerConfig
+from .displacement import displace, move_back, return_groups, stand_in_placement
+from .lost_restore import RestorePlan, plan_return
+from .naming import stand_in_actor_name
+from .remap_flow import Remapper
+from .replica_registry import ReplicaRegistry
+
+log = logging.getLogger(__name__)
+
+
+class RestoreFlow:
+    def __init__(self, registry: ReplicaRegistry, ops, history: ActivityLog, config: ControllerConfig,
+                 remapper: Remapper):
+        self.reg, self.ops, self.history, self.config, self.remapper = registry, ops, history, config, remapper
+        self._returning = False
+        self._last_return_check = float("-inf")
+
+    async def check_all(self) -> None:
+        """One pass of the watch: probe every expected actor not being restored; start restoring the lost ones."""
+        names = [n for n in self.reg.expected() if n not in self.reg.restoring]
+        infos = await asyncio.gather(*(self.ops.probe(n, self.config.ping_timeout_s) for n in names))
+        lost, to_restore = self.reg.probed(names, infos, restore=self.config.restore)
+        for name in lost:
+            self.history.event("lost", name)
+        if to_restore:
+            asyncio.get_running_loop().create_task(self.restore_lost(to_restore))
+
+    def return_due(self, now: float) -> bool:
+        """Whether to look for room for the displaced actors now (then it counts as started). Not while a restore is
+        under way: its remap and the return would each plan from a stale placement. now: time.monotonic()."""
+        reg = self.reg
+        if not reg.displaced or not self.config.restore or self._returning or reg.restoring \
+                or now - self._last_return_check < self.config.return_check_s:
+            return False
+        self._last_return_check = now
+        self._returning = True
+        return True
+
+    async def restore_lost(self, names: list[str]) -> None:
+        """Bring back the actors one pass found lost: each at its normal share where a live node has room for it,
+        the others through a re-plan onto the survivors (stand-ins, fewer replicas) while Ray's autoscaler is asked
+        for the room."""
+        try:
+            plan = self.reg.restore_plan(names, self.ops.rooms(), self.config.stand_in_min_cpus, stand_in_actor_name)
+        except Exception:  # resource tables unreadable: restore as before, Ray places them where it can
+            log.exception("restore re-plan failed")
+            plan = RestorePlan(full={n: self.reg.slots[n] for n in names})
+        restores = [self.restore(n, plan.full[n]) for n in names if n in plan.full]
+        if plan.displaced:
+            restores.append(self.stand_in(plan))
+        await asyncio.gather(*restores)
+
+    async def restore(self, name: str, slot: ActorSlot | None = None) -> None:
+        """Start `name` again under its own name. slot: where (its normal share on a node with room); None: its own
+        slot."""
+        reg, started = self.reg, time.time()
+        try:
+            generation = reg.generations.get(name, 0) + 1
+            handle = self.ops.spawn(slot or reg.slots[name], reg.spec, generation)
+            info = await self.ops.ready(handle, self.config.restore_timeout_s)  # after warm-up
+            if name not in reg.spec.actor_shards or name in reg.drained:
+                # A remap retired (or an operator drained) it while it was coming back: nobody routes to it.
+                self.ops.kill(handle)
+                self.history.event("restore_dropped", name)
+                return
+            reg.seen(name, {**info, "generation": generation})
+            reg.epoch += 1
+            self.ops.persist()
+            self.history.event("restored", name, seconds=round(time.time() - started, 3), node_id=info["node_id"],
+                               generation=generation)
+        except Exception as exc:
+            self.history.event("restore_failed", name, error=f"{type(exc).__name__}: {exc}"[:500])
+        finally:
+            reg.restoring.discard(name)
+
+    async def stand_in(self, plan: RestorePlan) -> None:
+        """Serve the lost shards the survivors have no room for as `plan` says: start its stand-ins, publish the
+        placement without the displaced actors (live, like any remap), and ask for the normal shape."""
+        reg, displaced = self.reg, plan.displaced
+        self.history.event("restore_replanned", ",".join(displaced), reason=plan.reason, deferred=list(plan.deferred),
+                           stand_ins={n: {"replaces": list(s.replaces), "node_id": s.slot.node_id,
+                                          "num_cpus": s.slot.num_cpus, "num_gpus": s.slot.num_gpus}
+                                      for n, s in plan.stand_ins.items()})
+        reg.stand_in_serial += len(plan.stand_ins)
+        try:
+            target = stand_in_placement(reg.spec.actor_shards, reg.drained, plan)
+            # Record the displaced before the remap retires them (it forgets their slots).
+            records = displace(reg.displaced, plan, reg.slots, reg.spec.actor_shards)
+            reg.displaced.update(records)
+            self.ops.persist()
+            # Hard affinity: Ray would place a stand-in that reserves nothing on any node, not the one planned.
+            stand_in_slots = {n: asdict(s.slot) for n, s in plan.stand_ins.items()}
+            result = await self.remapper.remap(target, stand_in_slots, soft=False)
+            if not result.get("ok"):
+                for name in records:
+                    reg.displaced.pop(name, None)
+                self.ops.persist()
+                return  # the next pass finds them lost again and re-plans
+            for name in displaced:
+                reg.lost.discard(name)
+                reg.nodes.pop(name, None)  # gone: it no longer counts towards its node's load (choose_node)
+            self.set_restore_request(list(plan.request))
+        except Exception as exc:
+            self.history.event("restore_failed", ",".join(displaced), error=f"{type(exc).__name__}: {exc}"[:500])
+        finally:
+            reg.restoring.difference_update(displaced)
+
+    async def return_displaced(self) -> None:
+        """Displaced actors that fit at their normal share now (a node joined) start again under their own names;
+        the stand-ins they had go (one live remap). With none displaced any more, the resource request goes."""
+        reg = self.reg
+        try:
+            back = plan_return(return_groups(reg.displaced), self.ops.rooms(), reg.live_nodes())
+            if not back:
+                return
+            move = move_back(back, reg.spec.actor_shards, reg.drained, reg.displaced)
+            result = await self.remapper.remap(move.placement, {n: asdict(s) for n, s in move.returning.items()})
+            if not result.get("ok"):
+                return
+            for name in move.returning:
+                reg.displaced.pop(name, None)
+            self.history.event("moved_back", ",".join(sorted(move.returning)), retired=move.retiring,
+                               epoch=result["epoch"])
+            if not reg.displaced:
+                self.set_restore_request([])
+            self.ops.persist()
+        except Exception:
+            log.exception("moving displaced actors back failed")
+        finally:
+            self._returning = False
+
+    def set_restore_request(self, bundles: list[dict]) -> None:
+        """Ask Ray's autoscaler for the displaced actors' normal shape ([]: release it) and the elastic loop's GPUs."""
+        reg = self.reg
+        if bundles == reg.restore_request:
+            return
+        reg.restore_request = bundles
+        self.ops.request_resources()
+        self.history.event("request_resources", "-", gpus=reg.requested_gpus, bundles=len(bundles),
+                           reason="lost actors displaced" if bundles else "lost actors back at their normal share")

@@ -1,0 +1,204 @@
+"""The controller's flows without Ray (cluster/restore_flow.py, cluster/remap_flow.py, cluster/control_pass.py): the
+watch, restores, stand-ins and live remaps run against a fake `ops` that records what they would do to the world."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from expertmesh.cluster.activity_log import ActivityLog
+from expertmesh.cluster.actor_slots import ActorSlot
+from expertmesh.cluster.control_pass import control_pass
+from expertmesh.cluster.controller_config import ControllerConfig
+from expertmesh.cluster.elastic import ElasticConfig, ElasticState
+from expertmesh.cluster.lost_restore import NodeRoom
+from expertmesh.cluster.pool_spec import PoolSpec
+from expertmesh.cluster.remap_flow import Remapper
+from expertmesh.cluster.replica_registry import ReplicaRegistry
+from expertmesh.cluster.restore_flow import RestoreFlow
+from expertmesh.cluster.router_gpus import NO_RESERVATION
+from expertmesh.cluster.router_reports import RouterReports
+
+
+class FakeOps:
+    """Actors as names; `alive` answers probes; `broken` names fail to become ready."""
+
+    def __init__(self, alive: set[str], rooms: list[NodeRoom]):
+        self.alive = set(alive)
+        self.broken: set[str] = set()
+        self.room_list = rooms
+        self.log: list[tuple] = []
+        self.generation: dict[str, int] = {}
+
+    def spawn(self, slot: ActorSlot, spec: PoolSpec, generation: int, soft: bool = True) -> str:
+        assert slot.name in spec.actor_shards, "an actor starts hosting shards of the spec it is given"
+        self.log.append(("spawn", slot.name, slot.node_id, generation, soft))
+        self.generation[slot.name] = generation
+        return slot.name
+
+    async def ready(self, handle: str, timeout_s: float) -> dict:
+        if handle in self.broken:
+            raise TimeoutError(f"{handle} did not warm up")
+        self.alive.add(handle)
+        return {"generation": self.generation[handle], "node_id": "new-" + handle}
+
+    def kill(self, handle: str) -> None:
+        self.log.append(("kill", handle))
+        self.alive.discard(handle)
+
+    def kill_named(self, name: str) -> bool:
+        self.log.append(("kill", name))
+        present = name in self.alive
+        self.alive.discard(name)
+        return present
+
+    async def probe(self, name: str, timeout_s: float) -> dict | None:
+        return {"generation": 1, "node_id": "a"} if name in self.alive else None
+
+    def rooms(self) -> list[NodeRoom]:
+        return self.room_list
+
+    def request_resources(self, gpus: int | None = None) -> None:
+        self.log.append(("request",))
+
+    def persist(self) -> None:
+        self.log.append(("persist",))
+
+    def publish(self) -> None:
+        self.log.append(("publish",))
+
+
+def setup(rooms: list[NodeRoom], placement: dict[str, list] | None = None):
+    placement = placement or {"expert-e0-r0": [[0, 0]], "expert-e0-r1": [[0, 0]], "expert-e1-r0": [[0, 1]]}
+    spec = PoolSpec("m", "float32", {}).with_actor_shards(placement)
+    nodes = {"expert-e0-r0": "a", "expert-e0-r1": "b", "expert-e1-r0": "dead"}  # e1-r0's node is the one lost
+    reg = ReplicaRegistry(spec, {n: ActorSlot(n, nodes.get(n, "a"), 1.0, 0.0, None) for n in placement})
+    ops = FakeOps(set(placement), rooms)
+    history, routers = ActivityLog(), RouterReports()
+    config = ControllerConfig(drain_timeout_s=0.3, return_check_s=1.0)
+    remapper = Remapper(reg, ops, history, routers, config)
+    return reg, ops, history, routers, remapper, RestoreFlow(reg, ops, history, config, remapper)
+
+
+def kinds(history: ActivityLog) -> list[str]:
+    return [e["kind"] for e in history.events]
+
+
+async def settle() -> None:
+    """Let the restore tasks a pass started finish."""
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+
+
+def test_a_lost_actor_with_room_comes_back_under_its_name_at_the_next_generation():
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 2.0)])
+    ops.alive.discard("expert-e1-r0")
+
+    async def run():
+        await flow.check_all()
+        assert reg.restoring == {"expert-e1-r0"} and reg.down() == {"expert-e1-r0"}
+        await settle()
+
+    asyncio.run(run())
+    assert kinds(history) == ["lost", "restored"]
+    assert ("spawn", "expert-e1-r0", "a", 1, True) in ops.log
+    assert reg.generations["expert-e1-r0"] == 1 and reg.epoch == 1 and not reg.restoring and not reg.lost
+    assert ops.log[-1] == ("persist",)
+
+
+def test_a_restore_finishing_after_a_drain_is_dropped():
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 2.0)])
+    reg.restoring.add("expert-e1-r0")
+
+    async def run():
+        task = asyncio.create_task(flow.restore("expert-e1-r0"))
+        reg.drained.add("expert-e1-r0")  # an operator drained it while it was starting
+        await task
+
+    asyncio.run(run())
+    assert kinds(history) == ["restore_dropped"] and ("kill", "expert-e1-r0") in ops.log and reg.epoch == 0
+
+
+def test_with_no_room_the_lost_actor_gets_a_stand_in_published_live_and_the_normal_shape_is_asked_for():
+    reg, ops, history, routers, _, flow = setup([NodeRoom("a", 0.5)])
+    routers.ack("router-1", 1, now=1e18)  # switches at once (acks an epoch ahead)
+    reg.lost.add("expert-e1-r0")
+    reg.restoring.add("expert-e1-r0")
+    asyncio.run(flow.restore_lost(["expert-e1-r0"]))
+    assert "expert-s0" in reg.spec.actor_shards and "expert-e1-r0" not in reg.spec.actor_shards
+    assert reg.displaced["expert-e1-r0"]["by"] == "expert-s0" and reg.stand_in_serial == 1
+    assert reg.restore_request == [{"CPU": 1.0}] * 3 and ("request",) in ops.log  # the pool's normal shape
+    assert ("spawn", "expert-s0", "a", 0, False) in ops.log  # hard affinity: only the node planned
+    assert not reg.restoring and "expert-e1-r0" not in reg.lost
+    assert "restore_replanned" in kinds(history) and "remap" in kinds(history)
+    assert reg.table()[2] == []  # its stand-in replaced it; it is not "gone" any more, only displaced
+
+
+def test_a_failed_stand_in_remap_forgets_the_displaced_records_and_the_next_pass_retries():
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 0.5)])
+    ops.broken.add("expert-s0")
+    reg.lost.add("expert-e1-r0")
+    reg.restoring.add("expert-e1-r0")
+    asyncio.run(flow.restore_lost(["expert-e1-r0"]))
+    assert reg.displaced == {} and "expert-e1-r0" in reg.spec.actor_shards and "expert-s0" not in reg.slots
+    assert reg.epoch == 0 and not reg.restoring and "expert-e1-r0" in reg.lost
+    assert ("kill", "expert-s0") in ops.log and "remap_failed" in kinds(history)
+
+
+def test_moving_back_is_due_only_with_displaced_actors_no_restore_running_and_the_interval_passed():
+    reg, _, _, _, _, flow = setup([])
+    assert not flow.return_due(now=10.0)  # nothing displaced
+    reg.displaced["expert-e1-r0"] = {"slot": {}, "shards": [], "by": None}
+    reg.restoring.add("expert-e0-r0")
+    assert not flow.return_due(now=10.0)
+    reg.restoring.clear()
+    assert flow.return_due(now=10.0)
+    assert not flow.return_due(now=20.0)  # one at a time: the first has not finished
+
+
+def test_a_displaced_actor_moves_back_and_its_stand_in_retires_when_a_node_joins():
+    reg, ops, history, routers, _, flow = setup([NodeRoom("a", 0.5)])
+    routers.ack("router-1", 10**6, now=1e18)
+    reg.lost.add("expert-e1-r0")
+    reg.restoring.add("expert-e1-r0")
+    asyncio.run(flow.restore_lost(["expert-e1-r0"]))
+    ops.room_list = [NodeRoom("a", 0.0), NodeRoom("c", 4.0)]  # a node with room joined
+    assert flow.return_due(now=100.0)  # displaced, no restore running
+    asyncio.run(flow.return_displaced())
+    assert sorted(reg.spec.actor_shards) == ["expert-e0-r0", "expert-e0-r1", "expert-e1-r0"]
+    assert reg.displaced == {} and reg.restore_request == [] and reg.slots["expert-e1-r0"].node_id == "c"
+    assert ("kill", "expert-s0") in ops.log and kinds(history)[-2:] == ["moved_back", "request_resources"]
+    assert not flow._returning  # finished: a later pass may look again
+
+
+def test_a_remap_retires_old_actors_only_after_every_live_router_switched():
+    reg, ops, history, routers, remapper, _ = setup([])
+    routers.ack("slow-router", 0, now=1e18)  # never switches: the remap waits drain_timeout_s, then goes ahead
+    placement = {"expert-e0-r1": [[0, 0]], "expert-e1-r0": [[0, 1]], "expert-e0-r2": [[0, 0]]}
+    result = asyncio.run(remapper.remap(placement, {"expert-e0-r2": {"node_id": "b", "num_cpus": 1.0,
+                                                                     "num_gpus": 0.0, "gpu_slot": None}}))
+    assert result["ok"] and result["added"] == ["expert-e0-r2"] and result["retired"] == ["expert-e0-r0"]
+    assert result["routers_behind"] == ["slow-router"] and result["switch_s"] >= 0.3
+    order = [entry[0] for entry in ops.log]
+    assert order == ["spawn", "publish", "persist", "kill"]  # started, published, and only then stopped
+    assert reg.epoch == 1 and "expert-e0-r0" not in reg.slots and kinds(history) == ["remap", "retired"]
+
+
+def test_control_pass_waits_while_an_actor_is_being_restored_and_balances_otherwise():
+    placement = {"expert-e0-r0": [[0, 0], [0, 1]], "expert-e1-r0": [[0, 2], [0, 3]]}
+    spec = PoolSpec("m", "float32", {}).with_actor_shards(placement)
+    reg = ReplicaRegistry(spec, {"expert-e0-r0": ActorSlot("expert-e0-r0", "n0", 1.0, 0.0, None),
+                                 "expert-e1-r0": ActorSlot("expert-e1-r0", "n1", 1.0, 0.0, None)})
+    snapshot = {"layers": [0], "num_experts": 4, "counts": {"shard_load": [[100.0, 100.0, 100.0, 100.0]]}}
+    alive = [{"NodeID": "n0", "Alive": True, "Resources": {"CPU": 2.0}},
+             {"NodeID": "n1", "Alive": True, "Resources": {"CPU": 2.0}}]
+    config = ElasticConfig(slots_per_gpu=4)
+    reg.restoring.add("expert-e1-r0")
+    waiting, state = control_pass(0.0, snapshot, alive, NO_RESERVATION, reg, ElasticState(), config)
+    assert waiting.entry == {"reason": "expert-e1-r0 is not placed on a live device yet (failover first)"}
+    assert waiting.placement is None and state == ElasticState()
+    reg.restoring.clear()
+    balanced, _ = control_pass(0.0, snapshot, alive, NO_RESERVATION, reg, ElasticState(), config)
+    assert balanced.entry["reason"] in ("balanced", "little load") and balanced.placement is None
+    assert np.isclose(balanced.entry["window_slots"], 400.0)
