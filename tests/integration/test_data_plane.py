@@ -31,6 +31,15 @@ def local_mesh(path, **sections) -> ExpertMesh:
                                             "experts": experts, **sections}))
 
 
+@pytest.fixture(scope="module")
+def family_mesh(request, checkpoints) -> tuple[str, ExpertMesh]:
+    """(name, mesh) on checkpoint `request.param`, one per checkpoint for the tests that only read from it rather
+    than one per test: module-scoped and parametrized indirectly, so pytest runs each checkpoint's tests together
+    and stops its mesh before the next one starts (two at once would not fit the module's 2-CPU Ray)."""
+    with local_mesh(checkpoints[request.param]) as mesh:
+        yield request.param, mesh
+
+
 def hf_model(path):
     from transformers import AutoModelForCausalLM
 
@@ -42,14 +51,15 @@ def sequences(seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (17, 5)]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "mixtral_sharded", "direct"])
-def test_logits_equal_transformers(checkpoints, name):
+@pytest.mark.parametrize("family_mesh", ["mixtral", "qwen2_moe", "olmoe", "mixtral_sharded", "direct"],
+                         indirect=True)
+def test_logits_equal_transformers(checkpoints, family_mesh):
+    name, mesh = family_mesh
     hf = hf_model(checkpoints[name])
     seqs = sequences()
-    with local_mesh(checkpoints[name]) as mesh:
-        got = mesh.score_batch(seqs)  # both sequences share every expert call
-        hit = {layer: int(torch.unique(r.experts).numel()) for layer, r in mesh.model.last_trace.routings.items()}
-        calls = dict(mesh.backend.calls_per_layer)
+    got = mesh.score_batch(seqs)  # both sequences share every expert call
+    hit = {layer: int(torch.unique(r.experts).numel()) for layer, r in mesh.model.last_trace.routings.items()}
+    calls = dict(mesh.backend.calls_per_layer)
     for ids, logits in zip(seqs, got):
         with torch.no_grad():
             want = hf(torch.tensor([ids])).logits[0]
@@ -59,12 +69,12 @@ def test_logits_equal_transformers(checkpoints, name):
     assert all(0 < n <= hf.config.num_experts_per_tok * len(seqs[0]) for n in calls.values())
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
-def test_greedy_generation_equals_transformers_generate(checkpoints, name):
+@pytest.mark.parametrize("family_mesh", ["mixtral", "qwen2_moe", "olmoe"], indirect=True)
+def test_greedy_generation_equals_transformers_generate(checkpoints, family_mesh):
+    name, mesh = family_mesh
     hf = hf_model(checkpoints[name])
     prompt = sequences(seed=1)[0][:6]
-    with local_mesh(checkpoints[name]) as mesh:
-        result = mesh.generate(token_ids=prompt, max_tokens=12)
+    result = mesh.generate(token_ids=prompt, max_tokens=12)
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                        pad_token_id=0)[0, len(prompt):].tolist()
     assert result.token_ids == want
