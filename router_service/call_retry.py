@@ -45,16 +45,16 @@ class CallRounds:
         self.pending: list[int] = list(range(len(calls)))  # indices into calls owed an answer this round
         self._done: dict[int, torch.Tensor] = {}
 
-    def settle(self, results: Sequence[torch.Tensor | BaseException], succeeded: Callable[[ActorCall], None],
+    def settle(self, results: Sequence[torch.Tensor | BaseException], succeeded: Callable[[str], None],
                failed: Callable[[ActorCall, BaseException], list[ActorCall] | None]) -> bool:
-        """Record this round's results (aligned with `pending`), in order: succeeded(call) for an output,
+        """Record this round's results (aligned with `pending`), in order: succeeded(actor) for an output,
         failed(call, error) -> its replacement calls for an error. False as soon as a failed call has no replacement
         (a shard ran out of replicas); else the replacements are next round's `pending`."""
         retry: list[int] = []
         for i, result in zip(self.pending, results):
             call = self.calls[i]
             if not isinstance(result, BaseException):
-                succeeded(call)
+                succeeded(call.actor)
                 self._done[i] = result
                 continue
             replacement = failed(call, result)

@@ -344,8 +344,7 @@ class RemoteExperts:
             gathering = time.perf_counter()
             results = self.transport.gather_settled(handles, min(self.failover.call_timeout_s, remaining))
             self.profile.since("dispatch.gather", gathering)
-            if not rounds.settle(results, lambda call: self.health.record_ok(call.actor),
-                                 lambda call, error: self._failed(layer, call, error)):
+            if not rounds.settle(results, self.health.record_ok, lambda call, error: self._failed(layer, call, error)):
                 return None
         return rounds.outputs()
 

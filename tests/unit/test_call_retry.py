@@ -53,10 +53,10 @@ def test_rounds_keep_outputs_aligned_with_the_calls_that_served():
         return [replacement]
 
     out_a, out_c, out_d = torch.full((1, 2), 1.0), torch.full((1, 2), 3.0), torch.full((1, 2), 4.0)
-    ok = rounds.settle([out_a, RuntimeError("b down"), out_c], lambda call: seen.append(("ok", call.actor)), failed)
+    ok = rounds.settle([out_a, RuntimeError("b down"), out_c], lambda actor: seen.append(("ok", actor)), failed)
     assert ok and seen == [("ok", "a"), ("failed", "b", "b down"), ("ok", "c")]  # in result order
     assert rounds.pending == [3] and calls[3] is replacement  # appended to the caller's list
-    assert rounds.settle([out_d], lambda call: None, failed)
+    assert rounds.settle([out_d], lambda actor: None, failed)
     outputs = rounds.outputs()
     assert [c.actor for c in calls] == ["a", "c", "d"]  # the failed call dropped, in place
     assert [o[0, 0].item() for o in outputs] == [1.0, 3.0, 4.0]
@@ -66,7 +66,7 @@ def test_a_failure_without_replacement_ends_the_attempt_at_once():
     calls = [_call("a", {0: [0]}), _call("b", {1: [1]})]
     rounds = CallRounds(calls)
     later = []
-    assert not rounds.settle([RuntimeError("a down"), torch.zeros(1, 2)], lambda call: later.append(call.actor),
+    assert not rounds.settle([RuntimeError("a down"), torch.zeros(1, 2)], later.append,
                              lambda call, error: None)
     assert later == []  # b's answer is not recorded: the layer is routed again from scratch
     assert len(calls) == 2
@@ -76,9 +76,9 @@ def test_a_replacement_that_fails_again_is_retried_in_the_next_round():
     calls = [_call("a", {0: [0, 1]})]
     rounds = CallRounds(calls)
     spare = iter([[_call("b", {0: [0, 1]})], [_call("c", {0: [0]}), _call("d", {0: [1]})]])
-    assert rounds.settle([RuntimeError("a")], lambda call: None, lambda call, error: next(spare))
-    assert rounds.settle([RuntimeError("b")], lambda call: None, lambda call, error: next(spare))
+    assert rounds.settle([RuntimeError("a")], lambda actor: None, lambda call, error: next(spare))
+    assert rounds.settle([RuntimeError("b")], lambda actor: None, lambda call, error: next(spare))
     assert rounds.pending == [2, 3] and rounds.outputs() is None
-    assert rounds.settle([torch.zeros(1, 2), torch.ones(1, 2)], lambda call: None, lambda call, error: None)
+    assert rounds.settle([torch.zeros(1, 2), torch.ones(1, 2)], lambda actor: None, lambda call, error: None)
     outputs = rounds.outputs()
     assert [c.actor for c in calls] == ["c", "d"] and [o.sum().item() for o in outputs] == [0.0, 2.0]
