@@ -16,10 +16,11 @@ layer actually served.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
+from ..cluster.routing_table import Shard
 from ..experts.setting_choices import PREFETCH_MODES, PREFETCH_SETTINGS  # noqa: F401  (PREFETCH_SETTINGS re-exported)
 
 
@@ -70,3 +71,15 @@ class NextLayerPredictor:
         return {"mode": self.mode, "predicted_shards": self.predicted, "actual_shards": self.actual,
                 "hit_shards": self.hits, "recall": self.hits / self.actual if self.actual else None,
                 "precision": self.hits / self.predicted if self.predicted else None}
+
+
+def address_hints(layer: int, experts: Sequence[int], replicas: Mapping[Shard, Sequence[str]],
+                  dead: Collection[str]) -> dict[str, list[Shard]]:
+    """A prediction (the next MoE layer and its experts) addressed to the live actors hosting those shards:
+    actor -> [(layer, expert)], each actor's shards in the prediction's order."""
+    hints: dict[str, list[Shard]] = {}
+    for expert in experts:
+        for actor in replicas.get((layer, expert), ()):
+            if actor not in dead:
+                hints.setdefault(actor, []).append((layer, expert))
+    return hints

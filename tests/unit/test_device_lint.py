@@ -16,6 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER_PATH = [
     "experts/gating.py", "experts/routed_rows.py", "router_service/dispatch_plan.py", "router_service/dispatch.py",
+    "router_service/replica_health.py", "router_service/call_retry.py", "router_service/pending_layers.py",
+    "router_service/table_switch.py", "router_service/prefetch.py",
     "router_service/batching.py", "router_service/sampling.py", "router_service/observability.py",
     "router_service/shedding.py", "cluster/load_stats.py", "experts/modeling.py", "experts/kv_cache.py",
     "experts/attention_core.py",

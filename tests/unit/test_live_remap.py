@@ -104,7 +104,7 @@ def test_dead_replica_retired_by_a_remap_is_forgotten():
     backend = RemoteExperts(old, transport)
     backend.dead.add("a1")
     backend.stage_table(new, {"hot0": object(), "moved1": object()})
-    backend._apply_staged()
+    backend.switch.apply_staged()
     assert "a1" not in backend.dead and "a1" not in backend.breakers.states
 
 

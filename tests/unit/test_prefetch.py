@@ -11,7 +11,7 @@ from expertmesh.cluster.routing_table import RoutingTable
 from expertmesh.experts.gating import route
 from expertmesh.router_service.config import ExpertsConfig
 from expertmesh.router_service.dispatch import RemoteExperts
-from expertmesh.router_service.prefetch import NextLayerPredictor
+from expertmesh.router_service.prefetch import NextLayerPredictor, address_hints
 from tests.fakes import HIDDEN, FakeTransport, expert_weights
 
 
@@ -104,3 +104,10 @@ def test_dispatcher_sends_hints_with_calls_and_to_idle_actors_and_results_are_un
     transport.side_calls.clear()
     remote.run(0, hidden, routing)
     assert transport.side_calls == []  # no hint to a dead replica
+
+
+def test_hints_go_to_every_live_replica_of_each_predicted_shard():
+    replicas = {(1, 0): ("a", "b"), (1, 2): ("b",), (1, 3): ("c",), (2, 0): ("d",)}
+    assert address_hints(1, [2, 0, 3], replicas, dead={"c"}) == {"b": [(1, 2), (1, 0)], "a": [(1, 0)]}
+    assert address_hints(1, [5], replicas, dead=set()) == {}  # a shard the table does not name
+    assert address_hints(2, [0], replicas, dead={"d"}) == {}

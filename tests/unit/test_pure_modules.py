@@ -93,11 +93,14 @@ PURE_MODULES = (
     "expertmesh.router_service.batching",
     "expertmesh.router_service.chat_template",  # chat templates (jinja2), as transformers renders them
     "expertmesh.router_service.continuation",  # what the gRPC front re-sends when a router replica dies
+    "expertmesh.router_service.call_retry",  # where a failed expert call's rows go; a layer's retry rounds
     "expertmesh.router_service.dispatch",
     "expertmesh.router_service.dispatch_plan",
     "expertmesh.router_service.error_log",  # how a replica logs refused requests (standard logging only)
     "expertmesh.router_service.errors",
     "expertmesh.router_service.log_limit",
+    "expertmesh.router_service.pending_layers",  # a layer's round between submit and wait; the rounds still out
+    "expertmesh.router_service.replica_health",  # dead actors, breakers, reviver: which replicas take a call
     "expertmesh.router_service.openai_api",  # OpenAI HTTP bodies, responses, stream chunks, errors
     "expertmesh.router_service.pool_layout",  # which pool to start (the live nodes from Ray only on call)
     "expertmesh.router_service.prefetch",  # predicting the next MoE layer's experts (pre-gating, history)
@@ -105,6 +108,7 @@ PURE_MODULES = (
     "expertmesh.router_service.sampling",
     "expertmesh.router_service.step_profile",  # the stage clocks of a served step
     "expertmesh.router_service.shedding",  # overload shedding policy (fake clock in tests)
+    "expertmesh.router_service.table_switch",  # live remap: the table a step uses, switched between steps
     "expertmesh.router_service.transports",
     # cluster policies and plans
     "expertmesh.cluster.memory_plan",  # GPU memory accounting for placement and plan-cluster
