@@ -204,16 +204,17 @@ class RouterDeployment:
                 openai_requests.plan, job, self.cfg, self.router.encode, self._encode_rendered, self.chat_template)
             per_prompt = job.candidates
             if job.echo:
+                scored = [None] * len(plan.prompt_ids)
+                if job.top_logprobs is not None:  # every prompt of the batch in one forward, between steps
+                    logits = await self.batcher.run_exclusive(lambda: self.router.score_batch(plan.prompt_ids))
+                    scored = [openai_requests.prompt_logprobs(x, ids, job.top_logprobs)  # x: [S, V]
+                              for x, ids in zip(logits, plan.prompt_ids)]
                 for p, ids in enumerate(plan.prompt_ids):
-                    scored = None
-                    if job.top_logprobs is not None:
-                        logits = await self.batcher.run_exclusive(lambda ids=ids: self.router.score(ids))  # [S, V]
-                        scored = openai_requests.prompt_logprobs(logits, ids, job.top_logprobs)
                     text = plan.prompt_texts[p]
                     if text is None:
                         text = self.router.decode(ids) or ""
                     for j in range(job.n):
-                        yield openai_requests.echo_dict(p * job.n + j, text, ids, scored, self._token_text)
+                        yield openai_requests.echo_dict(p * job.n + j, text, ids, scored[p], self._token_text)
             if job.max_tokens == 0:
                 for p, ids in enumerate(plan.prompt_ids):
                     for j in range(job.n):

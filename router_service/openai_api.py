@@ -161,12 +161,12 @@ def _optional_int(body: dict, name: str, low: int, high: int | None = None) -> i
     return value
 
 
-def _bool(body: dict, name: str) -> bool:
+def _bool(body: dict, name: str, where: str = "") -> bool:
     value = body.get(name, False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise invalid(name, f"must be true or false, got {json.dumps(value)[:64]}")
+        raise invalid(where + name, f"must be true or false, got {json.dumps(value)[:64]}")
     return value
 
 
@@ -200,8 +200,8 @@ def _common(body: dict, served_model: str) -> dict:
             raise invalid("stream_options", "is only allowed with stream: true")
         if not isinstance(options, dict):
             raise invalid("stream_options", "must be an object")
-        include_usage = _bool(options, "include_usage")
-        continuous_usage = _bool(options, "continuous_usage_stats")
+        include_usage = _bool(options, "include_usage", "stream_options.")
+        continuous_usage = _bool(options, "continuous_usage_stats", "stream_options.")
     return {
         "model": model, "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
@@ -234,10 +234,11 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise invalid("logit_bias", f"keys must be token ids as strings, got {json.dumps(key)[:64]}")
-        number = _number({key: bias}, key, 0.0, -100.0, 100.0) if bias is not None else None
-        if number is None:
-            raise invalid("logit_bias", f"the bias of token {key} must be a number in [-100, 100]")
-        pairs.append((int(key), number))
+        if not (isinstance(bias, int | float) and not isinstance(bias, bool) and math.isfinite(bias)
+                and -100 <= bias <= 100):
+            raise invalid("logit_bias", f"the bias of token {key} must be a number in [-100, 100], got "
+                                        f"{json.dumps(bias)[:64]}")
+        pairs.append((int(key), float(bias)))
     return tuple(sorted(pairs))
 
 
