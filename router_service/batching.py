@@ -32,7 +32,7 @@ from ..experts.kv_cache import KVCache, blocks_for
 from ..experts.modeling import MoEDecoder
 from .batching_config import BatcherConfig  # noqa: F401  (re-exported; defined there so the configuration imports no torch)
 from .errors import RequestError
-from .sampling import SamplingParams, sample_tokens, skip_draws
+from .sampling import SamplingParams, adjust_logits, sample_tokens, skip_draws
 from .step_profile import StageClock
 
 
@@ -54,6 +54,16 @@ class GenerationRequest:
     # Log-probabilities to report per generated token (OpenAI `logprobs`): None = none; k ≥ 0 = the chosen token's
     # and the k most likely tokens' (from the model's raw distribution, before temperature / top-p).
     top_logprobs: int | None = None
+    # Until this many tokens are generated, eos and stop_token_ids cannot be sampled (their logits are -inf) and
+    # stop strings do not end the generation (vLLM's min_tokens).
+    min_tokens: int = 0
+
+    def suppressed_ids(self, generated: int) -> frozenset[int]:
+        """Token ids that may not be sampled after `generated` tokens: eos and stop ids while under min_tokens."""
+        if generated >= self.min_tokens:
+            return frozenset()
+        eos = frozenset() if self.eos_token_id is None else frozenset({self.eos_token_id})
+        return self.stop_token_ids | eos
 
 
 @dataclass
@@ -94,6 +104,7 @@ class _Sequence:
     replaying: bool = False  # the first step re-derives the last resumed token instead of sampling a new one
     admitted: int = -1  # admission order (the youngest is preempted first)
     routed: int = 0  # positions whose routing is counted (a recompute after preemption does not count them twice)
+    stop_from: int = 0  # stop strings are searched from this character on (text emitted before min_tokens is final)
     span: Any = None  # the request's OpenTelemetry span (tracing on), parent or link of its steps
 
 
@@ -384,7 +395,12 @@ class ContinuousBatcher:
         last = [x[-1] if w == "last" else None for x, w in zip(logits, wanted)]
         sampled = time.perf_counter()
         draw = [i for i, (seq, x) in enumerate(zip(batch, last)) if x is not None and not seq.replaying]
-        chosen = sample_tokens([last[i] for i in draw], [batch[i].request.sampling for i in draw],
+        # The request's logit rules (penalties, logit_bias, min_tokens) on the logits' device; reported logprobs
+        # stay the model's raw distribution (`last`).
+        adjusted = [adjust_logits(last[i], batch[i].request.sampling, batch[i].request.prompt_ids,
+                                  batch[i].generated, batch[i].request.suppressed_ids(len(batch[i].generated)))
+                    for i in draw]
+        chosen = sample_tokens(adjusted, [batch[i].request.sampling for i in draw],
                                [batch[i].generator for i in draw])
         tokens: list[int | None] = [None] * len(batch)
         for i, token in zip(draw, chosen):
@@ -444,8 +460,17 @@ class ContinuousBatcher:
         if self.decode is None:
             return "", False
         full = self.decode(seq.generated)
+        if len(seq.generated) < seq.request.min_tokens:
+            # Under min_tokens no stop string ends the generation: the text goes out whole (nothing held back)
+            # and a later stop string is only looked for after it.
+            if full.endswith("\ufffd"):
+                return "", False
+            piece = full[len(seq.emitted_text):]
+            seq.emitted_text = full
+            seq.stop_from = len(full)
+            return piece, False
         for stop in seq.request.stop_strings:
-            at = full.find(stop)
+            at = full.find(stop, seq.stop_from)
             if at != -1:
                 piece = full[len(seq.emitted_text):at] if at >= len(seq.emitted_text) else ""
                 seq.emitted_text = full[:at]

@@ -30,13 +30,14 @@ from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
-from . import health, openai_requests, proto_mapping
+from . import choice_streams, health, openai_requests, proto_mapping
 from .admin_auth import admin_denial
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
 from .chat_template import load_chat_template
 from .config import MeshConfig
 from .dispatch import NoReplicaError
 from .error_log import ClientErrorLog, quiet_serve_request_logs
+from .errors import RequestError, check_token_ids
 from .expert_pool import connect_actors
 from .proto_mapping import ApiError
 from .router import Router
@@ -193,16 +194,54 @@ class RouterDeployment:
 
     async def OpenAIGenerate(self, job):  # noqa: N802 (named like the RPCs it sits with)
         """The OpenAI HTTP API's generation (router_service/http_front.py): job is an openai_api.OpenAIJob; streams
-        one plain dict per batcher event (openai_requests.event_dict). Same batcher, same cancel path as Generate:
-        the HTTP front cancelling this call (client disconnect) closes the batcher stream, which frees the sequence."""
+        one plain dict per event (router_service/openai_responses.py), each naming its choice index. Same batcher,
+        same cancel path as Generate: the HTTP front cancelling this call (client disconnect) closes the batcher
+        streams, which frees the sequences. n / best_of / a batch of prompts run as several sequences of the same
+        batcher (router_service/choice_streams.py); echo scores the prompt with Score's forward."""
         span = self.router.observer.start_request(None, rpc="OpenAIGenerate")
         try:
-            gen_request = await asyncio.to_thread(
-                openai_requests.generation_request, job, self.cfg, self.router.encode, self._encode_rendered,
-                self.chat_template)
-            async with contextlib.aclosing(self.batcher.stream(gen_request, span=span)) as events:
-                async for event in events:
-                    yield openai_requests.event_dict(event, self._token_text)
+            plan = await asyncio.to_thread(
+                openai_requests.plan, job, self.cfg, self.router.encode, self._encode_rendered, self.chat_template)
+            per_prompt = job.candidates
+            if job.echo:
+                scored = [None] * len(plan.prompt_ids)
+                if job.top_logprobs is not None:  # every prompt of the batch in one forward, between steps
+                    logits = await self.batcher.run_exclusive(lambda: self.router.score_batch(plan.prompt_ids))
+                    scored = [openai_requests.prompt_logprobs(x, ids, job.top_logprobs)  # x: [S, V]
+                              for x, ids in zip(logits, plan.prompt_ids)]
+                for p, ids in enumerate(plan.prompt_ids):
+                    text = plan.prompt_texts[p]
+                    if text is None:
+                        text = self.router.decode(ids) or ""
+                    for j in range(job.n):
+                        yield openai_requests.echo_dict(p * job.n + j, text, ids, scored[p], self._token_text)
+            if job.max_tokens == 0:
+                for p, ids in enumerate(plan.prompt_ids):
+                    for j in range(job.n):
+                        yield openai_requests.empty_done(p * job.n + j, len(ids))
+                return
+            streams = [self.batcher.stream(r, span=span) for r in plan.requests]
+            if job.best_of is not None:  # collect every candidate, keep the best n per prompt
+                candidates: list[list[dict]] = [[] for _ in streams]
+                async with contextlib.aclosing(choice_streams.merged(streams)) as events:
+                    async for i, event in events:
+                        candidates[i].append(openai_requests.event_dict(event, self._token_text))
+                for p in range(len(plan.prompt_ids)):
+                    mine = candidates[p * per_prompt:(p + 1) * per_prompt]
+                    kept = openai_requests.best_of(mine, job.n, keep_logprobs=job.top_logprobs is not None)
+                    for j, events_of_choice in enumerate(kept):
+                        for event in events_of_choice:
+                            yield openai_requests.with_index(event, p * job.n + j)
+                return
+            prompt_tokens = [len(r.prompt_ids) for r in plan.requests]
+            if len(streams) == 1:  # the common case without the merge's task and queue
+                async with contextlib.aclosing(streams[0]) as events:
+                    async for event in events:
+                        yield openai_requests.event_dict(event, self._token_text, 0, prompt_tokens[0])
+                return
+            async with contextlib.aclosing(choice_streams.merged(streams)) as events:
+                async for i, event in events:
+                    yield openai_requests.event_dict(event, self._token_text, i, prompt_tokens[i])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -210,6 +249,32 @@ class RouterDeployment:
         finally:
             if span is not None:
                 span.end()
+
+    async def OpenAITokenize(self, text: str | None, messages: list[dict] | None) -> list[int]:  # noqa: N802
+        """/tokenize: a prompt's ids as /v1/completions would encode it, or chat messages' rendered prompt's."""
+        try:
+            if messages is not None:
+                if self.chat_template is None:
+                    raise RequestError("messages", "this model's checkpoint has no chat template")
+                return self._encode_rendered(self.chat_template.render(messages, add_generation_prompt=True))
+            return await asyncio.to_thread(self.router.encode, text)
+        except Exception as exc:
+            raise _set_status(None, _classify(exc), "OpenAITokenize") from None
+
+    async def context_length(self) -> int:
+        """The model's context (max_position_embeddings), for /tokenize's max_model_len."""
+        return self.cfg.max_position_embeddings
+
+    async def OpenAIDetokenize(self, ids: list[int]) -> str:  # noqa: N802
+        """/detokenize: token ids -> text (ids outside the vocabulary refused, naming `tokens`)."""
+        try:
+            check_token_ids(ids, self.cfg.vocab_size, len(ids), "tokens")  # any length: no context here
+            text = self.router.decode(ids)
+            if text is None:
+                raise RequestError("tokens", "this model's checkpoint has no tokenizer.json")
+            return text
+        except Exception as exc:
+            raise _set_status(None, _classify(exc), "OpenAIDetokenize") from None
 
     def _encode_rendered(self, text: str) -> list[int]:
         if self.router.tokenizer is None:

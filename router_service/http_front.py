@@ -1,5 +1,6 @@
-"""expertmesh's HTTP ingress: the OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) and the
-live cluster page (/ and /api/state), on an aiohttp server in the `expertmesh serve` process, beside the gRPC front.
+"""expertmesh's HTTP ingress: the OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions, with
+vLLM's /tokenize and /detokenize), probes (/health, /ping), Prometheus text (/metrics) and the live cluster page
+(/ and /api/state), on an aiohttp server in the `expertmesh serve` process, beside the gRPC front.
 
 Why our own front rather than Ray Serve's HTTP proxy: Serve's proxy is one more listener per node, on its own host
 and port settings, without our bearer token or the TLS material the gRPC front uses; this front shares exactly what
@@ -27,7 +28,7 @@ from google.protobuf.json_format import MessageToDict
 from ray import serve
 
 from ..protos import admin_pb2
-from . import openai_api
+from . import http_metrics, openai_api, openai_responses
 from .config import ConfigError, ServerConfig
 from .grpc_front import _api_error
 from .log_limit import LogRateLimit
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).resolve().parent / "static"
 PAGE_FILES = {"cluster.js": "text/javascript", "cluster.css": "text/css"}
 STATE_TIMEOUT_S = 10.0
+HEALTH_TIMEOUT_S = 5.0
+# Paths behind the bearer token (with --auth-token); /health and /ping stay open for load balancers and probes.
+GUARDED = ("/v1/", "/api/", "/tokenize", "/detokenize", "/metrics")
 # handler_cancellation: a client that goes away cancels its handler even while no byte is being written (a request
 # still queued for a batch slot), so the Serve call is cancelled at once, not at the next write.
 RUNNER_OPTIONS = {"handler_cancellation": True, "access_log": None}
@@ -73,14 +77,22 @@ class HttpFront:
         self.settings = settings
         self.model_name = model_name
         self.created = int(time.time())
+        self.counters = http_metrics.FrontCounters()
 
     # ---- plumbing ----------------------------------------------------------------------------------------------
 
     @web.middleware
     async def guard(self, request: web.Request, handler):
         """Bearer token on the API and the state (the page itself holds no data); every error in OpenAI's shape."""
+        response = await self._guarded(request, handler)
+        route = request.match_info.route.resource
+        # Counted by route (a bounded set), not by the raw path a client may make up.
+        self.counters.count_request(route.canonical if route is not None else "unknown", response.status)
+        return response
+
+    async def _guarded(self, request: web.Request, handler):
         try:
-            if request.path.startswith(("/v1/", "/api/")) and self.settings.auth_token is not None:
+            if request.path.startswith(GUARDED) and self.settings.auth_token is not None:
                 given = request.headers.get("Authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {self.settings.auth_token}".encode()):
                     raise OpenAIError(401, "authorization: missing or wrong bearer token (send `Authorization: "
@@ -140,7 +152,7 @@ class HttpFront:
             except Exception as exc:
                 raise _as_openai_error(exc) from None
             if not job.stream:
-                got = openai_api.Accumulated()
+                got = openai_responses.Accumulated()
                 got.add(first)
                 try:
                     async for event in events:
@@ -148,7 +160,9 @@ class HttpFront:
                 except Exception as exc:
                     raise _as_openai_error(exc) from None
                 finished = True
-                return json_response(openai_api.response(job, request_id, created, got))
+                body = openai_responses.response(job, request_id, created, got)
+                self.counters.count_usage(body["usage"])
+                return json_response(body)
             return await self._stream(request, job, request_id, created, first, events, call)
         finally:
             if not finished:
@@ -158,7 +172,7 @@ class HttpFront:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         await response.prepare(request)
-        writer = openai_api.ChunkWriter(job, request_id, created)
+        writer = openai_responses.ChunkWriter(job, request_id, created)
         for chunk in writer.first() + writer.event(first):
             await response.write(openai_api.sse(chunk))
         try:
@@ -169,9 +183,84 @@ class HttpFront:
             raise
         except Exception as exc:  # headers are out: the error travels as an event, as OpenAI's streams do
             await response.write(openai_api.sse(_as_openai_error(exc).body()))
+        finally:
+            if writer.dones:
+                self.counters.count_usage(openai_responses.usage_of(job, writer.dones))
         await response.write(openai_api.SSE_DONE)
         await response.write_eof()
         return response
+
+    # ---- tokenizer, probes, metrics ----------------------------------------------------------------------------
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /tokenize: {model?, prompt} or {model?, messages} -> {tokens, count, max_model_len}."""
+        body = await self._body(request)
+        self._check_model(body)
+        messages, prompt = body.get("messages"), body.get("prompt")
+        if messages is not None:
+            job = openai_api.parse_chat({"model": self.model_name, "messages": messages}, self.model_name)
+            args = (None, list(job.messages))
+        elif isinstance(prompt, str) and prompt:
+            args = (prompt, None)
+        else:
+            raise openai_api.invalid("prompt", "required: a non-empty string (or messages)")
+        try:
+            ids = await self.unary_handle.OpenAITokenize.remote(*args)
+        except Exception as exc:
+            raise _as_openai_error(exc) from None
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": await self._context()})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /detokenize: {model?, tokens: [ids]} -> {prompt}."""
+        body = await self._body(request)
+        self._check_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise openai_api.invalid("tokens", "required: a list of token ids")
+        try:
+            text = await self.unary_handle.OpenAIDetokenize.remote(tokens)
+        except Exception as exc:
+            raise _as_openai_error(exc) from None
+        return json_response({"prompt": text})
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"model: the model {str(model)[:64]!r} does not exist; this server serves "
+                                   f"{self.model_name!r}", param="model", code="model_not_found")
+
+    async def _context(self) -> int | None:
+        try:
+            meta = await self.unary_handle.context_length.remote()
+        except Exception:
+            return None
+        return meta
+
+    async def health(self, request: web.Request) -> web.Response:
+        """GET /health and /ping: 200 while the router can answer every request (the gRPC health check's verdict),
+        503 with the reason otherwise. No token: load balancers and load generators probe it."""
+        try:
+            verdict = await asyncio.wait_for(self.unary_handle.health_verdict.remote(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            raise OpenAIError(503, f"router unavailable ({type(exc).__name__})", code="service_unavailable") from None
+        if not verdict.serving:
+            raise OpenAIError(503, f"not serving: {verdict.reason}", code="service_unavailable")
+        return json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text: the front's counters and the answering router replica's stats."""
+        router = None
+        try:
+            reply = await asyncio.wait_for(
+                self.unary_handle.GetRouterStats.remote(admin_pb2.RouterStatsRequest()), STATE_TIMEOUT_S)
+            router = MessageToDict(reply, preserving_proto_field_name=True,
+                                   always_print_fields_with_no_presence=True)
+        except Exception as exc:
+            dropped = _warnings.admit("metrics:" + type(exc).__name__)
+            if dropped is not None:
+                log.warning("/metrics: router stats unavailable: %s", repr(exc)[:512])
+        return web.Response(text=http_metrics.prometheus_text(self.counters, router),
+                            content_type="text/plain", charset="utf-8", headers={"Cache-Control": "no-cache"})
 
     # ---- the cluster page --------------------------------------------------------------------------------------
 
@@ -201,6 +290,11 @@ class HttpFront:
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/api/state", self.state)
         app.router.add_get("/", self.page)
         app.router.add_get("/static/{name}", self.asset)

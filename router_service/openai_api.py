@@ -2,10 +2,13 @@
 front parses and validates request bodies here, the router deployment turns jobs into GenerationRequests, and the
 front assembles responses, stream chunks and errors here; unit tests cover it directly.
 
-Supported: /v1/completions and /v1/chat/completions with max_tokens / max_completion_tokens, temperature, top_p,
-seed, stop (strings), n = 1, logprobs / top_logprobs, stream + stream_options.include_usage. Fields that would
-change the output and that expertmesh does not implement (penalties, logit_bias, best_of, echo, suffix, tools,
-response_format other than text, n > 1) are refused with a 400 naming them, never silently ignored.
+Supported (docs/serving/openai-http.md lists every field): /v1/completions and /v1/chat/completions with
+max_tokens / max_completion_tokens, temperature, top_p, top_k, seed, stop (strings), stop_token_ids, ignore_eos,
+min_tokens, n, best_of (completions), presence / frequency / repetition penalties, logit_bias, logprobs /
+top_logprobs, echo with prompt logprobs (completions; max_tokens = 0 allowed with it), a batch of prompts
+(completions), stream + stream_options (include_usage, continuous_usage_stats). Fields that would change the output
+and that expertmesh does not implement (suffix, tools, response_format other than text) are refused with a 400
+naming them, never silently ignored.
 expertmesh's routing summary rides in an `expertmesh` field that standard clients ignore.
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # gRPC status code names (router_service/proto_mapping.py ApiError.code) -> HTTP status.
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
@@ -24,6 +27,10 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
               404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
               503: "service_unavailable_error", 504: "timeout_error", 500: "server_error"}
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_N = 128  # OpenAI's limit on n
+MAX_BEST_OF = 20  # OpenAI's limit on best_of
+MAX_CHOICES = 128  # our bound on the sequences one request may start (prompts × best_of)
+MAX_REPETITION_PENALTY = 2.0  # as router_service/sampling.py (kept here so the HTTP front imports no torch)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limits: completions logprobs ≤ 5, chat top_logprobs ≤ 20
 MAX_CHAT_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits the context
@@ -71,22 +78,47 @@ class OpenAIJob:
 
     kind: str  # "completion" | "chat"
     model: str
-    prompt: str | None = None  # completions: text ...
-    prompt_ids: tuple[int, ...] | None = None  # ... or token ids
+    prompts: tuple[str | tuple[int, ...], ...] = ()  # completions: each a text or token ids (a batch: several)
     messages: tuple[dict, ...] | None = None  # chat
     max_tokens: int | None = None  # None: as many as fit the model's context
     max_tokens_param: str = "max_tokens"  # the field it came from, for errors
     temperature: float = 1.0  # OpenAI's default; 0 = greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off (vLLM's extension)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1  # choices returned per prompt
+    best_of: int | None = None  # candidates generated per prompt, the n with the highest cumulative logprob kept
+    echo: bool = False  # completions: the prompt (and its logprobs) before the completion
     top_logprobs: int | None = None  # None: no logprobs
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
 
     @property
     def prompt_param(self) -> str:
         return "messages" if self.kind == "chat" else "prompt"
+
+    @property
+    def candidates(self) -> int:
+        """Sequences generated per prompt: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def num_prompts(self) -> int:
+        return 1 if self.kind == "chat" else len(self.prompts)
+
+    @property
+    def num_choices(self) -> int:
+        """Choices in the response: n per prompt, prompt-major (choice index = prompt × n + j)."""
+        return self.num_prompts * self.n
 
 
 # ---- request bodies ------------------------------------------------------------------------------------------
@@ -129,12 +161,12 @@ def _optional_int(body: dict, name: str, low: int, high: int | None = None) -> i
     return value
 
 
-def _bool(body: dict, name: str) -> bool:
+def _bool(body: dict, name: str, where: str = "") -> bool:
     value = body.get(name, False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise invalid(name, f"must be true or false, got {json.dumps(value)[:64]}")
+        raise invalid(where + name, f"must be true or false, got {json.dumps(value)[:64]}")
     return value
 
 
@@ -146,15 +178,7 @@ def _common(body: dict, served_model: str) -> dict:
         shown = model if len(model) <= 64 else model[:64] + "…"
         raise OpenAIError(404, f"model: the model {shown!r} does not exist; this server serves {served_model!r}",
                           param="model", code="model_not_found")
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise invalid("n", f"only n = 1 is supported, got {json.dumps(n)[:64]}; send separate requests (with "
-                           "different seeds) for more choices")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise invalid(name, "is not supported; leave it out or 0")
-    if body.get("logit_bias"):
-        raise invalid("logit_bias", "is not supported")
+    n = _optional_int(body, "n", 1, MAX_N)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -170,49 +194,106 @@ def _common(body: dict, served_model: str) -> dict:
         raise invalid("stop", "stop strings must not be empty")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
         if not stream:
             raise invalid("stream_options", "is only allowed with stream: true")
         if not isinstance(options, dict):
             raise invalid("stream_options", "must be an object")
-        include_usage = _bool(options, "include_usage")
+        include_usage = _bool(options, "include_usage", "stream_options.")
+        continuous_usage = _bool(options, "continuous_usage_stats", "stream_options.")
     return {
         "model": model, "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        "top_k": _top_k(body),
         "seed": _optional_int(body, "seed", 0, 2**63 - 1), "stop": stops, "stream": stream,
-        "include_usage": include_usage,
+        "include_usage": include_usage, "continuous_usage": continuous_usage, "n": 1 if n is None else n,
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, low_open=True),
+        "logit_bias": _logit_bias(body), "stop_token_ids": _token_ids(body, "stop_token_ids"),
+        "ignore_eos": _bool(body, "ignore_eos"), "min_tokens": _optional_int(body, "min_tokens", 0) or 0,
     }
+
+
+def _top_k(body: dict) -> int:
+    """vLLM's top_k extension: -1 or 0 = off, else ≥ 1."""
+    value = _optional_int(body, "top_k", -1)
+    return 0 if value is None or value == -1 else value
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id as a string": bias in [-100, 100]} -> ((id, bias), ...) sorted by id; the vocabulary
+    bound is checked against the model (openai_requests)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", "must be an object mapping token ids (as strings) to biases in [-100, 100]")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise invalid("logit_bias", f"keys must be token ids as strings, got {json.dumps(key)[:64]}")
+        if not (isinstance(bias, int | float) and not isinstance(bias, bool) and math.isfinite(bias)
+                and -100 <= bias <= 100):
+            raise invalid("logit_bias", f"the bias of token {key} must be a number in [-100, 100], got "
+                                        f"{json.dumps(bias)[:64]}")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _token_ids(body: dict, name: str) -> tuple[int, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise invalid(name, "must be a list of token ids (integers ≥ 0)")
+    return tuple(value)
 
 
 def parse_completion(body: dict, served_model: str) -> OpenAIJob:
     """POST /v1/completions: a validated job, or OpenAIError (400 naming `param`, 404 for another model)."""
     common = _common(body, served_model)
-    if body.get("echo"):
-        raise invalid("echo", "is not supported")
     if body.get("suffix"):
         raise invalid("suffix", "is not supported")
-    if body.get("best_of") not in (None, 1):
-        raise invalid("best_of", "only best_of = 1 is supported")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    text, ids = None, None
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid("prompt", "must not be empty")
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = tuple(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-        raise invalid("prompt", f"a batch of {len(prompt)} prompts is not supported; send one per request")
-    else:
-        raise invalid("prompt", "required: a string, or a list of token ids")
-    max_tokens = _optional_int(body, "max_tokens", 1)
+    echo = _bool(body, "echo")
+    prompts = _prompts(body.get("prompt"))
+    max_tokens = _optional_int(body, "max_tokens", 0 if echo else 1)
+    if max_tokens is None:
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs = _optional_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    return OpenAIJob(kind="completion", prompt=text, prompt_ids=ids,
-                     max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
-                     top_logprobs=logprobs, **common)
+    best_of = _optional_int(body, "best_of", 1, MAX_BEST_OF)
+    if best_of is not None and best_of < common["n"]:
+        raise invalid("best_of", f"must be ≥ n ({common['n']}), got {best_of}")
+    if best_of is not None and best_of > common["n"] and common["stream"]:
+        raise invalid("best_of", "best_of > n cannot be streamed (the best are known only at the end)")
+    if len(prompts) * (best_of or common["n"]) > MAX_CHOICES:
+        raise invalid("n", f"{len(prompts)} prompts × {best_of or common['n']} sequences each exceed the "
+                           f"server's limit of {MAX_CHOICES} per request")
+    if common["min_tokens"] > max_tokens and max_tokens > 0:
+        raise invalid("min_tokens", f"must be ≤ max_tokens ({max_tokens}), got {common['min_tokens']}")
+    return OpenAIJob(kind="completion", prompts=prompts, max_tokens=max_tokens, top_logprobs=logprobs, echo=echo,
+                     best_of=best_of if best_of != common["n"] else None, **common)
+
+
+def _prompts(prompt) -> tuple[str | tuple[int, ...], ...]:
+    """OpenAI's prompt: a string, token ids, or a batch (a list of strings or of token-id lists)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid("prompt", "required: a string, a list of token ids, or a batch of them")
+    out: list[str | tuple[int, ...]] = []
+    for i, item in enumerate(prompt):
+        where = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise invalid(where, "must not be empty")
+            out.append(item)
+        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+            out.append(tuple(item))
+        else:
+            raise invalid(where, "must be a non-empty string or a non-empty list of token ids")
+    return tuple(out)
 
 
 def parse_chat(body: dict, served_model: str) -> OpenAIJob:
@@ -237,6 +318,8 @@ def parse_chat(body: dict, served_model: str) -> OpenAIJob:
     top = _optional_int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not want_logprobs:
         raise invalid("top_logprobs", "needs logprobs: true")
+    if max_tokens is not None and common["min_tokens"] > max_tokens:
+        raise invalid("min_tokens", f"must be ≤ {param} ({max_tokens}), got {common['min_tokens']}")
     return OpenAIJob(kind="chat", messages=clean, max_tokens=max_tokens, max_tokens_param=param,
                      top_logprobs=(top or 0) if want_logprobs else None, **common)
 
@@ -265,123 +348,7 @@ def _message(i: int, message) -> dict:
     return {"role": role, "content": content}
 
 
-# ---- responses -----------------------------------------------------------------------------------------------
-
-def finish_reason(batcher_reason: str) -> str:
-    """The batcher's eos / stop / length -> OpenAI's stop / length."""
-    return "length" if batcher_reason == "length" else "stop"
-
-
-def usage(done: dict) -> dict:
-    return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
-            "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
-
-
-def routing_extension(done: dict) -> dict:
-    """expertmesh's own summary of the request's routing: slots per expert per layer, the experts each layer hit,
-    and the slots rerouted (capacity cap), degraded (no live replica), dropped (capacity cap, every expert full)
-    and shed (overload shedding: moved off an overloaded expert)."""
-    per_layer = {str(layer): counts for layer, counts in done["tokens_per_expert"].items()}
-    return {"routing": {
-        "tokens_per_expert": per_layer,
-        "experts_hit": {layer: [e for e, c in enumerate(counts) if c] for layer, counts in per_layer.items()},
-        "rerouted_tokens": done["rerouted"], "degraded_tokens": done["degraded"],
-        "dropped_tokens": done["dropped"], "shed_tokens": done.get("shed", 0),
-    }}
-
-
-def completion_logprobs(entries: list[dict], start_offset: int = 0) -> dict:
-    """Legacy completions logprobs. entries: [{"token": str, "logprob": float, "top": [[str, float], ...]}]."""
-    offsets, at = [], start_offset
-    for e in entries:
-        offsets.append(at)
-        at += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t: lp for t, lp in e["top"]} for e in entries], "text_offset": offsets}
-
-
-def chat_logprobs(entries: list[dict]) -> dict:
-    def one(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-
-    return {"content": [one(e["token"], e["logprob"]) | {"top_logprobs": [one(t, lp) for t, lp in e["top"]]}
-                        for e in entries]}
-
-
-@dataclass
-class Accumulated:
-    """A whole (non-streamed) response's parts, gathered from the deployment's token and done events."""
-
-    text: str = ""
-    logprobs: list[dict] = field(default_factory=list)
-    done: dict | None = None
-
-    def add(self, event: dict) -> None:
-        if "token" in event:
-            self.text += event["token"]["text"]
-            self.logprobs.extend(event["token"].get("logprobs") or [])
-        else:
-            self.done = event["done"]
-
-
-def response(job: OpenAIJob, request_id: str, created: int, got: Accumulated) -> dict:
-    """The whole response body of a non-streamed request."""
-    done = got.done
-    reason = finish_reason(done["finish_reason"])
-    if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": got.text}, "finish_reason": reason,
-                  "logprobs": chat_logprobs(got.logprobs) if job.top_logprobs is not None else None}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": got.text, "finish_reason": reason,
-                  "logprobs": completion_logprobs(got.logprobs) if job.top_logprobs is not None else None}
-        obj = "text_completion"
-    return {"id": request_id, "object": obj, "created": created, "model": job.model, "choices": [choice],
-            "usage": usage(done), "expertmesh": routing_extension(done)}
-
-
-class ChunkWriter:
-    """The chunks of a streamed response, one per deployment event (SSE framing is `sse()`)."""
-
-    def __init__(self, job: OpenAIJob, request_id: str, created: int):
-        self.job, self.request_id, self.created = job, request_id, created
-        self.text_offset = 0
-        self.object = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-
-    def _chunk(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.request_id, "object": self.object, "created": self.created, "model": self.job.model,
-                "choices": choices, **extra}
-
-    def first(self) -> list[dict]:
-        """Chat streams open with the assistant role, as OpenAI's do."""
-        if self.job.kind != "chat":
-            return []
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])]
-
-    def event(self, event: dict) -> list[dict]:
-        if "token" in event:
-            token = event["token"]
-            if not token["text"] and not token.get("logprobs"):
-                return []  # text held back (half a character, a possible stop string): nothing to send yet
-            return [self._chunk([self._choice(token["text"], token.get("logprobs") or [], None)])]
-        done = event["done"]
-        chunks = [self._chunk([self._choice("", [], finish_reason(done["finish_reason"]))],
-                              expertmesh=routing_extension(done))]
-        if self.job.include_usage:
-            chunks.append(self._chunk([], usage=usage(done)))
-        return chunks
-
-    def _choice(self, text: str, entries: list[dict], reason: str | None) -> dict:
-        want = self.job.top_logprobs is not None
-        if self.job.kind == "chat":
-            delta = {"content": text} if text or reason is None else {}
-            return {"index": 0, "delta": delta, "logprobs": chat_logprobs(entries) if want and entries else None,
-                    "finish_reason": reason}
-        logprobs = completion_logprobs(entries, self.text_offset) if want and entries else None
-        self.text_offset += len(text)
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-
+# ---- framing (responses and chunks: router_service/openai_responses.py) ---------------------------------------
 
 def sse(obj: dict) -> bytes:
     """One server-sent event carrying a JSON object."""

@@ -1,14 +1,18 @@
-"""An OpenAIJob (router_service/openai_api.py) -> the batcher's GenerationRequest, and the batcher's events -> the
-plain dicts the router deployment streams back to the HTTP front. Pure (no Ray): the deployment passes in its
-tokenizer functions and the checkpoint's chat template.
+"""An OpenAIJob (router_service/openai_api.py) -> the batcher's GenerationRequests (one per prompt and candidate),
+the echoed prompt's log-probabilities, best_of's selection, and the batcher's events -> the plain dicts the router
+deployment streams back to the HTTP front (their shapes: router_service/openai_responses.py). Pure (no Ray): the
+deployment passes in its tokenizer functions and the checkpoint's chat template.
 
-Errors are RequestErrors naming the OpenAI field (`prompt`, `messages`, `max_tokens` / `max_completion_tokens`), so
-the HTTP front's 400 carries the field the client sent.
+Errors are RequestErrors naming the OpenAI field (`prompt`, `messages`, `max_tokens` / `max_completion_tokens`,
+`logit_bias`, `stop_token_ids`), so the HTTP front's 400 carries the field the client sent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
 
 from ..experts.config import MoEModelConfig
 from .batching import DoneEvent, GenerationRequest, TokenEvent
@@ -19,25 +23,74 @@ from .proto_mapping import PROMPT_BYTES_PER_TOKEN
 from .sampling import SamplingParams
 
 
-def generation_request(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]],
-                       encode_rendered: Callable[[str], list[int]], chat_template: ChatTemplate | None
-                       ) -> GenerationRequest:
+@dataclass(frozen=True)
+class Plan:
+    """What one job runs: per prompt its ids (and text to echo, None: decode the ids), and the GenerationRequests,
+    prompt-major (prompt p's candidate j is requests[p × candidates + j])."""
+
+    prompt_ids: list[list[int]]
+    prompt_texts: list[str | None]
+    requests: list[GenerationRequest]
+
+
+def plan(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]],
+         encode_rendered: Callable[[str], list[int]], chat_template: ChatTemplate | None) -> Plan:
     """encode: a completion prompt's text -> ids (as gRPC Generate tokenizes it); encode_rendered: a rendered chat
     prompt -> ids without the tokenizer adding special tokens (the template wrote them, as transformers does)."""
-    context = cfg.max_position_embeddings
-    field = job.prompt_param
     if job.kind == "chat":
         if chat_template is None:
             raise RequestError("messages", "this model's checkpoint has no chat template (tokenizer_config.json "
                                            "chat_template); use /v1/completions with a prompt")
         text = chat_template.render(list(job.messages), add_generation_prompt=True)
-        _check_size(text, context, field)
-        ids = encode_rendered(text)
-    elif job.prompt is not None:
-        _check_size(job.prompt, context, field)
-        ids = encode(job.prompt)
+        _check_size(text, cfg.max_position_embeddings, "messages")
+        prompts, texts = [encode_rendered(text)], [None]
+        fields = ["messages"]
     else:
-        ids = list(job.prompt_ids)
+        prompts, texts, fields = [], [], []
+        for i, prompt in enumerate(job.prompts):
+            field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                _check_size(prompt, cfg.max_position_embeddings, field)
+                prompts.append(encode(prompt))
+                texts.append(prompt)
+            else:
+                prompts.append(list(prompt))
+                texts.append(None)
+            fields.append(field)
+    sampling = _sampling(job, cfg)
+    stop_ids = frozenset(job.stop_token_ids)
+    bad = [t for t in stop_ids if t >= cfg.vocab_size]
+    if bad:
+        raise RequestError("stop_token_ids", f"token id {min(bad)} is outside the vocabulary of {cfg.vocab_size}")
+    # best_of ranks candidates by their cumulative logprob: each reports its chosen tokens' logprobs.
+    top = job.top_logprobs if job.top_logprobs is not None or job.best_of is None else 0
+    requests = []
+    for ids, field in zip(prompts, fields):
+        max_tokens = _max_tokens(job, ids, cfg, field)
+        for j in range(job.candidates):
+            # Choice j of a seeded request samples with seed + j: reproducible, and the choices differ.
+            seeded = sampling if sampling.seed is None or j == 0 else _with_seed(sampling, (sampling.seed + j) % 2**63)
+            requests.append(GenerationRequest(
+                prompt_ids=ids, max_tokens=max_tokens, sampling=seeded, stop_token_ids=stop_ids,
+                stop_strings=job.stop, eos_token_id=None if job.ignore_eos else cfg.eos_token_id,
+                top_logprobs=top, min_tokens=job.min_tokens))
+    return Plan(prompt_ids=prompts, prompt_texts=texts, requests=requests)
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return replace(params, seed=seed)
+
+
+def _sampling(job: OpenAIJob, cfg: MoEModelConfig) -> SamplingParams:
+    return SamplingParams(
+        temperature=job.temperature, top_p=job.top_p, top_k=job.top_k, seed=job.seed,
+        presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
+        repetition_penalty=job.repetition_penalty, logit_bias=job.logit_bias,
+    ).validate(vocab_size=cfg.vocab_size)
+
+
+def _max_tokens(job: OpenAIJob, ids: list[int], cfg: MoEModelConfig, field: str) -> int:
+    context = cfg.max_position_embeddings
     if not ids:
         raise RequestError(field, "encodes to no tokens")
     check_token_ids(ids, cfg.vocab_size, context, field)
@@ -46,13 +99,13 @@ def generation_request(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[st
         max_tokens = context - len(ids)
         if max_tokens < 1:
             raise RequestError(field, f"{len(ids)} tokens fill the model's context of {context}")
+    if max_tokens == 0:  # echo alone (the parser allows 0 only with echo): nothing generated
+        return 0
     try:
         check_budget(len(ids), max_tokens, context)
     except RequestError as exc:
         raise RequestError(job.max_tokens_param, str(exc).split(": ", 1)[1]) from None
-    sampling = SamplingParams(temperature=job.temperature, top_p=job.top_p, seed=job.seed).validate()
-    return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop_strings=job.stop,
-                             eos_token_id=cfg.eos_token_id, top_logprobs=job.top_logprobs)
+    return max_tokens
 
 
 def _check_size(text: str, context: int, field: str) -> None:
@@ -63,10 +116,62 @@ def _check_size(text: str, context: int, field: str) -> None:
         raise RequestError(field, f"{size} bytes cannot fit the model's context of {context} tokens")
 
 
-def event_dict(event: TokenEvent | DoneEvent, token_text: Callable[[int], str]) -> dict:
-    """One batcher event as plain data: {"token": {ids, text, logprobs}} or {"done": {...}}."""
+def prompt_logprobs(logits: torch.Tensor, ids: list[int], top: int
+                    ) -> list[tuple[float | None, list[tuple[int, float]] | None]]:
+    """Score's logits [S, V] of a prompt of S tokens -> per position (log-probability of that token given the ones
+    before it, the `top` most likely (id, log-probability)); the first position has none (None, None). One device
+    read for the whole prompt."""
+    logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # [S-1, V]: position i predicts token i + 1
+    following = torch.tensor(ids[1:], dtype=torch.int64, device=logprobs.device)  # [S-1]
+    chosen = logprobs.gather(1, following[:, None])[:, 0]  # [S-1]
+    values, top_ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)  # [S-1, top]
+    chosen_l, values_l, ids_l = chosen.tolist(), values.tolist(), top_ids.tolist()
+    return [(None, None)] + [(c, list(zip(i, v))) for c, i, v in zip(chosen_l, ids_l, values_l)]
+
+
+def echo_dict(index: int, text: str, ids: list[int], scored: list | None, token_text: Callable[[int], str]) -> dict:
+    """The echo event of one choice: its prompt's text and (when logprobs were asked) per-token log-probabilities."""
+    entries = None
+    if scored is not None:
+        entries = [{"token": token_text(t), "logprob": lp,
+                    "top": None if top is None else [[token_text(i), v] for i, v in top]}
+                   for t, (lp, top) in zip(ids, scored)]
+    return {"echo": {"index": index, "text": text, "logprobs": entries, "prompt_tokens": len(ids)}}
+
+
+def empty_done(index: int, prompt_tokens: int) -> dict:
+    """The done event of a choice that generates nothing (echo with max_tokens = 0)."""
+    return {"done": {"index": index, "finish_reason": "length", "prompt_tokens": prompt_tokens,
+                     "completion_tokens": 0, "tokens_per_expert": {}, "rerouted": 0, "degraded": 0, "dropped": 0,
+                     "shed": 0}}
+
+
+def cumulative_logprob(events: list[dict]) -> float:
+    """Sum of a candidate's chosen tokens' log-probabilities (its token events' logprobs)."""
+    return sum(e["logprob"] for ev in events if "token" in ev for e in (ev["token"].get("logprobs") or []))
+
+
+def best_of(candidates: list[list[dict]], n: int, keep_logprobs: bool) -> list[list[dict]]:
+    """best_of: the n candidates (each its list of events) with the highest cumulative logprob, best first (ties: the
+    earlier candidate), their logprobs dropped unless the client asked for them."""
+    order = sorted(range(len(candidates)), key=lambda i: (-cumulative_logprob(candidates[i]), i))[:n]
+    chosen = [candidates[i] for i in order]
+    if keep_logprobs:
+        return chosen
+    return [[{"token": ev["token"] | {"logprobs": None}} if "token" in ev else ev for ev in events]
+            for events in chosen]
+
+
+def with_index(event: dict, index: int) -> dict:
+    kind, body = next(iter(event.items()))
+    return {kind: body | {"index": index}}
+
+
+def event_dict(event: TokenEvent | DoneEvent, token_text: Callable[[int], str], index: int = 0,
+               prompt_tokens: int | None = None) -> dict:
+    """One batcher event as plain data: {"token": {index, ids, text, logprobs, prompt_tokens}} or {"done": {...}}."""
     if isinstance(event, DoneEvent):
-        return {"done": {"finish_reason": event.finish_reason, "prompt_tokens": event.prompt_tokens,
+        return {"done": {"index": index, "finish_reason": event.finish_reason, "prompt_tokens": event.prompt_tokens,
                          "completion_tokens": event.completion_tokens,
                          "tokens_per_expert": {int(k): list(v) for k, v in event.tokens_per_expert.items()},
                          "rerouted": event.rerouted, "degraded": event.degraded, "dropped": event.dropped,
@@ -76,4 +181,7 @@ def event_dict(event: TokenEvent | DoneEvent, token_text: Callable[[int], str]) 
         logprobs = [{"token": token_text(token), "logprob": chosen,
                      "top": [[token_text(t), lp] for t, lp in top]}
                     for token, (chosen, top) in zip(event.token_ids, event.logprobs)]
-    return {"token": {"ids": list(event.token_ids), "text": event.text, "logprobs": logprobs}}
+    token = {"index": index, "ids": list(event.token_ids), "text": event.text, "logprobs": logprobs}
+    if prompt_tokens is not None:
+        token["prompt_tokens"] = prompt_tokens
+    return {"token": token}

@@ -105,7 +105,12 @@ def generation_request(
         top_p=req.top_p if req.HasField("top_p") else 1.0,
         top_k=req.top_k,
         seed=req.seed if req.HasField("seed") else None,
-    ).validate()
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(req.logit_bias.items())),
+    ).validate(vocab_size=cfg.vocab_size)
+    if not 0 <= req.min_tokens <= req.max_tokens:
+        raise invalid("min_tokens", f"must be in [0, max_tokens ({req.max_tokens})], got {req.min_tokens}")
     bad_stop = [t for t in req.stop_token_ids if not 0 <= t < cfg.vocab_size]
     if bad_stop:
         raise invalid("stop_token_ids", f"token id {bad_stop[0]} is outside the vocabulary")
@@ -122,6 +127,7 @@ def generation_request(
         prompt_ids=ids, max_tokens=req.max_tokens, sampling=sampling,
         stop_token_ids=frozenset(req.stop_token_ids), stop_strings=tuple(req.stop),
         eos_token_id=None if req.ignore_eos else cfg.eos_token_id, resumed_ids=tuple(resumed),
+        min_tokens=req.min_tokens,
     )
 
 

@@ -21,6 +21,8 @@ import torch
 
 from .errors import RequestError
 
+MAX_REPETITION_PENALTY = 2.0  # our bound (CTRL's paper uses 1.2); far above it the text only degenerates
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,8 +30,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0; 1 = off: divides (or multiplies, if ≤ 0) logits of prompt+output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
 
-    def validate(self) -> SamplingParams:
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise RequestError("temperature", f"must be finite and ≥ 0, got {self.temperature}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
@@ -38,7 +44,25 @@ class SamplingParams:
             raise RequestError("top_k", f"must be ≥ 0 (0 = off), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError("seed", f"must be in [0, 2^63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise RequestError(name, f"must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise RequestError("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got "
+                                                     f"{self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                raise RequestError("logit_bias", f"token id {token} is outside the vocabulary of {vocab_size}")
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise RequestError("logit_bias", f"bias of token {token} must be in [-100, 100], got {bias}")
         return self
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any logit rule is on (otherwise the logits are used as the model gave them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -51,6 +75,36 @@ class SamplingParams:
         gen = torch.Generator(device=device)
         gen.manual_seed(self.seed if self.seed is not None else torch.seed())
         return gen
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                  suppress_ids: frozenset[int] | set[int] = frozenset()) -> torch.Tensor:
+    """logits: [V] -> [V] on the same device with the request's logit rules applied (the input is not modified).
+
+    prompt_ids / output_ids: host lists of the prompt's and the generated tokens (the repetition penalty sees both,
+    presence/frequency only the output); suppress_ids: tokens set to -inf (eos and stop ids before min_tokens).
+    """
+    if not params.adjusts_logits and not suppress_ids:
+        return logits
+    device, vocab = logits.device, logits.numel()
+    out = logits.clone()  # [V]
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=device)  # [B]
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=device)  # [B]
+        out.index_add_(0, ids, bias)
+    if suppress_ids:
+        out.index_fill_(0, torch.tensor(sorted(suppress_ids), dtype=torch.int64, device=device), float("-inf"))
+    if params.repetition_penalty != 1.0:
+        seen_ids = torch.tensor(list(prompt_ids) + list(output_ids), dtype=torch.int64, device=device)  # [P+O]
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, seen_ids, True)  # [V]
+        penalty = params.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / penalty, out * penalty), out)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        generated = torch.tensor(list(output_ids), dtype=torch.int64, device=device)  # [O]
+        counts = torch.zeros(vocab, dtype=out.dtype, device=device).index_add_(
+            0, generated, torch.ones(generated.numel(), dtype=out.dtype, device=device))  # [V]
+        out = out - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(out.dtype)
+    return out
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:

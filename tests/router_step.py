@@ -147,6 +147,9 @@ SAMPLINGS = (
     SamplingParams(),  # greedy
     SamplingParams(temperature=1.0, seed=7),
     SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=11),
+    # logit rules (sampling.adjust_logits) on the logits' device; with min_tokens below, a suppressed stop id too
+    SamplingParams(temperature=0.7, seed=3, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.3,
+                   logit_bias=((2, 1.5),)),
 )
 
 
@@ -171,8 +174,11 @@ def serve(model: MoEDecoder, requests: list[GenerationRequest], max_prefill_toke
 
 
 def serving_requests(vocab: int, max_tokens: int = 5) -> list[GenerationRequest]:
-    return [GenerationRequest(prompt_ids=p, max_tokens=max_tokens, sampling=s)
-            for p, s in zip(prompts(vocab, (13, 5, 9)), SAMPLINGS)]
+    requests = [GenerationRequest(prompt_ids=p, max_tokens=max_tokens, sampling=s)
+                for p, s in zip(prompts(vocab, (13, 5, 9, 6)), SAMPLINGS)]
+    # the last one's stop id stays suppressed for its whole run (min_tokens = max_tokens): every stream is whole
+    requests[-1] = replace(requests[-1], stop_token_ids=frozenset({5}), min_tokens=max_tokens)
+    return requests
 
 
 def resumed(request: GenerationRequest, delivered: list[int]) -> GenerationRequest:

@@ -224,12 +224,16 @@ BAD = [  # (endpoint, fields, HTTP status, param)
     ("completions", {"prompt": "x", "max_tokens": 600}, 400, "max_tokens"),  # past the 512-token context
     ("completions", {"prompt": "word " * 1000}, 400, "prompt"),  # tokenizes past the context
     ("completions", {"prompt": [5, 99999]}, 400, "prompt"),  # a token id outside the vocabulary
-    ("completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
+    ("completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    ("completions", {"prompt": "x", "extra_body": {"stop_token_ids": [99999]}}, 400, "stop_token_ids"),
+    ("completions", {"prompt": "x", "extra_body": {"min_tokens": 20}, "max_tokens": 4}, 400, "min_tokens"),
     ("completions", {"prompt": "x", "logprobs": 9}, 400, "logprobs"),
     ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("completions", {"prompt": "x", "seed": -5}, 400, "seed"),
-    ("completions", {"prompt": "x", "echo": True}, 400, "echo"),
-    ("completions", {"prompt": "x", "frequency_penalty": 1.0}, 400, "frequency_penalty"),
+    ("completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("completions", {"prompt": "x", "frequency_penalty": 3.0}, 400, "frequency_penalty"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
     ("completions", {"prompt": "x" * (MAX_BODY + 10)}, 413, None),

@@ -203,3 +203,76 @@ def test_http_port_setting():
         taken.listen()
         with pytest.raises(ConfigError, match="server.http_port"):
             ServerConfig(port=0, http_port=taken.getsockname()[1]).check_can_listen()
+
+
+class _Unary:
+    """A unary Serve method through the fake handle: `remote(*args)` -> an awaitable of `reply(*args)`."""
+
+    def __init__(self, reply):
+        self.reply = reply
+
+    def remote(self, *args):
+        async def answer():
+            result = self.reply(*args)
+            if isinstance(result, BaseException):
+                raise result
+            return result
+        return answer()
+
+
+class ProbeHandle(FakeHandle):
+    """The fake handle with the deployment's unary methods the probes, /metrics and the tokenizer paths call."""
+
+    def __init__(self, serving: bool = True):
+        super().__init__([DONE])
+        from expertmesh.cluster.shard_liveness import HealthVerdict
+
+        self.health_verdict = _Unary(lambda: HealthVerdict(serving, (), "ok" if serving else "layer 0 expert 3 "
+                                                                                             "has no live replica"))
+        self.GetRouterStats = _Unary(lambda request: admin_pb2.RouterStats(  # noqa: N815 (the Admin RPC's name)
+            replica="r0", active_sequences=2, kv_blocks_total=64, steps=9))
+        self.OpenAITokenize = _Unary(lambda text, messages: [5, 6, 7] if text else [1, 2])  # noqa: N815
+        self.OpenAIDetokenize = _Unary(  # noqa: N815
+            lambda ids: ApiError("INVALID_ARGUMENT", "tokens: token id 999 is outside the vocabulary")
+            if 999 in ids else "abc")
+        self.context_length = _Unary(lambda: 512)
+
+
+def test_health_metrics_and_tokenizer_paths():
+    async def check(client):
+        auth = {"Authorization": "Bearer t0ken"}
+        for path in ("/health", "/ping"):  # no token needed
+            reply = await client.get(path)
+            assert reply.status == 200 and (await reply.json()) == {"status": "ok"}
+        assert (await client.get("/metrics")).status == 401
+        assert (await client.post("/tokenize", json={"prompt": "x"})).status == 401
+        await client.post("/v1/completions", headers=auth, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        text = await (await client.get("/metrics", headers=auth)).text()
+        assert 'expertmesh_http_requests_total{path="/v1/completions",status="200"} 1' in text
+        assert 'expertmesh_http_requests_total{path="/tokenize",status="401"} 1' in text
+        assert 'expertmesh_router_active_sequences{replica="r0"} 2' in text
+        assert "expertmesh_http_completion_tokens_total 2" in text
+        tokens = await (await client.post("/tokenize", headers=auth, json={"model": MODEL, "prompt": "x"})).json()
+        assert tokens == {"tokens": [5, 6, 7], "count": 3, "max_model_len": 512}
+        chat = await client.post("/tokenize", headers=auth, json={"messages": [{"role": "user", "content": "x"}]})
+        assert (await chat.json())["tokens"] == [1, 2]
+        other = await client.post("/tokenize", headers=auth, json={"model": "other", "prompt": "x"})
+        assert other.status == 404 and (await other.json())["error"]["param"] == "model"
+        empty = await client.post("/tokenize", headers=auth, json={"prompt": ""})
+        assert empty.status == 400 and (await empty.json())["error"]["param"] == "prompt"
+        text = await (await client.post("/detokenize", headers=auth, json={"tokens": [1, 2]})).json()
+        assert text == {"prompt": "abc"}
+        bad = await client.post("/detokenize", headers=auth, json={"tokens": [1, 999]})
+        assert bad.status == 400 and (await bad.json())["error"]["param"] == "tokens"
+        assert (await (await client.post("/detokenize", headers=auth, json={"tokens": "1"})).json())["error"][
+            "param"] == "tokens"
+
+    run(ProbeHandle(), check, auth_token="t0ken")
+
+
+def test_health_is_503_when_not_serving():
+    async def check(client):
+        reply = await client.get("/health")
+        assert reply.status == 503 and "no live replica" in (await reply.json())["error"]["message"]
+
+    run(ProbeHandle(serving=False), check)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
-from expertmesh.router_service import openai_api, openai_requests
+from expertmesh.router_service import openai_api, openai_requests, openai_responses
 from expertmesh.router_service.batching import DoneEvent, TokenEvent, token_logprobs
 from expertmesh.router_service.chat_template import load_chat_template
 from expertmesh.router_service.errors import RequestError
@@ -28,8 +28,10 @@ def refused(parse, body) -> OpenAIError:
     ({"prompt": "x"}, "model"),
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
-    ({"model": MODEL, "prompt": [1, "a"]}, "prompt"),
+    ({"model": MODEL, "prompt": []}, "prompt"),
+    ({"model": MODEL, "prompt": [1, "a"]}, "prompt[0]"),
+    ({"model": MODEL, "prompt": ["a", ""]}, "prompt[1]"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 1.5}, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "temperature": -0.1}, "temperature"),
@@ -41,12 +43,28 @@ def refused(parse, body) -> OpenAIError:
     ({"model": MODEL, "prompt": "x", "stop": 3}, "stop"),
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop"),
     ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 129}, "n"),
+    ({"model": MODEL, "prompt": ["x"] * 20, "n": 7}, "n"),
     ({"model": MODEL, "prompt": "x", "logprobs": 6}, "logprobs"),
-    ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
-    ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "echo": "yes"}, "echo"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2, "n": 3}, "best_of"),
+    ({"model": MODEL, "prompt": "x", "best_of": 21}, "best_of"),
+    ({"model": MODEL, "prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": [5]}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    ({"model": MODEL, "prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"model": MODEL, "prompt": "x", "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"model": MODEL, "prompt": "x", "top_k": -2}, "top_k"),
+    ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
+    ({"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 2}},
+     "stream_options.continuous_usage_stats"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
 ])
@@ -87,9 +105,21 @@ def test_accepted_fields():
     job = parse_completion({"model": MODEL, "prompt": ["hello"], "max_tokens": 7, "temperature": 0, "top_p": 0.5,
                             "seed": 3, "stop": "\n", "n": 1, "logprobs": 2, "stream": True,
                             "stream_options": {"include_usage": True}, "user": "ignored"}, MODEL)
-    assert (job.prompt, job.max_tokens, job.temperature, job.top_p, job.seed, job.stop, job.top_logprobs,
-            job.stream, job.include_usage) == ("hello", 7, 0.0, 0.5, 3, ("\n",), 2, True, True)
-    assert parse_completion({"model": MODEL, "prompt": [[1, 2]]}, MODEL).prompt_ids == (1, 2)
+    assert (job.prompts, job.max_tokens, job.temperature, job.top_p, job.seed, job.stop, job.top_logprobs,
+            job.stream, job.include_usage) == (("hello",), 7, 0.0, 0.5, 3, ("\n",), 2, True, True)
+    assert parse_completion({"model": MODEL, "prompt": [[1, 2]]}, MODEL).prompts == ((1, 2),)
+    assert parse_completion({"model": MODEL, "prompt": [1, 2]}, MODEL).prompts == ((1, 2),)
+    batch = parse_completion({"model": MODEL, "prompt": ["a", [3]], "n": 2, "best_of": 3}, MODEL)
+    assert (batch.prompts, batch.n, batch.best_of, batch.candidates, batch.num_choices) == (("a", (3,)), 2, 3, 3, 4)
+    assert parse_completion({"model": MODEL, "prompt": "x", "n": 2, "best_of": 2}, MODEL).best_of is None
+    rules = parse_completion({"model": MODEL, "prompt": "x", "presence_penalty": -1, "frequency_penalty": 0.5,
+                              "repetition_penalty": 1.2, "logit_bias": {"7": -100, "3": 5.5},
+                              "stop_token_ids": [4], "ignore_eos": True, "min_tokens": 2, "top_k": -1,
+                              "echo": True, "max_tokens": 0, "stream": True,
+                              "stream_options": {"continuous_usage_stats": True}}, MODEL)
+    assert (rules.presence_penalty, rules.frequency_penalty, rules.repetition_penalty, rules.logit_bias,
+            rules.stop_token_ids, rules.ignore_eos, rules.min_tokens, rules.top_k, rules.echo, rules.max_tokens,
+            rules.continuous_usage) == (-1.0, 0.5, 1.2, ((3, 5.5), (7, -100.0)), (4,), True, 2, 0, True, 0, True)
     assert parse_completion({"model": MODEL, "prompt": "x"}, MODEL).max_tokens == 16  # OpenAI's default
     chat = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                                   {"type": "text", "text": "b"}]}],
@@ -133,7 +163,7 @@ class _Cfg:
 def request_of(body, kind="completion", template=None):
     job = (parse_chat if kind == "chat" else parse_completion)(body, MODEL)
     encode = lambda text: [3 + ord(c) % 50 for c in text]  # noqa: E731 (a toy tokenizer)
-    return openai_requests.generation_request(job, _Cfg(), encode, encode, template)
+    return openai_requests.plan(job, _Cfg(), encode, encode, template).requests[0]
 
 
 def test_generation_request():
@@ -186,10 +216,10 @@ def test_token_logprobs_are_log_softmax():
 
 def test_whole_responses():
     job = parse_completion({"model": MODEL, "prompt": "x", "logprobs": 2}, MODEL)
-    got = openai_api.Accumulated()
+    got = openai_responses.Accumulated()
     for e in events():
         got.add(e)
-    body = openai_api.response(job, "cmpl-1", 7, got)
+    body = openai_responses.response(job, "cmpl-1", 7, got)
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello"
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -199,7 +229,7 @@ def test_whole_responses():
     assert routing["experts_hit"] == {"0": [0, 2]} and routing["degraded_tokens"] == 2
     chat = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
                        "top_logprobs": 1}, MODEL)
-    body = openai_api.response(chat, "chatcmpl-1", 7, got)
+    body = openai_responses.response(chat, "chatcmpl-1", 7, got)
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
     content = body["choices"][0]["logprobs"]["content"]
     assert content[0]["token"] == "Hel" and content[0]["bytes"] == list(b"Hel")
@@ -209,7 +239,7 @@ def test_whole_responses():
 def test_stream_chunks():
     job = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True,
                       "stream_options": {"include_usage": True}}, MODEL)
-    writer = openai_api.ChunkWriter(job, "chatcmpl-1", 7)
+    writer = openai_responses.ChunkWriter(job, "chatcmpl-1", 7)
     chunks = writer.first() + [c for e in events() for c in writer.event(e)]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "Hello"

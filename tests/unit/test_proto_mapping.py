@@ -110,6 +110,17 @@ def test_generation_request_from_a_prompt_with_every_field():
     assert got.eos_token_id is None and got.max_tokens == 6  # ignore_eos: never stop at EOS
 
 
+def test_generation_request_carries_the_logit_rules():
+    req = gen_request(min_tokens=2, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25,
+                      logit_bias={9: -100.0, 4: 2.5})
+    got = proto_mapping.generation_request(req, CFG, encode, MODEL)
+    assert got.min_tokens == 2
+    assert (got.sampling.presence_penalty, got.sampling.frequency_penalty, got.sampling.repetition_penalty,
+            got.sampling.logit_bias) == (0.5, -1.0, 1.25, ((4, 2.5), (9, -100.0)))
+    plain = proto_mapping.generation_request(gen_request(), CFG, encode, MODEL)
+    assert plain.sampling.repetition_penalty == 1.0 and not plain.sampling.adjusts_logits  # unset = off
+
+
 def test_generation_request_carries_the_resumed_tokens():
     got = proto_mapping.generation_request(gen_request(resume_token_ids=[5, 6, 7, 8]), CFG, encode, MODEL)
     assert got.resumed_ids == (5, 6, 7, 8) and got.prompt_ids == [1, 2, 3] and got.max_tokens == 4
@@ -133,6 +144,13 @@ BAD_GENERATE = [
     (dict(resume_token_ids=[2, VOCAB]), "INVALID_ARGUMENT", "resume_token_ids"),
     (dict(temperature=float("nan")), "INVALID_ARGUMENT", "temperature"),
     (dict(temperature=-0.5), "INVALID_ARGUMENT", "temperature"),
+    (dict(min_tokens=5), "INVALID_ARGUMENT", "min_tokens"),  # over max_tokens (4)
+    (dict(min_tokens=-1), "INVALID_ARGUMENT", "min_tokens"),
+    (dict(presence_penalty=2.5), "INVALID_ARGUMENT", "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "INVALID_ARGUMENT", "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "INVALID_ARGUMENT", "repetition_penalty"),
+    (dict(logit_bias={VOCAB: 1.0}), "INVALID_ARGUMENT", "logit_bias"),
+    (dict(logit_bias={3: 150.0}), "INVALID_ARGUMENT", "logit_bias"),
     (dict(top_p=0.0), "INVALID_ARGUMENT", "top_p"),
     (dict(top_p=1.5), "INVALID_ARGUMENT", "top_p"),
     (dict(top_k=-1), "INVALID_ARGUMENT", "top_k"),

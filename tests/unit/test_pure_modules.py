@@ -105,6 +105,9 @@ PURE_MODULES = (
     "expertmesh.router_service.pool_layout",  # which pool to start (the live nodes from Ray only on call)
     "expertmesh.router_service.prefetch",  # predicting the next MoE layer's experts (pre-gating, history)
     "expertmesh.router_service.openai_requests",  # OpenAI jobs -> GenerationRequests, batcher events -> dicts
+    "expertmesh.router_service.openai_responses",  # events -> OpenAI response bodies and stream chunks
+    "expertmesh.router_service.choice_streams",  # a request's choice streams merged into one
+    "expertmesh.router_service.http_metrics",  # /metrics: Prometheus text of the front and the router
     "expertmesh.router_service.sampling",
     "expertmesh.router_service.step_profile",  # the stage clocks of a served step
     "expertmesh.router_service.shedding",  # overload shedding policy (fake clock in tests)

@@ -266,8 +266,8 @@ def test_shed_slots_are_counted_per_response_in_grpc_and_openai(checkpoints):
     import asyncio
 
     from expertmesh.router_service.batching import ContinuousBatcher, DoneEvent, GenerationRequest
-    from expertmesh.router_service.openai_api import routing_extension
     from expertmesh.router_service.openai_requests import event_dict
+    from expertmesh.router_service.openai_responses import routing_extension
     from expertmesh.router_service.proto_mapping import done_message
 
     model, backend = _shedding_model(checkpoints)
@@ -283,7 +283,7 @@ def test_shed_slots_are_counted_per_response_in_grpc_and_openai(checkpoints):
     assert isinstance(done, DoneEvent)
     assert done.shed == backend.shed_slots > 0  # one request: every shed slot of the run is its own
     assert done_message(done).done.routing.shed_tokens == done.shed
-    summary = routing_extension(event_dict(done, str)["done"])["routing"]
+    summary = routing_extension([event_dict(done, str)["done"]])["routing"]
     assert (summary["shed_tokens"], summary["dropped_tokens"], summary["degraded_tokens"]) == (done.shed, 0, 0)
 
 

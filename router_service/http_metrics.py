@@ -1,0 +1,76 @@
+"""`GET /metrics` on the HTTP port: Prometheus text of the HTTP front's own counters and the router's stats. Pure
+(no Ray, no HTTP server).
+
+Ray's metrics endpoint (router_service/metrics.py) stays the cluster-wide source; this endpoint is for what load
+generators and single-host setups expect on the API port (vLLM serves /metrics there): requests by path and status,
+prompt and completion tokens the front returned, and the answering router replica's batcher and KV-cache gauges
+(the Admin GetRouterStats reply), labelled by `replica`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+# RouterStats fields exported as gauges (name suffix, help); counters since start are named *_total.
+ROUTER_FIELDS = {
+    "live_kv_caches": ("expertmesh_router_live_kv_caches", "gauge", "sequences holding a KV cache"),
+    "active_sequences": ("expertmesh_router_active_sequences", "gauge", "sequences in the running batch"),
+    "waiting_requests": ("expertmesh_router_waiting_requests", "gauge", "requests waiting for a batch slot"),
+    "kv_blocks_free": ("expertmesh_router_kv_blocks_free", "gauge", "paged KV-cache blocks free"),
+    "kv_blocks_total": ("expertmesh_router_kv_blocks_total", "gauge", "paged KV-cache blocks in all"),
+    "max_batch_seen": ("expertmesh_router_max_batch_seen", "gauge", "most sequences that shared one step"),
+    "steps": ("expertmesh_router_steps_total", "counter", "forward steps run since start"),
+    "preemptions": ("expertmesh_router_preemptions_total", "counter", "sequences preempted (KV cache full)"),
+    "retried_calls": ("expertmesh_router_retried_calls_total", "counter", "expert calls re-sent elsewhere"),
+    "degraded_slots": ("expertmesh_router_degraded_slots_total", "counter", "slots moved off a dead expert"),
+    "shed_slots": ("expertmesh_router_shed_slots_total", "counter", "slots moved off an overloaded expert"),
+}
+
+
+@dataclass
+class FrontCounters:
+    """What the HTTP front counted since it started."""
+
+    requests: Counter = field(default_factory=Counter)  # (path, status) -> requests
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def count_request(self, path: str, status: int) -> None:
+        self.requests[(path, status)] += 1
+
+    def count_usage(self, usage: dict) -> None:
+        self.prompt_tokens += usage.get("prompt_tokens", 0)
+        self.completion_tokens += usage.get("completion_tokens", 0)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def prometheus_text(front: FrontCounters, router: dict | None) -> str:
+    """Prometheus exposition text (version 0.0.4). router: the RouterStats reply as a dict (proto field names), or
+    None when no router answered (then `expertmesh_router_up 0`)."""
+    lines = ["# HELP expertmesh_http_requests_total HTTP requests the front answered, by path and status",
+             "# TYPE expertmesh_http_requests_total counter"]
+    for (path, status), count in sorted(front.requests.items()):
+        lines.append(f'expertmesh_http_requests_total{{path="{_label(path)}",status="{status}"}} {count}')
+    for name, value, what in (("prompt", front.prompt_tokens, "prompt"),
+                              ("completion", front.completion_tokens, "generated")):
+        lines += [f"# HELP expertmesh_http_{name}_tokens_total {what} tokens in the front's responses",
+                  f"# TYPE expertmesh_http_{name}_tokens_total counter",
+                  f"expertmesh_http_{name}_tokens_total {value}"]
+    lines += ["# HELP expertmesh_router_up whether a router replica answered this scrape",
+              "# TYPE expertmesh_router_up gauge", f"expertmesh_router_up {0 if router is None else 1}"]
+    if router is not None:
+        replica = _label(str(router.get("replica", "")))
+        for key, (name, kind, what) in ROUTER_FIELDS.items():
+            lines += [f"# HELP {name} {what}", f"# TYPE {name} {kind}",
+                      f'{name}{{replica="{replica}"}} {float(router.get(key, 0)):g}']
+        stages = router.get("stage_seconds") or {}
+        lines += ["# HELP expertmesh_router_stage_seconds_total seconds spent per serving stage since start",
+                  "# TYPE expertmesh_router_stage_seconds_total counter"]
+        for stage, seconds in sorted(stages.items()):
+            lines.append(f'expertmesh_router_stage_seconds_total{{replica="{replica}",stage="{_label(stage)}"}} '
+                         f"{float(seconds):.6f}")
+    return "\n".join(lines) + "\n"
