@@ -51,37 +51,6 @@ def sequences(seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (17, 5)]
 
 
-@pytest.mark.parametrize("family_mesh", ["mixtral", "qwen2_moe", "olmoe", "mixtral_sharded", "direct"],
-                         indirect=True)
-def test_logits_equal_transformers(checkpoints, family_mesh):
-    name, mesh = family_mesh
-    hf = hf_model(checkpoints[name])
-    seqs = sequences()
-    got = mesh.score_batch(seqs)  # both sequences share every expert call
-    hit = {layer: int(torch.unique(r.experts).numel()) for layer, r in mesh.model.last_trace.routings.items()}
-    calls = dict(mesh.backend.calls_per_layer)
-    for ids, logits in zip(seqs, got):
-        with torch.no_grad():
-            want = hf(torch.tensor([ids])).logits[0]
-        assert (logits - want).abs().max().item() <= TOL
-    # One call per expert actor per layer (one actor per expert here): calls == experts hit, never per token.
-    assert calls == hit
-    assert all(0 < n <= hf.config.num_experts_per_tok * len(seqs[0]) for n in calls.values())
-
-
-@pytest.mark.parametrize("family_mesh", ["mixtral", "qwen2_moe", "olmoe"], indirect=True)
-def test_greedy_generation_equals_transformers_generate(checkpoints, family_mesh):
-    name, mesh = family_mesh
-    hf = hf_model(checkpoints[name])
-    prompt = sequences(seed=1)[0][:6]
-    result = mesh.generate(token_ids=prompt, max_tokens=12)
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                       pad_token_id=0)[0, len(prompt):].tolist()
-    assert result.token_ids == want
-    assert result.finish_reason == "length"
-    assert sum(result.tokens_per_expert[0]) == (len(prompt) + 11) * hf.config.num_experts_per_tok
-
-
 def test_replicas_share_load_and_stay_exact(checkpoints):
     path = checkpoints["mixtral"]
     seqs = sequences(seed=2)
@@ -176,3 +145,38 @@ def test_config_is_validated_at_the_boundary():
         with pytest.raises(ConfigError) as err:
             MeshConfig().replace(**{field: value}).validate()
         assert err.value.field == field
+
+
+# Last in the module: the last checkpoint's mesh stays up until the module ends (a module-scoped fixture), and
+# the tests above start meshes of their own under the same mesh id.
+
+
+@pytest.mark.parametrize("family_mesh", ["mixtral", "qwen2_moe", "olmoe", "mixtral_sharded", "direct"],
+                         indirect=True)
+def test_logits_equal_transformers(checkpoints, family_mesh):
+    name, mesh = family_mesh
+    hf = hf_model(checkpoints[name])
+    seqs = sequences()
+    got = mesh.score_batch(seqs)  # both sequences share every expert call
+    hit = {layer: int(torch.unique(r.experts).numel()) for layer, r in mesh.model.last_trace.routings.items()}
+    calls = dict(mesh.backend.calls_per_layer)
+    for ids, logits in zip(seqs, got):
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0]
+        assert (logits - want).abs().max().item() <= TOL
+    # One call per expert actor per layer (one actor per expert here): calls == experts hit, never per token.
+    assert calls == hit
+    assert all(0 < n <= hf.config.num_experts_per_tok * len(seqs[0]) for n in calls.values())
+
+
+@pytest.mark.parametrize("family_mesh", ["mixtral", "qwen2_moe", "olmoe"], indirect=True)
+def test_greedy_generation_equals_transformers_generate(checkpoints, family_mesh):
+    name, mesh = family_mesh
+    hf = hf_model(checkpoints[name])
+    prompt = sequences(seed=1)[0][:6]
+    result = mesh.generate(token_ids=prompt, max_tokens=12)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(prompt):].tolist()
+    assert result.token_ids == want
+    assert result.finish_reason == "length"
+    assert sum(result.tokens_per_expert[0]) == (len(prompt) + 11) * hf.config.num_experts_per_tok
