@@ -232,7 +232,8 @@ def test_rdt_fails_over_under_traffic_and_reads_from_the_restored_replica(router
         handle = router.transport.actors[victim]
         return not router.backend.dead and handle._actor_id != old
 
-    wait_for(restored, 90, "the rdt transport to call the restored actor", every=0.2)
+    wait_for(restored, 120, "the rdt transport to call the restored actor", every=0.2,
+             detail=lambda: f"dead: {router.backend.dead}, failed reads: {router.transport.failed_reads}")
     handle = ray.get_actor(victim, namespace=NAMESPACE)
     calls = ray.get(handle.info.remote())["calls"]
     assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
