@@ -21,19 +21,18 @@ import ray
 import torch
 
 from ..cluster.naming import DEFAULT_MESH_ID
-from .arrays import RDT_TENSOR_TRANSPORT, HostStager, HostTensor, pack, to_tensor
+from .arrays import HostStager, HostTensor, pack, to_tensor
 from .devices import gpus_given, local_device
 from .dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
 from .ffn import activation, gated_mlp
 from .grouped_ffn import GroupedExperts
 from .load_progress import ProgressReporter
 from .model_source import open_checkpoint, shard_tensors
+from .rdt_box import rdt_box, rdt_unbox
 from .telemetry import ExpertMetrics, build_tracer, context_of
 from .tier_store import GIB, DiskTier, HostTier, TierStore, pinned_copy
 from .tracing_config import TracingConfig
 from .weights import Shard, expert_shard_bytes, load_expert_shards
-
-RDT_READ_TIMEOUT_S = 30.0  # reading the router's rows: a router gone mid-call must not hold this actor for long
 
 
 def _kv_put(key: bytes, value: bytes) -> None:
@@ -134,14 +133,14 @@ class ExpertActor:
         the actor's `_ray_system` concurrency group, which a compiled graph's loop holds for as long as it is up.
         The output stays here, on this actor's device, in Ray's RDT store; the router reads it the same way.
         -> (ObjectRef of the [sum(counts), H] output,), a tuple so Ray hands the ref back instead of resolving it."""
-        x = ray.get(rows[0], timeout=RDT_READ_TIMEOUT_S)  # [sum(counts), H]
+        x = rdt_unbox(rows[0])  # [sum(counts), H]
         out = self._traced(layer, experts, counts, x, trace, prefetch, to_host=False)
-        return (ray.put(out, _tensor_transport=RDT_TENSOR_TRANSPORT),)
+        return (rdt_box(out),)
 
     def rdt_echo(self, rows: list) -> tuple:
         """Reads [ref] like forward_rdt and puts the tensor back: the `rdt` transport's warm-up, so NIXL's agent
         (seconds to start under load) is up before the first real call."""
-        return (ray.put(ray.get(rows[0], timeout=RDT_READ_TIMEOUT_S).clone(), _tensor_transport=RDT_TENSOR_TRANSPORT),)
+        return (rdt_box(rdt_unbox(rows[0]).clone()),)
 
     def _traced(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor,
                 trace: dict[str, str] | None, prefetch: list[Shard] | None, to_host: bool) -> HostTensor | torch.Tensor:

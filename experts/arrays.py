@@ -23,10 +23,6 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
 # Dtypes a HostTensor (and the gRPC wire, experts/wire.py) carries, by their torch names.
 CARRIED_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
-# The `rdt` expert transport moves torch tensors themselves (raw memory, any dtype) through this Ray Direct Transport
-# backend: one-sided, so the router (a driver) can read and be read, and abortable, so a failed transfer kills no
-# actor (docs/concepts/transports.md: Device to device).
-RDT_TENSOR_TRANSPORT = "nixl"
 
 
 @dataclass(frozen=True)

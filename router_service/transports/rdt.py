@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from ...experts.arrays import RDT_TENSOR_TRANSPORT, HostTensor, to_tensor
+from ...experts.arrays import HostTensor, to_tensor
+from ...experts.rdt_box import rdt_box
 from .grpc import liveness_error
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class RdtCall:
 
     actor: str
     result: ray.ObjectRef
-    rows: ray.ObjectRef | None
+    rows: ray.ObjectRef | torch.Tensor | None
 
 
 class RdtTransport:
@@ -80,8 +81,7 @@ class RdtTransport:
         first step runs at steady-state speed. An actor that fails here fails its first real call the same way."""
         probe = torch.zeros(1, 1)
         names = list(self.actors)
-        calls = [self.actors[n].rdt_echo.remote([ray.put(probe, _tensor_transport=RDT_TENSOR_TRANSPORT)])
-                 for n in names]
+        calls = [self.actors[n].rdt_echo.remote([rdt_box(probe)]) for n in names]
         for name, call in zip(names, calls):
             result = self._read(RdtCall(name, call, None), time.monotonic() + timeout)
             if isinstance(result, BaseException):
@@ -89,13 +89,13 @@ class RdtTransport:
 
     def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
                trace: dict[str, str] | None = None, prefetch: list | None = None) -> RdtCall:
-        rows = ray.put(to_tensor(x), _tensor_transport=RDT_TENSOR_TRANSPORT)  # [n, H], read by the actor
-        # Boxed in a list: the actor reads it itself (see the module docstring).
+        rows = rdt_box(to_tensor(x))  # [n, H]: a ref the actor reads through NIXL (an empty tensor travels itself)
         extra: dict = {}
         if trace is not None:
             extra["trace"] = trace
         if prefetch is not None:
             extra["prefetch"] = prefetch
+        # Boxed in a list: the actor reads it itself (see the module docstring).
         return RdtCall(actor, self.actors[actor].forward_rdt.remote(layer, experts, counts, [rows], **extra), rows)
 
     def gather_settled(self, handles: list[RdtCall], timeout: float) -> list[torch.Tensor | BaseException]:
@@ -106,9 +106,11 @@ class RdtTransport:
             try:
                 # The common case: every call succeeded; start every read at once and wait for them together.
                 outs = [out for (out,) in ray.get(calls)]
-                for out in outs:
-                    _to_host(out)
-                return list(ray.get(outs, timeout=max(0.0, deadline - time.monotonic())))  # [n_i, H] each
+                refs = [out for out in outs if isinstance(out, ray.ObjectRef)]
+                for ref in refs:
+                    _to_host(ref)
+                read = iter(ray.get(refs, timeout=max(0.0, deadline - time.monotonic())))  # [n_i, H] each
+                return [next(read) if isinstance(out, ray.ObjectRef) else out for out in outs]
             except Exception:  # some call or read failed: sort out which, one by one
                 pass
         finished = set(ready)
@@ -126,6 +128,8 @@ class RdtTransport:
             (out,) = ray.get(handle.result)
         except Exception as exc:  # the actor died, its node went away, or its code raised: Ray's own error
             return exc
+        if not isinstance(out, ray.ObjectRef):
+            return out  # an empty output travels itself
         _to_host(out)
         try:
             return ray.get(out, timeout=max(0.0, deadline - time.monotonic()))  # [n, H]

@@ -5,6 +5,7 @@ it; tests/integration/test_rdt_limits.py pins why it is built on NIXL)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from expertmesh.router_service.transports import rdt
 from expertmesh.router_service.transports.base import TRANSPORT_SETTINGS, check_transport
@@ -33,3 +34,14 @@ def test_rdt_available_answers_whether_nixl_imports(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_nixl)
     assert rdt.rdt_available() is False
+
+
+def test_an_empty_tensor_travels_itself_since_nixl_cannot_register_zero_bytes():
+    """Seen in `bench dispatch`'s empty round: a NIXL read of a 0-row tensor fails ("no specified or potential
+    backend had the required registrations"), so rdt_box sends empty rows and outputs as themselves."""
+    from expertmesh.experts.rdt_box import rdt_box, rdt_unbox
+
+    empty = torch.zeros(0, 8, dtype=torch.bfloat16)
+    boxed = rdt_box(empty)
+    assert isinstance(boxed, torch.Tensor) and boxed.shape == (0, 8) and boxed.dtype == torch.bfloat16
+    assert rdt_unbox(boxed) is boxed
