@@ -8,8 +8,15 @@ device). Refs travel boxed (in a list or tuple) so Ray never starts its own rece
 
 from __future__ import annotations
 
+import os
+
 import ray
 import torch
+
+# NIXL's Python package logs every agent start at INFO to stdout, where it lands in the output of commands that
+# print JSON (`expertmesh bench dispatch --json`), also from actors (Ray forwards their stdout). Ray imports NIXL on
+# its first use, after this module, in the router and in every actor; an explicit NIXL_LOG_LEVEL wins.
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 RDT_TENSOR_TRANSPORT = "nixl"
 RDT_READ_TIMEOUT_S = 30.0  # an actor reading the router's rows: a router gone mid-call must not hold it for long
