@@ -5,6 +5,8 @@ torch thread count from the CPUs Ray gave it, so many actors on one machine do n
 `model.dtype` resolved for its own device (experts/dtypes.py: "auto" is the checkpoint's dtype on a GPU, float32 on
 a CPU); rows arrive and leave as HostTensor (raw bytes + dtype tag, experts/arrays.py), so bf16 crosses bit-exactly.
 On a GPU a call is: host -> device copy, compute, device -> host copy into a pinned buffer, one synchronisation.
+On the `rdt` transport (`forward_rdt`) rows and outputs are tensors read one-sided through NIXL instead
+(experts/rdt_box.py), and the output stays on this actor's device until the router reads it.
 
 With a device budget (`memory_gb`, README: Offload) only part of its shards are resident: experts/tier_store.py keeps
 the rest in host memory (GPU) or in the memory-mapped checkpoint (CPU) and brings them in per call, or ahead of it
