@@ -5,6 +5,8 @@ torch thread count from the CPUs Ray gave it, so many actors on one machine do n
 `model.dtype` resolved for its own device (experts/dtypes.py: "auto" is the checkpoint's dtype on a GPU, float32 on
 a CPU); rows arrive and leave as HostTensor (raw bytes + dtype tag, experts/arrays.py), so bf16 crosses bit-exactly.
 On a GPU a call is: host -> device copy, compute, device -> host copy into a pinned buffer, one synchronisation.
+On the `rdt` transport (`forward_rdt`) rows and outputs are tensors read one-sided through NIXL instead
+(experts/rdt_box.py), and the output stays on this actor's device until the router reads it.
 
 With a device budget (`memory_gb`, README: Offload) only part of its shards are resident: experts/tier_store.py keeps
 the rest in host memory (GPU) or in the memory-mapped checkpoint (CPU) and brings them in per call, or ahead of it
@@ -28,6 +30,7 @@ from .ffn import activation, gated_mlp
 from .grouped_ffn import GroupedExperts
 from .load_progress import ProgressReporter
 from .model_source import open_checkpoint, shard_tensors
+from .rdt_box import rdt_box, rdt_unbox
 from .telemetry import ExpertMetrics, build_tracer, context_of
 from .tier_store import GIB, DiskTier, HostTier, TierStore, pinned_copy
 from .tracing_config import TracingConfig
@@ -121,6 +124,28 @@ class ExpertActor:
         trace: W3C carrier of the router's dispatch span (None: tracing off, no span is made).
         prefetch: shards the router predicts for the next layer, loaded in the background while this call computes
         (ignored without a memory budget)."""
+        # Arrays from Ray's object store (and gRPC messages) are read-only views; we never write to them.
+        return self._traced(layer, experts, counts, to_tensor(x), trace, prefetch, to_host=True)
+
+    def forward_rdt(self, layer: int, experts: list[int], counts: list[int], rows: list,
+                    trace: dict[str, str] | None = None, prefetch: list[Shard] | None = None) -> tuple:
+        """The `rdt` transport's call (router_service/transports/rdt.py). rows: [ObjectRef of the [sum(counts), H]
+        rows], boxed in a list so Ray does not resolve it: this call reads them out of the router's memory itself
+        (NIXL, one-sided) on its own thread, with a timeout. Ray's own receive for an unboxed argument would run in
+        the actor's `_ray_system` concurrency group, which a compiled graph's loop holds for as long as it is up.
+        The output stays here, on this actor's device, in Ray's RDT store; the router reads it the same way.
+        -> (ObjectRef of the [sum(counts), H] output,), a tuple so Ray hands the ref back instead of resolving it."""
+        x = rdt_unbox(rows[0])  # [sum(counts), H]
+        out = self._traced(layer, experts, counts, x, trace, prefetch, to_host=False)
+        return (rdt_box(out),)
+
+    def rdt_echo(self, rows: list) -> tuple:
+        """Reads [ref] like forward_rdt and puts the tensor back: the `rdt` transport's warm-up, so NIXL's agent
+        (seconds to start under load) is up before the first real call."""
+        return (rdt_box(rdt_unbox(rows[0]).clone()),)
+
+    def _traced(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor,
+                trace: dict[str, str] | None, prefetch: list[Shard] | None, to_host: bool) -> HostTensor | torch.Tensor:
         if prefetch:
             self.prefetch(prefetch)
         if trace is not None and self.tracer is not None:
@@ -128,21 +153,28 @@ class ExpertActor:
                 "expertmesh.expert", context=context_of(trace),
                 attributes={"actor": self.name, "layer": layer, "experts": list(experts), "tokens": int(sum(counts))},
             ):
-                return self._forward(layer, experts, counts, x)
-        return self._forward(layer, experts, counts, x)
+                return self._forward(layer, experts, counts, rows, to_host)
+        return self._forward(layer, experts, counts, rows, to_host)
 
-    def _forward(self, layer: int, experts: list[int], counts: list[int], x: HostTensor) -> HostTensor:
-        # Arrays from Ray's object store (and gRPC messages) are read-only views; we never write to them.
+    def _forward(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor,
+                 to_host: bool) -> HostTensor | torch.Tensor:
+        """rows: [sum(counts), H] on any device -> outputs packed as host bytes (to_host) or left on this actor's
+        device, synchronised so another process may read them at once (the `rdt` transport)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
-        inputs = to_tensor(x).to(self.device, self.dtype, non_blocking=True)  # [sum(counts), H]
+        inputs = rows.to(self.device, self.dtype, non_blocking=True)  # [sum(counts), H]
         with torch.inference_mode():
             result = self._compute(layer, experts, counts, inputs)  # [sum(counts), H]
-            stager = HostStager()  # one per call: gRPC threads and Ray calls may run forwards side by side
-            host = stager.stage(result)
-            stager.finish()  # the one synchronisation of this call (none on a CPU)
+            if to_host:
+                stager = HostStager()  # one per call: gRPC threads and Ray calls may run forwards side by side
+                host = stager.stage(result)
+                stager.finish()  # the one synchronisation of this call (none on a CPU)
+                out: HostTensor | torch.Tensor = pack(host)
+            else:
+                if result.device.type == "cuda":
+                    torch.cuda.current_stream(result.device).synchronize()  # the router reads it one-sided
+                out = result.contiguous()
         self.calls += 1
-        self.tokens += int(x.shape[0])
-        out = pack(host)
+        self.tokens += int(rows.shape[0])
         elapsed = time.perf_counter() - started
         self.compute_s += elapsed
         self.compute_cpu_s += time.thread_time() - cpu_started

@@ -207,8 +207,8 @@ class ExpertsConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    # How expert calls travel: "refs" | "grpc" | "socket" | "compiled", or "auto": socket on an embedded Ray, refs
-    # on a joined cluster (README: Transports).
+    # How expert calls travel: "refs" | "grpc" | "socket" | "compiled" | "rdt", or "auto": socket on an embedded
+    # Ray, refs on a joined cluster (README: Transports).
     transport: str = "auto"
     overlap: bool = False  # ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap)
     capacity_factor: float | None = None  # None: no cap, no token is ever moved or dropped

@@ -7,6 +7,8 @@ and the configuration checks import it freely.
             actor (the gRPC transport's messages without gRPC's per-call cost)
   compiled  one Ray Compiled Graph execution per layer over every actor (shared-memory channels), falling back
             to refs while it (re)builds or after an actor died
+  rdt       one Ray actor call per actor per layer whose rows and output travel as tensors through Ray Direct
+            Transport with NIXL (one-sided reads of the other side's memory; device memory on GPUs)
 Every one returns the same results.
 """
 
@@ -19,7 +21,7 @@ if TYPE_CHECKING:  # annotations only
 
     from ...experts.arrays import HostTensor
 
-TRANSPORTS = ("refs", "grpc", "socket", "compiled")
+TRANSPORTS = ("refs", "grpc", "socket", "compiled", "rdt")
 # What router.transport accepts: a transport, or "auto" = socket on an embedded Ray (every actor on this machine, on
 # loopback), refs on a cluster the mesh joined (whose nodes' ports may not be open to each other).
 TRANSPORT_SETTINGS = ("auto", *TRANSPORTS)

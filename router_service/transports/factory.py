@@ -7,6 +7,7 @@ import ray
 from .base import Transport, check_transport
 from .compiled import CompiledGraphTransport
 from .grpc import GrpcTransport
+from .rdt import RdtTransport
 from .refs import RayRefTransport
 from .socket import SocketTransport
 
@@ -27,6 +28,10 @@ def make_transport(name: str, actors: dict[str, ray.actor.ActorHandle], build_ti
     if name == "compiled":
         transport = CompiledGraphTransport(actors)
         transport.wait_built(build_timeout_s)
+        return transport
+    if name == "rdt":
+        transport = RdtTransport(actors)  # refuses, naming the field, where NIXL is not installed
+        transport.warm_up(build_timeout_s)
         return transport
     return RayRefTransport(actors)
 

@@ -1,7 +1,8 @@
-"""bf16 and fp16 end to end on a local Ray: expert actors computing in that dtype, every transport (Ray refs, gRPC,
-compiled graph) carrying the rows and outputs as raw bytes + dtype tag. The distributed logits equal the in-process
-reference in the same dtype bit for bit, greedy tokens equal the reference's and `transformers`' in that dtype, and
-the logits are within the dtype's tolerance of `transformers`."""
+"""bf16 and fp16 end to end on a local Ray: expert actors computing in that dtype, every transport carrying the rows
+and outputs bit for bit (Ray refs, gRPC, socket, compiled graph as raw bytes + dtype tag; rdt as the tensors' own
+memory through NIXL). The distributed logits equal the in-process reference in the same dtype bit for bit, greedy
+tokens equal the reference's and `transformers`' in that dtype, and the logits are within the dtype's tolerance of
+`transformers`."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.usefixtures("local_ray")
 TOL = {"bfloat16": 0.1, "float16": 0.01}
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 MAX_TOKENS = 6
+OTHER_TRANSPORTS = ("grpc", "socket", "compiled", "rdt")  # besides the mesh's own refs router
 
 
 @pytest.fixture(scope="module", params=list(TOL))
@@ -29,12 +31,12 @@ def mesh(request, checkpoints):
                                    "controller": {"enabled": False}, "router": {"transport": "refs"}})
     with ExpertMesh(config) as mesh:
         routers = {"refs": mesh.router}
-        for name in ("grpc", "socket", "compiled"):
+        for name in OTHER_TRANSPORTS:
             routers[name] = Router(mesh.pool.spec, mesh.actors, config.replace(**{"router.transport": name}))
         try:
             yield request.param, mesh, routers
         finally:
-            for name in ("grpc", "socket", "compiled"):
+            for name in OTHER_TRANSPORTS:
                 routers[name].close()
 
 

@@ -1,10 +1,12 @@
-"""Every expert transport (Ray refs, gRPC, socket, compiled graph) against the in-process reference, on one local
-Ray and one pool of expert actors (two replicas per expert, controller restoring): identical logits, failover when an
-actor is killed under a running compiled graph, gRPC and socket reconnects after a restore, servers that want the
-cluster secret, and a teardown that leaves nothing."""
+"""Every expert transport (Ray refs, gRPC, socket, compiled graph, Ray Direct Transport) against the in-process
+reference, on one local Ray and one pool of expert actors (two replicas per expert, controller restoring): identical
+logits, failover when an actor is killed under a running compiled graph, gRPC and socket reconnects after a restore,
+servers that want the cluster secret, the rdt transport failing over under traffic and reading from a restored
+replica, and a teardown that leaves nothing."""
 
 from __future__ import annotations
 
+import time
 from multiprocessing import AuthenticationError
 
 import grpc
@@ -23,14 +25,16 @@ from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from expertmesh.router_service.router import Router
 from expertmesh.router_service.transports.compiled import CompiledGraphTransport
 from expertmesh.router_service.transports.grpc import GrpcTransport
+from expertmesh.router_service.transports.rdt import RdtTransport
 from expertmesh.router_service.transports.socket import SocketTransport, split_address
 from tests.socket_peer import dial
 from tests.tiny_checkpoints import VOCAB, greedy_tokens
-from tests.traffic import kill_and_wait, wait_for
+from tests.traffic import NonStopClient, kill_and_wait, wait_for
 
 TOL = 1e-4
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 MAX_TOKENS = 6
+OTHER_TRANSPORTS = ("grpc", "socket", "rdt", "compiled")  # besides refs; compiled last: its graph idles out after 30 s
 
 
 pytestmark = pytest.mark.usefixtures("local_ray")
@@ -65,10 +69,10 @@ def mesh(checkpoints):
 def routers(mesh):
     """A router per transport over the same actors (the refs one is the mesh's own)."""
     out = {"refs": mesh.router}
-    for name in ("grpc", "socket", "compiled"):
+    for name in OTHER_TRANSPORTS:
         out[name] = Router(mesh.pool.spec, mesh.actors, mesh.config.replace(**{"router.transport": name}))
     yield out
-    for name in ("grpc", "socket", "compiled"):
+    for name in OTHER_TRANSPORTS:
         out[name].close()
 
 
@@ -91,6 +95,7 @@ def test_every_transport_gives_the_reference_logits(routers, reference):
     assert compiled.fallback_rounds == 0  # built before the first step: every round went through the graph
     assert isinstance(routers["grpc"].transport, GrpcTransport)
     assert isinstance(routers["socket"].transport, SocketTransport)
+    assert isinstance(routers["rdt"].transport, RdtTransport)
 
 
 def test_expert_grpc_servers_listen_on_the_node_ip_and_want_the_cluster_secret(routers):
@@ -205,6 +210,59 @@ def test_grpc_and_socket_transports_reconnect_after_a_restore(routers, expected,
     calls = ray.get(ray.get_actor(victim, namespace=NAMESPACE).info.remote())["calls"]
     assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
     assert ray.get(ray.get_actor(victim, namespace=NAMESPACE).info.remote())["calls"] >= calls
+
+
+def test_rdt_fails_over_under_traffic_and_reads_from_the_restored_replica(routers, expected):
+    """An expert replica killed while requests run back to back on the rdt transport: every request still gets the
+    reference tokens (the victim's calls fail within the step and go to its other replica), none hangs, and once
+    the controller restores it the reviver swaps it in and the next calls read its outputs through NIXL."""
+    router = routers["rdt"]
+    victim = "expert-e3-r0"
+    send = lambda ids: router.generate(token_ids=ids, max_tokens=MAX_TOKENS).token_ids  # noqa: E731
+    with NonStopClient(send, [PROMPT]) as client:
+        client.wait_for_results(1, timeout=120)
+        old = ray.get_actor(victim, namespace=NAMESPACE)._actor_id
+        kill_and_wait(victim)
+        client.wait_for_results(2, timeout=120)
+    assert not client.errors and client.results and all(r == expected for r in client.results)
+    assert router.backend.retried_calls > 0
+
+    def restored() -> bool:
+        assert router.generate(token_ids=PROMPT, max_tokens=2).token_ids == expected[:2]
+        handle = router.transport.actors[victim]
+        return not router.backend.dead and handle._actor_id != old
+
+    wait_for(restored, 120, "the rdt transport to call the restored actor", every=0.2,
+             detail=lambda: f"dead: {router.backend.dead}, failed reads: {router.transport.failed_reads}")
+    handle = ray.get_actor(victim, namespace=NAMESPACE)
+    calls = ray.get(handle.info.remote())["calls"]
+    assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
+    assert ray.get(handle.info.remote())["calls"] > calls
+
+
+def test_rdt_output_of_an_actor_that_died_after_computing_fails_as_its_death(routers):
+    """The call finished, its output waits in the actor's memory, then the actor dies before the router reads it:
+    the read fails at once (NIXL aborts, Ray kills nobody) and comes back as Ray's actor death, so dispatch marks
+    the actor dead and re-sends its rows; the router's other calls are untouched."""
+    transport: RdtTransport = routers["rdt"].transport
+    victim, other = "expert-e1-r1", "expert-e2-r1"
+    rows = pack(torch.randn(3, transport_hidden(routers)))
+    calls = [transport.submit(name, 0, [1 if name == victim else 2], [3], rows) for name in (victim, other)]
+    ray.wait([c.result for c in calls], num_returns=2, timeout=60)
+    kill_and_wait(victim)
+    started = time.monotonic()
+    dead, alive = transport.gather_settled(calls, timeout=30)
+    assert time.monotonic() - started < 20
+    assert isinstance(dead, ray.exceptions.RayActorError), dead
+    assert isinstance(alive, torch.Tensor) and alive.shape == (3, transport_hidden(routers))
+    assert ray.get(ray.get_actor(other, namespace=NAMESPACE).ready.remote(), timeout=30)  # not killed by Ray
+    # Later tests connect to every actor by name: wait for the controller's restore.
+    wait_for(lambda: ray.get(ray.get_actor(victim, namespace=NAMESPACE).ready.remote(), timeout=30), 120,
+             f"{victim} restored", every=0.5, ignore=(ValueError, ray.exceptions.RayActorError))
+
+
+def transport_hidden(routers) -> int:
+    return routers["rdt"].model_config.hidden_size
 
 
 def test_compiled_teardown_leaves_no_loop_or_channel(mesh):

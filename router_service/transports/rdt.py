@@ -1,0 +1,149 @@
+"""The `rdt` transport: expert rows and outputs travel as tensors through Ray Direct Transport (RDT) with NIXL, Ray's
+one-sided tensor transport, and only the call itself (layer, experts, counts, two object refs) through Ray's RPC.
+
+    router: ray.put(rows, nixl) ──[ref]──► actor.forward_rdt: ray.get reads the rows out of the router's memory
+    router: ray.get(out, nixl)  ◄──(ref)── compute; ray.put(out, nixl): the output stays in the actor's memory
+                                            and the router reads it out
+Both reads are one-sided NIXL reads made by the reading process on its own thread with a timeout. The refs travel
+boxed, so Ray never starts its own receive task for them: that would run in the actor's `_ray_system` concurrency
+group, which a compiled graph's loop holds while it is up (measured: every call then waited until the controller
+found the actors hung and killed them).
+
+On a CPU NIXL moves host memory over UCX (shared memory / TCP on one node); on GPUs UCX moves device memory (CUDA
+IPC on a node, RDMA across nodes): the same calls. Why NIXL and not the collective transports (GLOO, NCCL) or
+compiled-graph NCCL channels: in Ray 2.60 a collective transport needs both ends to be actors of one group (an
+embedded router is the driver), an actor sits in one group per backend, and when a transfer fails Ray kills *both*
+ends and destroys the group, so one expert's death would kill the router (tests/integration/test_rdt_limits.py pins
+this; docs/concepts/transports.md: Device to device). NIXL needs no group, lets the driver put and get, and aborts a
+failed transfer instead of killing anyone.
+
+Failover is Ray's own, as on `refs`: a call to a dead actor fails with RayActorError; an output whose actor died
+after computing it fails to read with RayDirectTransportError, which is turned into RayActorError when Ray says the
+actor is dead (dispatch marks it dead and re-sends), else into ExpertUnreachable (a failed call, retried
+elsewhere); a hung actor's call times out within the step (the user timeout of every get). No group to rebuild: a
+restored replica is a new handle in `actors`, the next call goes to it.
+
+Dispatch hands this transport host rows (HostTensor) and combines host outputs today, so outputs are read into host
+memory (`set_target_device_for_ref(..., "cpu")`); letting a GPU router put its device rows and read outputs onto its
+device is a change in dispatch (the layer's `layer_to_host`), left for after its refactor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from ...experts.arrays import HostTensor, to_tensor
+from ...experts.rdt_box import rdt_box
+from .grpc import liveness_error
+
+log = logging.getLogger(__name__)
+
+WARMUP_TIMEOUT_S = 120.0
+NIXL_MISSING = ("transport: 'rdt' moves tensors with NIXL (Ray Direct Transport's one-sided transport), which is not "
+                "installed here: pip install 'expertmesh[rdt]' (or nixl) on the router's and every expert node")
+
+
+def rdt_available() -> bool:
+    """Whether this process can use the `rdt` transport (NIXL's Python package, as Ray imports it)."""
+    try:
+        from nixl._api import nixl_agent  # noqa: F401 - the import Ray's NIXL transport makes
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class RdtCall:
+    """One submitted call: the actor's result ref (a 1-tuple holding the output's RDT ref) and the rows' ref, kept
+    until the call is gathered so Ray keeps the rows registered while the actor reads them."""
+
+    actor: str
+    result: ray.ObjectRef
+    rows: ray.ObjectRef | torch.Tensor | None
+
+
+class RdtTransport:
+    takes_prefetch = True  # hints ride with the call (ExpertActor.forward_rdt's `prefetch=`)
+
+    def __init__(self, actors: dict[str, ray.actor.ActorHandle]):
+        if not rdt_available():
+            raise ValueError(NIXL_MISSING)
+        self.actors = actors  # NameReviver swaps restored replicas in here
+        self.failed_reads = 0  # outputs that could not be read (their actor died after computing them)
+
+    def warm_up(self, timeout: float = WARMUP_TIMEOUT_S) -> None:
+        """Start NIXL's agent here and in every actor (seconds each under load) and read once each way, so the
+        first step runs at steady-state speed. An actor that fails here fails its first real call the same way."""
+        probe = torch.zeros(1, 1)
+        names = list(self.actors)
+        calls = [self.actors[n].rdt_echo.remote([rdt_box(probe)]) for n in names]
+        for name, call in zip(names, calls):
+            result = self._read(RdtCall(name, call, None), time.monotonic() + timeout)
+            if isinstance(result, BaseException):
+                log.warning("rdt warm-up of %s failed: %s: %s", name, type(result).__name__, result)
+
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
+               trace: dict[str, str] | None = None, prefetch: list | None = None) -> RdtCall:
+        rows = rdt_box(to_tensor(x))  # [n, H]: a ref the actor reads through NIXL (an empty tensor travels itself)
+        extra: dict = {}
+        if trace is not None:
+            extra["trace"] = trace
+        if prefetch is not None:
+            extra["prefetch"] = prefetch
+        # Boxed in a list: the actor reads it itself (see the module docstring).
+        return RdtCall(actor, self.actors[actor].forward_rdt.remote(layer, experts, counts, [rows], **extra), rows)
+
+    def gather_settled(self, handles: list[RdtCall], timeout: float) -> list[torch.Tensor | BaseException]:
+        deadline = time.monotonic() + timeout
+        calls = [h.result for h in handles]
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout)
+        if len(ready) == len(calls):
+            try:
+                # The common case: every call succeeded; start every read at once and wait for them together.
+                outs = [out for (out,) in ray.get(calls)]
+                refs = [out for out in outs if isinstance(out, ray.ObjectRef)]
+                for ref in refs:
+                    _to_host(ref)
+                read = iter(ray.get(refs, timeout=max(0.0, deadline - time.monotonic())))  # [n_i, H] each
+                return [next(read) if isinstance(out, ray.ObjectRef) else out for out in outs]
+            except Exception:  # some call or read failed: sort out which, one by one
+                pass
+        finished = set(ready)
+        results: list[torch.Tensor | BaseException] = []
+        for handle in handles:
+            if handle.result not in finished:
+                results.append(TimeoutError(f"expert call did not finish within {timeout}s"))
+                continue
+            results.append(self._read(handle, deadline))
+        return results
+
+    def _read(self, handle: RdtCall, deadline: float) -> torch.Tensor | BaseException:
+        """The call's output, read out of its actor's memory, or the error the call or the read failed with."""
+        try:
+            (out,) = ray.get(handle.result)
+        except Exception as exc:  # the actor died, its node went away, or its code raised: Ray's own error
+            return exc
+        if not isinstance(out, ray.ObjectRef):
+            return out  # an empty output travels itself
+        _to_host(out)
+        try:
+            return ray.get(out, timeout=max(0.0, deadline - time.monotonic()))  # [n, H]
+        except ray.exceptions.GetTimeoutError:
+            return TimeoutError(f"reading {handle.actor}'s output did not finish in time")
+        except ray.exceptions.RayActorError as dead:
+            return dead
+        except Exception as exc:  # RayDirectTransportError: the source may have died after computing
+            self.failed_reads += 1
+            return liveness_error(self.actors[handle.actor], handle.actor, "rdt", f"reading its output: {exc}")
+
+
+def _to_host(out: ray.ObjectRef) -> None:
+    """Read `out` into host memory: dispatch combines host outputs today (see the module docstring)."""
+    from ray.experimental import set_target_device_for_ref
+
+    set_target_device_for_ref(out, "cpu")
