@@ -16,10 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .cost_model import (Layout, Profile, StepShape, dense_step_flops, expected_hit, expert_layer_flops,
-                         predict_step)
-from .cost_profiles import (PLAN_FIXED_S, PLAN_PER_CALL_S, PLAN_PER_SLOT_S, HardwareProfile, TransportProfile,
-                            bench_shape)
+from .cost_model import Layout, Profile, StepShape, dense_step_flops, expected_hit, expert_layer_flops, predict_step
+from .cost_profiles import (
+    PLAN_FIXED_S,
+    PLAN_PER_CALL_S,
+    PLAN_PER_SLOT_S,
+    HardwareProfile,
+    TransportProfile,
+    bench_shape,
+)
 
 BENCH_CONTEXT = 64  # ops/bench/dispatch.py DispatchParams.decode: 32 sequences with 64 tokens of context
 

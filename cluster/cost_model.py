@@ -25,8 +25,17 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from .cost_profiles import (DENSE_OPS_PER_LAYER, OPS_PER_EXPERT_CALL, OPS_PER_SHARD, PLAN_FIXED_S, PLAN_PER_CALL_S,
-                            PLAN_PER_SLOT_S, HardwareProfile, ModelShape, TransportProfile)
+from .cost_profiles import (
+    DENSE_OPS_PER_LAYER,
+    OPS_PER_EXPERT_CALL,
+    OPS_PER_SHARD,
+    PLAN_FIXED_S,
+    PLAN_PER_CALL_S,
+    PLAN_PER_SLOT_S,
+    HardwareProfile,
+    ModelShape,
+    TransportProfile,
+)
 
 OVERLAP_MARGIN = 0.05  # overlap must save 5 % of the plain step: the model is not exact enough to chase less
 GIB = 1 << 30
@@ -116,7 +125,8 @@ def expected_hit(experts: int, top_k: int, tokens: float) -> float:
 def router_layer_params(m: ModelShape, moe: bool) -> int:
     """Weights the router reads for one layer: attention + the gate and shared experts, or the dense MLP."""
     if moe:
-        return m.attention_params + m.hidden_size * m.num_experts + 3 * m.hidden_size * m.shared_expert_intermediate_size
+        shared = 3 * m.hidden_size * m.shared_expert_intermediate_size
+        return m.attention_params + m.hidden_size * m.num_experts + shared
     return m.attention_params + 3 * m.hidden_size * m.dense_intermediate_size
 
 

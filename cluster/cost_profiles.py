@@ -8,7 +8,7 @@ by a measurement when a GPU is lent. CPU constants come from `expertmesh bench d
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 # ---- hardware --------------------------------------------------------------------------------------------------
 
