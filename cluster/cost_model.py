@@ -51,6 +51,7 @@ class Layout:
     actors: int
     expert_bytes: float = 2.0  # bytes per expert weight (bf16 2, int8 1, int4 0.5)
     act_bytes: float = 2.0  # bytes per activation / dense weight element (bf16)
+    shared_device: bool = False  # router and experts on one GPU: their kernels take turns on it
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,8 @@ def overlapped_layer_s(p: Profile, step: StepShape) -> float:
         return 2 * h.total  # shared cores: the halves run one after the other, each paying its fixed costs
     router = h.router_side + max(0.0, _calls(p, step.half())[0] - 1) * p.transport.issue_s
     rest = h.total - router
+    if p.layout.shared_device:  # one GPU runs both: only the transport's latency can hide
+        return max(2 * (h.router_dense + h.expert + h.combine) + 2 * h.plan, router + rest)
     return max(2 * router, router + rest, 2 * h.expert)
 
 
@@ -249,12 +252,15 @@ def router_bytes(m: ModelShape, sequences: int, context: int, act_bytes: float =
 
 def node_layout(m: ModelShape, hw: HardwareProfile, gpus: int, sequences: int, context: int,
                 utilization: float = 0.9) -> tuple[Layout | None, str]:
-    """The lightest-to-serve layout that fits `gpus` GPUs: one router GPU, one expert actor per other GPU, experts
-    in bf16, else int8, else int4 (README: Quantised experts). (None, why) when nothing fits."""
+    """The lightest-to-serve layout that fits `gpus` GPUs: one router GPU, one expert actor per other GPU (one GPU:
+    both on it), experts in bf16, else int8, else int4 (README: Quantised experts). (None, why) when nothing fits."""
     usable = hw.memory_gib * GIB * utilization - RESERVE_BYTES
+    if gpus == 1:  # router and the one expert actor share the GPU
+        for name, b in EXPERT_BYTES.items():
+            if router_bytes(m, sequences, context) + expert_total_bytes(m, b) <= usable:
+                return Layout(devices=1, actors=1, expert_bytes=b, shared_device=True), f"one GPU, experts {name}"
+        return None, "router and experts do not fit one GPU even in int4"
     devices = gpus - 1
-    if devices < 1:
-        return None, "needs at least 2 GPUs (one router, one expert)"
     if router_bytes(m, sequences, context) > usable:
         return None, f"router weights + KV ({router_bytes(m, sequences, context) / GIB:.0f} GiB) exceed one GPU"
     for name, b in EXPERT_BYTES.items():
