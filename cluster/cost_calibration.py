@@ -18,19 +18,15 @@ from dataclasses import dataclass, replace
 
 from .cost_model import Layout, Profile, StepShape, dense_step_flops, expected_hit, expert_layer_flops, predict_step
 from .cost_profiles import (
+    CPU_BASE,
     PLAN_FIXED_S,
     PLAN_PER_CALL_S,
     PLAN_PER_SLOT_S,
-    HardwareProfile,
     TransportProfile,
     bench_shape,
 )
 
 BENCH_CONTEXT = 64  # ops/bench/dispatch.py DispatchParams.decode: 32 sequences with 64 tokens of context
-
-CPU_BASE = HardwareProfile(name="cpu", mem_bw=float("inf"), flops=1e10, memory_gib=0.0,
-                           device_link_bw=float("inf"), host_link_bw=float("inf"), host_copy_bw=float("inf"),
-                           mem_eff=1.0, flop_eff=1.0, concurrent=False, source="fitted from expertmesh bench dispatch")
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,22 @@ DENSE_OPS_PER_LAYER = 30
 OPS_PER_EXPERT_CALL = 6  # gather rows, grouped gate/up, act, down, scale (estimate; + 3 per shard below)
 OPS_PER_SHARD = 3
 
+# The CPU: router and expert actors share its cores (concurrent False); the rates are fitted per machine by
+# cluster/cost_calibration.py from `expertmesh bench dispatch`.
+CPU_BASE = HardwareProfile(name="cpu", mem_bw=math.inf, flops=1e10, memory_gib=0.0, device_link_bw=math.inf,
+                           host_link_bw=math.inf, host_copy_bw=math.inf, mem_eff=1.0, flop_eff=1.0, concurrent=False,
+                           expert_flops_per_cpu_s=1e10, source="placeholder rates; fitted by cost_calibration")
+
+
+def gpu_profile(device_name: str) -> HardwareProfile | None:
+    """The profile of a GPU from torch.cuda.get_device_name (e.g. "NVIDIA H100 80GB HBM3"); None when unknown."""
+    name = device_name.upper()
+    for key in sorted(GPUS, key=len, reverse=True):
+        if key in name:
+            return GPUS[key]
+    return None
+
+
 # ---- transports ------------------------------------------------------------------------------------------------
 
 
