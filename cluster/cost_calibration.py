@@ -57,14 +57,18 @@ def calibrate_cpu(bench: dict, context: int = BENCH_CONTEXT) -> CpuFit:
                  cpu_parallelism=cpu_per_layer / busy)
     fitted = {"dense_flops_per_s": hw.flops, "expert_flops_per_cpu_s": hw.expert_flops_per_cpu_s,
               "cpu_parallelism": hw.cpu_parallelism, "transport_per_call_s": per_call,
-              "transport": bench["transport"], "sequences": n, "context": context}
+              "transport": bench["transport"], "sequences": n, "context": context,
+              "transformers_forward_s": d["transformers_forward_s"]}
     return CpuFit(Profile(m, hw, transport, Layout(devices=1, actors=actors, act_bytes=4.0)),
                   StepShape(n, n, context), fitted)
 
 
 def check_prediction(fit: CpuFit, bench: dict, context: int = BENCH_CONTEXT) -> dict:
     """The fitted profile's decode step against another run's measured one (its batch may differ):
-    {predicted_s, measured_s, error (relative), within_25}."""
+    {predicted_s, measured_s, error (relative), within_25}. At the calibration's batch it also reports the run's
+    load factor (transformers' forward in that run over the calibration run's: both runs time transformers on the
+    same weights and batch, alternating with expertmesh, so the ratio is how much slower the box was) and the error
+    of the prediction scaled by it: a loaded box slows every process, which a fit on a quiet box cannot know."""
     d = bench["decode"]
     n = int(d["tokens_per_forward"])
     model = bench_shape(bench["model"])
@@ -73,5 +77,9 @@ def check_prediction(fit: CpuFit, bench: dict, context: int = BENCH_CONTEXT) -> 
     predicted = predict_step(fit.profile, StepShape(n, n, context), overlap=bool(bench.get("overlap"))).step_s
     measured = d["expertmesh_forward_s"]
     error = predicted / measured - 1
-    return {"sequences": n, "predicted_s": round(predicted, 5), "measured_s": measured, "error": round(error, 4),
-            "within_25": abs(error) <= 0.25}
+    out = {"sequences": n, "predicted_s": round(predicted, 5), "measured_s": measured, "error": round(error, 4),
+           "within_25": abs(error) <= 0.25}
+    if n == fit.fitted["sequences"]:
+        load = d["transformers_forward_s"] / fit.fitted["transformers_forward_s"]
+        out |= {"load_factor": round(load, 3), "error_load_adjusted": round(predicted * load / measured - 1, 4)}
+    return out

@@ -101,3 +101,70 @@ def targets(context: int = CONTEXT) -> list[dict]:
         out.append({"target": "Qwen3-30B-A3B one stream >= 100 tokens/s on one H200", "predicted": round(best, 1),
                     "unit": "tokens/s", "met": best >= 100})
     return out
+
+
+def markdown_table(rows: list[dict] | None = None) -> str:
+    """The docs page's prediction table (docs/concepts/cost-model.md; a unit test keeps the page equal to it)."""
+    rows = prediction_rows() if rows is None else rows
+    names = list(TRANSPORTS)
+    lines = ["| model | GPUs | batch | layout | " + " | ".join(names) + " | TP=8 engine, batch 1 (estimate) |",
+             "|---" * (5 + len(names)) + "|"]
+    for r in rows:
+        if "tokens_per_s" not in r:
+            cells = ["does not fit"] * len(names)
+        else:
+            cells = [f"{r['tokens_per_s'][n]:,.0f}{'*' if r['overlap'][n] else ''}" for n in names]
+        tp = f"{r['tp_b1_estimate']:,.0f}" if "tp_b1_estimate" in r else ""
+        lines.append(f"| {r['model']} | {r['hardware']} | {r['batch']} | {r['layout']} | " + " | ".join(cells)
+                     + f" | {tp} |")
+    return "\n".join(lines)
+
+
+def markdown_layers(rows: list[dict] | None = None) -> str:
+    """Per MoE layer, the rdt transport's components (us) for every row that fits."""
+    rows = prediction_rows() if rows is None else rows
+    parts = ("router_dense", "plan", "transport", "expert", "combine", "total")
+    lines = ["| model | GPUs | batch | " + " | ".join(p.replace("_", " ") for p in parts) + " |",
+             "|---" * (3 + len(parts)) + "|"]
+    for r in rows:
+        if "layer_us" in r:
+            lines.append(f"| {r['model']} | {r['hardware']} | {r['batch']} | "
+                         + " | ".join(f"{r['layer_us'][p]:,.0f}" for p in parts) + " |")
+    return "\n".join(lines)
+
+
+def markdown_targets() -> str:
+    lines = ["| target | predicted | met |", "|---|---|---|"]
+    for t in targets():
+        lines.append(f"| {t['target']} | {t['predicted']} {t['unit']} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def what_if(context: int = CONTEXT) -> list[dict]:
+    """Single-stream tokens/s (rdt) when the model's biggest fixed costs go: eager launches (CUDA graphs), the
+    router's host planning (planning on the device: infinite host speed), both. Where the targets would come from."""
+    from dataclasses import replace
+
+    out = []
+    tr = gpu_transports()["rdt"]
+    cases = [("Mixtral-8x7B, 8xH100", MODELS["mixtral-8x7b"], GPUS["H100"], 8),
+             ("Qwen3-30B-A3B, 1xH200", MODELS["qwen3-30b-a3b"], GPUS["H200"], 1)]
+    for label, m, hw, gpus in cases:
+        layout, _ = node_layout(m, hw, gpus, 1, context)
+        variants = {"as modelled": hw, "no launch overhead": replace(hw, op_overhead_s=0.0),
+                    "no host planning": replace(hw, host_speed=float("inf")),
+                    "neither": replace(hw, op_overhead_s=0.0, host_speed=float("inf"))}
+        row: dict = {"case": label}
+        for name, variant in variants.items():
+            row[name] = round(predict_step(Profile(m, variant, tr, layout), StepShape(1, 1, context)).tokens_per_s, 1)
+        out.append(row)
+    return out
+
+
+def markdown_what_if() -> str:
+    rows = what_if()
+    keys = [k for k in rows[0] if k != "case"]
+    lines = ["| rdt, batch 1 | " + " | ".join(keys) + " |", "|---" * (1 + len(keys)) + "|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | " + " | ".join(f"{r[k]:,.1f}" for k in keys) + " |")
+    return "\n".join(lines)

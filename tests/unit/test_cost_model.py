@@ -210,3 +210,11 @@ def test_cost_modules_import_no_torch_or_ray():
             "{'torch', 'ray', 'grpc'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+def test_the_docs_page_shows_the_models_current_tables():
+    from expertmesh.cluster.cost_report import markdown_layers, markdown_table, markdown_targets, markdown_what_if
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "concepts" / "cost-model.md").read_text()
+    for block in (markdown_table(), markdown_layers(), markdown_targets(), markdown_what_if()):
+        assert block in page, "docs/concepts/cost-model.md is stale: paste cluster/cost_report.py's tables"
