@@ -36,10 +36,12 @@ class CpuFit:
     fitted: dict  # the constants, for the docs and the JSON
 
 
-def calibrate_cpu(bench: dict, context: int = BENCH_CONTEXT) -> CpuFit:
-    """The CPU profile (and the bench model's Profile) from one bench dispatch result with a "decode" section."""
+def calibrate_cpu(bench: dict, context: int | None = None) -> CpuFit:
+    """The CPU profile (and the bench model's Profile) from one bench dispatch result with a "decode" section.
+    context: the decode workload's; default what the JSON records ("decode_workload"), else the bench's 64."""
     if "decode" not in bench:
         raise ValueError("calibrate_cpu: the bench JSON has no 'decode' section (run --workload decode or both)")
+    context = _context(bench, context)
     d = bench["decode"]
     m = bench_shape(bench["model"])
     n = int(d["tokens_per_forward"])
@@ -63,7 +65,11 @@ def calibrate_cpu(bench: dict, context: int = BENCH_CONTEXT) -> CpuFit:
                   StepShape(n, n, context), fitted)
 
 
-def check_prediction(fit: CpuFit, bench: dict, context: int = BENCH_CONTEXT) -> dict:
+def _context(bench: dict, context: int | None) -> int:
+    return context if context is not None else int(bench.get("decode_workload", {}).get("context", BENCH_CONTEXT))
+
+
+def check_prediction(fit: CpuFit, bench: dict, context: int | None = None) -> dict:
     """The fitted profile's decode step against another run's measured one (its batch may differ):
     {predicted_s, measured_s, error (relative), within_25}. At the calibration's batch it also reports the run's
     load factor (transformers' forward in that run over the calibration run's: both runs time transformers on the
@@ -71,6 +77,7 @@ def check_prediction(fit: CpuFit, bench: dict, context: int = BENCH_CONTEXT) -> 
     of the prediction scaled by it: a loaded box slows every process, which a fit on a quiet box cannot know."""
     d = bench["decode"]
     n = int(d["tokens_per_forward"])
+    context = _context(bench, context)
     model = bench_shape(bench["model"])
     if model != fit.profile.model:
         raise ValueError("check_prediction: the run benchmarked another model than the calibration run")
