@@ -218,3 +218,15 @@ def test_the_docs_page_shows_the_models_current_tables():
     page = (Path(__file__).resolve().parents[2] / "docs" / "concepts" / "cost-model.md").read_text()
     for block in (markdown_table(), markdown_layers(), markdown_targets(), markdown_what_if()):
         assert block in page, "docs/concepts/cost-model.md is stale: paste cluster/cost_report.py's tables"
+
+
+def test_plan_cluster_latency_on_a_checkpoint_adds_the_prediction_to_the_fit(checkpoints, capsys):
+    from expertmesh.ops.cli import main
+
+    assert main(["plan-cluster", "--model", str(checkpoints["mixtral"]), "--gpu-type", "H100", "--gpus-per-node", "8",
+                 "--latency", "--batch", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"][0]["gpu_type"] == "H100"  # the memory fit is still there
+    row = out["latency"][0]["batches"][0]
+    assert row["batch"] == 4 and set(row["transports"]) == set(TRANSPORTS)
+    assert all(t["tokens_per_s"] > 0 for t in row["transports"].values())
