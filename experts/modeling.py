@@ -13,11 +13,14 @@ or none (a prompt chunk that is not the prompt's end).
 Overlap (`overlap=True`, README: Transports / Overlap): a step of ≥ 2 sequences is split into two micro-batches
 (contiguous halves by sequence, balanced by tokens) that take turns, so one's expert round is in flight while the
 other runs its dense part (ping-pong). Each sequence's math is the same, only matmul batch sizes change.
+`overlap` may also be a callable (lengths, starts) -> bool asked every step (router.overlap "auto": the latency
+model's choice, cluster/overlap_policy.py), so a step splits only where the split pays.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -94,10 +97,11 @@ class MoEDecoder:
         weights: DenseWeights,
         experts: ExpertBackend,
         capacity_factor: float | None = None,
-        overlap: bool = False,
+        overlap: bool | Callable[[Sequence[int], Sequence[int]], bool] = False,
         kv_cache: KVCacheSettings | None = None,
     ):
-        """kv_cache: block size and budget of the paged KV cache, allocated here on the device of the weights."""
+        """kv_cache: block size and budget of the paged KV cache, allocated here on the device of the weights.
+        overlap: True / False, or a per-step choice (lengths, starts) -> bool."""
         if overlap and capacity_factor is not None:
             # Capacity is per expert call: splitting a step into micro-batches would change which tokens overflow.
             raise ValueError("overlap: cannot be combined with capacity_factor (capacity is per step)")
@@ -105,7 +109,7 @@ class MoEDecoder:
         self.w = weights
         self.experts = experts
         self.capacity_factor = capacity_factor
-        self.overlap = overlap  # ping-pong two micro-batches when the step and the backend allow it
+        self.overlap = overlap  # ping-pong two micro-batches when the step (and the policy) and the backend allow it
         self.act = activation(cfg.hidden_act)
         # Everything the decoder makes per step (positions, RoPE tables, masks) lives where its weights do.
         self.rope = build_rope(cfg, device=self.device)
@@ -165,7 +169,7 @@ class MoEDecoder:
         if begin is not None:
             begin()
         try:
-            split = self._split(lengths) if self._can_overlap() else None
+            split = self._split(lengths) if self._can_overlap(lengths, starts) else None
             if split is None:
                 trace = self._run_layers(step)
                 x = step.x
@@ -205,8 +209,10 @@ class MoEDecoder:
 
     # ---- layer schedules ---------------------------------------------------------------------------------------
 
-    def _can_overlap(self) -> bool:
-        return self.overlap and self.capacity_factor is None and hasattr(self.experts, "submit")
+    def _can_overlap(self, lengths: list[int], starts: list[int]) -> bool:
+        if not self.overlap or self.capacity_factor is not None or not hasattr(self.experts, "submit"):
+            return False
+        return bool(self.overlap(lengths, starts)) if callable(self.overlap) else True
 
     @staticmethod
     def _split(lengths: list[int]) -> int | None:

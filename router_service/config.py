@@ -32,7 +32,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..cluster.controller_config import ControllerConfig
 from ..cluster.naming import DEFAULT_MESH_ID, mesh_id_problem
@@ -210,7 +210,9 @@ class RouterConfig:
     # How expert calls travel: "refs" | "grpc" | "socket" | "compiled" | "rdt", or "auto": socket on an embedded
     # Ray, refs on a joined cluster (README: Transports).
     transport: str = "auto"
-    overlap: bool = False  # ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap)
+    # Ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap): True, False, or "auto":
+    # the latency model decides per step (cluster/overlap_policy.py; on a CPU it is always off).
+    overlap: bool | Literal["auto"] = False
     capacity_factor: float | None = None  # None: no cap, no token is ever moved or dropped
     # torch threads of a router; None: the CPUs it was given (a Serve replica: what Ray assigned it, at least 1; an
     # in-process router: torch's default, the process's CPUs). Setting it also makes a Serve replica reserve as many.
@@ -232,7 +234,9 @@ class RouterConfig:
             raise ValueError(f"transport: must be one of {TRANSPORT_SETTINGS}, got {self.transport!r}")
         if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             raise ValueError(f"capacity_factor: must be a positive finite number, got {self.capacity_factor}")
-        if self.overlap and self.capacity_factor is not None:
+        if isinstance(self.overlap, str) and self.overlap != "auto":
+            raise ValueError(f"overlap: must be true, false or \"auto\", got {self.overlap!r}")
+        if self.overlap is True and self.capacity_factor is not None:
             raise ValueError("overlap: cannot be combined with capacity_factor (capacity is per step; micro-batches "
                              "would change which tokens overflow)")
         if self.threads is not None and self.threads < 1:

@@ -4,7 +4,8 @@ Generic over any dataclass tree, so every configuration section is declared once
 that uses it, and the tree (router_service/config.py) gets reading, writing and validation without per-field code.
 
 - `from_dict(cls, data)`: unknown keys are refused by name ("router.transprot: unknown setting; known: ..."), values
-  are checked against the field's type annotation (bool, int, float, str, None-able, tuple, nested dataclass).
+  are checked against the field's type annotation (bool, int, float, str, Literal, None-able, tuple, nested
+  dataclass).
 - `to_dict(obj)`: the inverse (tuples become lists), so `from_dict(type(c), to_dict(c)) == c`.
 - `validate_tree(obj)`: calls the `validate()` of every section below obj; a section's
   `ValueError("name: message")` becomes one `ConfigError` naming the full dotted path ("router.batcher.max_active").
@@ -61,6 +62,11 @@ def _convert(hint: Any, value: Any, path: str) -> Any:
             except ConfigError as exc:
                 errors.append(exc)
         raise errors[0]
+    if origin is typing.Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
+            raise ConfigError(path, f"must be one of {', '.join(repr(a) for a in allowed)}, got {_describe(value)}")
+        return value
     if dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
+from ..cluster.overlap_policy import StepOverlapPolicy, runtime_profile
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
@@ -100,7 +101,7 @@ class Router:
         kv_cache = settings_for(dense.embed.device, settings.kv_cache_gb, settings.gpu_memory_utilization,
                                 settings.kv_block_size)
         self.model = MoEDecoder(self.model_config, dense, self.backend, settings.capacity_factor,
-                                overlap=settings.overlap, kv_cache=kv_cache)
+                                overlap=self._overlap_setting(settings, len(spec.actor_shards)), kv_cache=kv_cache)
         prefetch = config.experts.prefetch_mode(self.transport_name)
         if prefetch != "off":  # README: Offload
             self.backend.prefetcher = NextLayerPredictor(prefetch, self.model_config.moe_layers,
@@ -119,6 +120,20 @@ class Router:
         self.observer.start_reporter()
         # Follow the placement the controller publishes (live remap); switches happen between steps.
         self.follower = TableFollower(self.backend, self.observer.router_id, mesh_id=spec.mesh_id).start()
+
+    def _overlap_setting(self, settings, actors: int):
+        """router.overlap as the decoder takes it: True / False, or for "auto" the latency model's per-step choice
+        (cluster/overlap_policy.py: off on a CPU, off with a capacity factor, off on a GPU it has no profile of)."""
+        if settings.overlap != "auto":
+            return settings.overlap
+        if settings.capacity_factor is not None:
+            return False
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        profile = runtime_profile(self.model_config, self.device.type, name, self.transport_name, actors)
+        if profile is None:
+            log.info("router: overlap auto -> off (no latency profile for %s / %s)", name, self.transport_name)
+            return False
+        return StepOverlapPolicy(profile)
 
     @property
     def table(self):

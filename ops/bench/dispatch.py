@@ -66,7 +66,8 @@ def run_dispatch_bench(params: DispatchParams = DispatchParams(), verbose: bool 
     torch.manual_seed(0)
     model, repeats = params.model_shape, params.repeats
     result: dict = {"benchmark": "dispatch", "shape": params.shape, "model": model, "transport": transport,
-                    "overlap": overlap, "dtype": dtype, "repeats": repeats, "machine": machine_info()}
+                    "overlap": overlap, "dtype": dtype, "repeats": repeats, "machine": machine_info(),
+                    "decode_workload": dict(params.decode)}  # sequences and context (the cost model's fit reads it)
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-") as tmp:
         say("writing benchmark checkpoint ...")
         model_dir = write_shape_checkpoint(Path(tmp) / "model", model)

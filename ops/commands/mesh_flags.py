@@ -28,6 +28,13 @@ def _autoscale_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _overlap_value(text: str) -> bool | str:
+    values = {"auto": "auto", "on": True, "off": False, "true": True, "false": False}
+    if text.lower() not in values:
+        raise argparse.ArgumentTypeError(f"must be auto, on or off, got {text!r}")
+    return values[text.lower()]
+
+
 @dataclass(frozen=True)
 class Flag:
     flag: str
@@ -80,7 +87,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--transport", "router.transport", "router", "how routers reach expert actors (README: Transports)",
          {"choices": TRANSPORT_SETTINGS}),
     Flag("--overlap", "router.overlap", "router", "split each step into two micro-batches whose expert rounds "
-         "overlap the other's dense compute (README: Transports / Overlap)", {"action": "store_const", "const": True}),
+         "overlap the other's dense compute (README: Transports / Overlap); `--overlap auto`: the latency model "
+         "decides per step (off on a CPU), `--overlap off`: never",
+         {"nargs": "?", "const": True, "type": _overlap_value, "metavar": "auto|on|off"}),
     Flag("--capacity-factor", "router.capacity_factor", "router", "cap tokens per expert per step (default: no "
          "cap, no token is ever dropped)", {"type": float}),
     Flag("--router-threads", "router.threads", "router", "torch threads per router; a Serve replica also reserves "

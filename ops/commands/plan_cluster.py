@@ -2,6 +2,11 @@
 
 From the checkpoint's config.json alone (a folder or a Hub repo id: only config, tokenizer and index are fetched),
 so it answers before anyone pays for a cluster. The arithmetic is cluster/memory_plan.py.
+
+--latency adds the decode latency model (cluster/cost_model.py, docs/concepts/cost-model.md): per MoE layer router
+dense + plan + transport + expert + combine, and tokens/s, per transport and batch size. A model the latency table
+knows (mixtral-8x7b, qwen3-30b-a3b, deepseek-v3, or their Hub repo ids) needs no checkpoint for it: only the latency
+part is printed then.
 """
 
 from __future__ import annotations
@@ -36,9 +41,27 @@ def add_parser(sub) -> None:
                    "own (as cluster/configs' g6e.xlarge / g2-standard-12); default: on the expert nodes' type")
     p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache per router (GiB)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    lat = p.add_argument_group("latency model (--latency)")
+    lat.add_argument("--latency", action="store_true", help="also predict decode latency and tokens/s per transport "
+                     "and batch (cluster/cost_model.py; a prediction on paper until measured on the GPUs)")
+    lat.add_argument("--transport", action="append", choices=("refs", "grpc", "socket", "compiled", "rdt"),
+                     help="with --latency: transport to predict (repeat; default: all)")
+    lat.add_argument("--batch", action="append", type=int, help="with --latency: sequences decoding together "
+                     "(repeat; default 1, 32, 256)")
+    lat.add_argument("--context", type=int, default=1024, help="with --latency: cached tokens per sequence")
+    lat.add_argument("--latency-overlap", choices=("auto", "on", "off"), default="auto", help="with --latency: "
+                     "two micro-batches per step: auto lets the model decide per batch (router.overlap auto)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from ...cluster.cost_profiles import known_model
+
+    if args.latency and known_model(args.model) is not None:
+        return _latency_only(args, known_model(args.model))
+    return _fit(args)
+
+
+def _fit(args: argparse.Namespace) -> int:
     from ...cluster.memory_plan import GIB, NODE_TYPES, model_memory, plan_fit
     from ...experts.checkpoint import CheckpointReader
     from ...experts.model_source import fetch_checkpoint
@@ -67,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
                "shard_mib": round(mem.shard_bytes / (1 << 20), 2), "moe_layers": mem.moe_layers,
                "experts": mem.experts, "kv_kib_per_token": round(mem.kv_bytes_per_token / 1024, 1), "fits": rows,
                "disk_bytes": disk}
+    latency = None
+    if args.latency:
+        from ...cluster.cost_profiles import shape_from_config
+
+        latency = _latency(args, shape_from_config(cfg, name=args.model), targets)
+        summary["latency"] = latency
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -91,7 +120,84 @@ def run(args: argparse.Namespace) -> int:
               f"{'' if row['router_fits'] else '  (router does not fit its GPU share)'}", file=out)
         print(f"{'':<22}  {row['layout']}", file=out)
     _print_disk(disk, rows, out)
+    if latency is not None:
+        _print_latency(latency, out)
     return 0
+
+
+def _latency_targets(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    from ...cluster.memory_plan import NODE_TYPES
+
+    if args.gpu_type:
+        return [(f"{args.gpus_per_node} x {args.gpu_type}", args.gpu_type, args.gpus_per_node)]
+    if args.node_type:
+        return [(name, *NODE_TYPES[name]) for name in args.node_type]
+    return [("8 x H100", "H100", 8), ("8 x H200", "H200", 8)]  # the GPUs the latency model has profiles of
+
+
+def _latency(args: argparse.Namespace, shape, targets: list[tuple[str, str, int]]) -> list[dict]:
+    """Per target GPU type: the layout the model fits and, per batch, tokens/s per transport and the layer
+    breakdown (us) of each transport."""
+    from ...cluster.cost_model import Profile, StepShape, moe_layer_time, node_layout, predict_step
+    from ...cluster.cost_profiles import GPUS, TRANSPORTS, gpu_transports
+
+    transports = args.transport or list(TRANSPORTS)
+    batches = args.batch or [1, 32, 256]
+    overlap = {"auto": "auto", "on": True, "off": False}[args.latency_overlap]
+    profiles = gpu_transports()
+    out = []
+    for name, gpu, per_node in targets:
+        entry: dict = {"node_type": name, "gpu_type": gpu, "model": shape.name, "context": args.context,
+                       "batches": []}
+        if gpu not in GPUS:
+            entry["error"] = f"no latency profile for {gpu} (known: {', '.join(sorted(GPUS))})"
+            out.append(entry)
+            continue
+        for b in batches:
+            layout, why = node_layout(shape, GPUS[gpu], per_node, b, args.context)
+            row: dict = {"batch": b, "layout": why}
+            if layout is not None:
+                step = StepShape(b, b, args.context)
+                row["transports"] = {}
+                for t in transports:
+                    profile = Profile(shape, GPUS[gpu], profiles[t], layout)
+                    pred = predict_step(profile, step, overlap)
+                    parts = moe_layer_time(profile, step)
+                    row["transports"][t] = {"tokens_per_s": round(pred.tokens_per_s, 1), "overlap": pred.overlap,
+                                            "step_ms": round(pred.step_s * 1000, 3),
+                                            "layer_us": {k: round(v * 1e6, 1) for k, v in vars(parts).items()}}
+            entry["batches"].append(row)
+        out.append(entry)
+    return out
+
+
+def _latency_only(args: argparse.Namespace, shape) -> int:
+    latency = _latency(args, shape, _latency_targets(args))
+    if args.json:
+        print(json.dumps({"model": args.model, "latency": latency}, indent=2))
+        return 0
+    _print_latency(latency, sys.stdout)
+    return 0
+
+
+def _print_latency(latency: list[dict], out) -> None:
+    print("predicted decode (cluster/cost_model.py; on paper until measured): per MoE layer in us, router dense / "
+          "plan / transport / expert / combine; * = two micro-batches", file=out)
+    for entry in latency:
+        head = f"{entry['node_type']} ({entry['gpu_type']}), {entry['model']}, context {entry['context']}"
+        if "error" in entry:
+            print(f"{head}: {entry['error']}", file=out)
+            continue
+        print(head, file=out)
+        for row in entry["batches"]:
+            if "transports" not in row:
+                print(f"  batch {row['batch']:>4}: does not fit: {row['layout']}", file=out)
+                continue
+            for t, r in row["transports"].items():
+                u = r["layer_us"]
+                print(f"  batch {row['batch']:>4} {t:<9}{r['tokens_per_s']:>10.1f} tok/s{'*' if r['overlap'] else ' '}"
+                      f"  {u['router_dense']:>7.1f} {u['plan']:>7.1f} {u['transport']:>7.1f} {u['expert']:>7.1f} "
+                      f"{u['combine']:>6.1f}  ({row['layout']})", file=out)
 
 
 def _disk(args: argparse.Namespace, rows: list[dict]) -> dict[str, int]:

@@ -164,6 +164,22 @@ def test_overlap_gives_the_reference_logits_and_generations(mesh, reference):
             router.close()
 
 
+def test_overlap_auto_resolves_off_on_a_cpu_router_and_serves_the_reference(mesh, reference):
+    """router.overlap "auto" (the latency model's per-step choice, cluster/overlap_policy.py): on a CPU router it
+    never splits a step (router and actors share the cores), and the logits are the reference's."""
+    seqs = sequences()
+    want = reference.forward([torch.tensor(s) for s in seqs])
+    router = Router(mesh.pool.spec, mesh.actors, mesh.config.replace(**{"router.transport": "socket",
+                                                                         "router.overlap": "auto"}))
+    try:
+        assert callable(router.model.overlap)  # a policy, asked per step
+        assert not router.model._can_overlap([len(s) for s in seqs], [0] * len(seqs))
+        for w, g in zip(want, router.score_batch(seqs)):
+            assert (g - w).abs().max().item() <= TOL
+    finally:
+        router.close()
+
+
 def test_killing_an_actor_under_the_compiled_graph_fails_over_then_rebuilds(routers, expected):
     router = routers["compiled"]
     transport: CompiledGraphTransport = router.transport

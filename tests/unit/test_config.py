@@ -186,6 +186,16 @@ def test_expert_quant_flag_reaches_the_pool_spec_field():
     assert MeshConfig.from_dict(config.to_dict()) == config
 
 
+def test_overlap_takes_true_false_or_auto_from_flags_and_files():
+    assert parse("--overlap").router.overlap is True  # the bare flag keeps its old meaning
+    assert parse("--overlap", "auto").router.overlap == "auto"
+    assert parse("--overlap", "off").router.overlap is False and MeshConfig().router.overlap is False
+    config = MeshConfig.from_dict({"router": {"overlap": "auto", "capacity_factor": 1.0}})  # auto: off with a cap
+    assert MeshConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(SystemExit):
+        parse("--overlap", "sometimes")
+
+
 def test_elastic_flags_build_the_elastic_section_and_need_elastic():
     config = parse("--elastic", "--slots-per-gpu", "5", "--autoscale-target", "200", "--max-gpus", "6")
     assert config.controller.elastic == ElasticConfig(slots_per_gpu=5, autoscale={"target_load_per_replica": 200.0,

@@ -73,6 +73,31 @@ def test_overlap_needs_two_sequences_and_is_refused_with_capacity(checkpoints):
         MoEDecoder(plain.cfg, plain.w, plain.experts, capacity_factor=1.0, overlap=True)
 
 
+def test_a_per_step_policy_decides_each_step_and_changes_no_logit(checkpoints):
+    """router.overlap "auto": the decoder asks its policy every step with the step's lengths and cached lengths;
+    a step it declines runs the plain schedule, one it accepts the ping-pong one, with the same logits."""
+    plain, _ = _pair(checkpoints["mixtral"])
+    asked: list[tuple[list[int], list[int]]] = []
+
+    def policy(lengths, starts):  # split decode steps only (prefill steps decline)
+        asked.append((list(lengths), list(starts)))
+        return all(n == 1 for n in lengths)
+
+    log = _Recorder(plain.experts)
+    auto = MoEDecoder(plain.cfg, plain.w, log, overlap=policy)
+    prompts = _prompts((5, 3, 4))
+    caches_p, caches_a = [plain.new_cache() for _ in prompts], [auto.new_cache() for _ in prompts]
+    want, got = plain.forward(prompts, caches_p), auto.forward(prompts, caches_a)
+    assert {kind for kind, *_ in log.events} == {"begin", "end", "run"}  # declined: plain schedule
+    step = [x[-1].argmax().view(1) for x in want]
+    log.events.clear()
+    want, got = plain.forward(step, caches_p), auto.forward(step, caches_a)
+    assert {kind for kind, *_ in log.events} == {"begin", "end", "submit", "wait"}  # accepted: ping-pong
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=0, atol=TOL)
+    assert asked == [([5, 3, 4], [0, 0, 0]), ([1, 1, 1], [5, 3, 4])]
+
+
 class _Recorder:
     """ExpertBackend that logs submit/wait/run (with the token count) and the step hooks."""
 

@@ -115,6 +115,11 @@ PURE_MODULES = (
     "expertmesh.router_service.transports",
     # cluster policies and plans
     "expertmesh.cluster.memory_plan",  # GPU memory accounting for placement and plan-cluster
+    "expertmesh.cluster.cost_profiles",  # the latency model: hardware, transports, model shapes
+    "expertmesh.cluster.cost_model",  # per-layer decode latency and the overlap choice
+    "expertmesh.cluster.cost_calibration",  # the CPU profile fitted from bench dispatch JSON
+    "expertmesh.cluster.cost_report",  # prediction tables, published anchors, targets
+    "expertmesh.cluster.overlap_policy",  # router.overlap auto, per step
     "expertmesh.cluster.actor_slots",
     "expertmesh.cluster.autoscale",
     "expertmesh.cluster.default_pool",  # the default expert pool's actors and slots (nodes passed in)
