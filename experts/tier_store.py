@@ -23,6 +23,7 @@ from concurrent.futures import Future
 
 import torch
 
+from .eviction import make_eviction_order
 from .residency_policy import ResidencyPolicy
 from .weights import load_expert_shards
 
@@ -77,12 +78,14 @@ class TierStore:
     evictions, over_budget (a call needed more than the budget: loaded anyway, evicted after)."""
 
     def __init__(self, shards: list[Shard], lower, budget_bytes: int, window_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, eviction: str = "lfru"):
         self.shards = sorted(shards)
         self.lower = lower
         self.budget_bytes = int(budget_bytes)
         self.clock = clock
-        self.policy = ResidencyPolicy(self.budget_bytes, window_s)
+        # eviction: experts.eviction's order (experts/eviction.py); arc's capacity is set once a shard's size is known
+        order = make_eviction_order(eviction, layers={layer for layer, _ in self.shards}, window_s=window_s)
+        self.policy = ResidencyPolicy(self.budget_bytes, window_s, order)
         self._lock = threading.Lock()
         self._resident: dict[Shard, object] = {}
         self._bytes: dict[Shard, int] = {}  # device bytes of resident and loading shards
@@ -113,7 +116,8 @@ class TierStore:
             with self._lock:
                 self._resident[shard] = weights
                 self._bytes[shard] = size
-                self._shard_bytes = max(self._shard_bytes, size)
+                self._note_shard_size(size)
+                self.policy.admit(shard, self.clock())
             if on_bytes is not None:
                 on_bytes(size)
 
@@ -249,7 +253,8 @@ class TierStore:
         with self._lock:
             self._resident[shard] = weights
             self._bytes[shard] = size
-            self._shard_bytes = max(self._shard_bytes, size)
+            self._note_shard_size(size)
+            self.policy.admit(shard, self.clock())
             self._loading.pop(shard, None)
             self.bytes_moved += size
         future.set_result(None)
@@ -271,6 +276,11 @@ class TierStore:
             self.policy.forget(shard)
             self.evictions += 1
         return True
+
+    def _note_shard_size(self, size: int) -> None:  # lock held
+        self._shard_bytes = max(self._shard_bytes, size)
+        if hasattr(self.policy.order, "capacity"):  # arc: how many shards the budget holds
+            self.policy.order.capacity = max(1, self.budget_bytes // self._shard_bytes)
 
     def resident_bytes(self) -> int:
         """Device bytes held now (resident and loading shards)."""
