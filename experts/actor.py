@@ -44,11 +44,12 @@ class ExpertActor:
     def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "auto", generation: int = 0,
                  tracing: dict | None = None, metrics: bool = True, revision: str | None = None,
                  memory_gb: float | None = None, quant: str = "none", gpu_without_cuda: str = "refuse",
-                 mesh_id: str = DEFAULT_MESH_ID):
+                 mesh_id: str = DEFAULT_MESH_ID, eviction: str = "layer-cycle"):
         """dtype: model.dtype ("auto" or a name), resolved here for this actor's device; revision: with a Hub repo id
         as model_dir; tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
         expertmesh_expert_seconds (and the tier counters) through Ray's metrics API; memory_gb: device budget for
-        this actor's expert weights (None: every shard resident); quant: experts.quant ("none", "int8", "int4");
+        this actor's expert weights (None: every shard resident); eviction: experts.eviction, the order its device
+        tier gives shards back in (experts/eviction.py); quant: experts.quant ("none", "int8", "int4");
         gpu_without_cuda: devices.gpu_without_cuda, what to do when Ray gave a GPU that torch cannot see."""
         self.name = name
         self.generation = generation  # 0 for the first actor of this name; +1 each time it is restored
@@ -77,7 +78,8 @@ class ExpertActor:
                 self.shards = load_expert_shards(reader, shards, self.dtype, self.device, on_bytes=reporter.add,
                                                  quant=quant)
             else:
-                self.tiers = TierStore(shards, self._lower_tier(reader, shards, quant), int(memory_gb * GIB))
+                self.tiers = TierStore(shards, self._lower_tier(reader, shards, quant), int(memory_gb * GIB),
+                                       eviction=eviction)
                 self.tiers.preload(on_bytes=reporter.add)
                 self.shards = {}
         except BaseException as exc:

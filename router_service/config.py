@@ -40,7 +40,7 @@ from ..experts.devices import DevicesConfig
 from ..experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ..experts.errors import ConfigError
 from ..experts.repo_ids import is_repo_id, source_problem
-from ..experts.setting_choices import DTYPE_CHOICES, PREFETCH_SETTINGS, QUANT_MODES
+from ..experts.setting_choices import DTYPE_CHOICES, EVICTION_POLICIES, PREFETCH_SETTINGS, QUANT_MODES
 from ..experts.tracing_config import TracingConfig
 from .batching_config import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
@@ -171,6 +171,10 @@ class ExpertsConfig:
     # state through the next layer's gate), "history" (the experts the next layer used last step); "auto": gate
     # when memory_gb is set, else off.
     prefetch: str = "auto"
+    # With memory_gb: which resident shard leaves when a load needs room (experts/eviction.py): "layer-cycle" (the
+    # shard whose layer runs again last: Belady's order for decode cycling through the layers), "lru", "lfru"
+    # (frequency over 30 s, then recency), "arc". Compared on a recorded routing trace (README: Offload).
+    eviction: str = "layer-cycle"
 
     def prefetch_mode(self, transport: str = "refs") -> str:
         """prefetch with "auto" resolved: gate with a memory budget (unless the transport is compiled, whose actors
@@ -200,6 +204,8 @@ class ExpertsConfig:
             raise ValueError(f"placement: {self.placement} is not a file")
         if self.memory_gb is not None and not (self.memory_gb > 0 and math.isfinite(self.memory_gb)):
             raise ValueError(f"memory_gb: must be a positive finite number of GiB, got {self.memory_gb}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction: must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         if self.prefetch not in PREFETCH_SETTINGS:
             raise ValueError(f"prefetch: must be one of {PREFETCH_SETTINGS}, got {self.prefetch!r}")
         return self

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 PREDICTED_TOP = 4  # predicted experts kept per token (with probabilities)
+# The committed trace (the repository's docs; tests and `bench offload` read it).
+ROUTING_TRACE = Path(__file__).resolve().parents[2] / "docs/benchmarks/results/offload/routing-trace.json"
 
 
 def record_routing_trace(sequences: int = 16, tokens: int = 48, model_dir: str | None = None) -> dict:

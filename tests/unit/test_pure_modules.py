@@ -74,6 +74,8 @@ PURE_MODULES = (
     "expertmesh.experts.mla_attention",
     "expertmesh.experts.model_source",  # folders and Hub repo ids (huggingface_hub imported on use)
     "expertmesh.experts.modeling",
+    "expertmesh.experts.eviction",  # eviction orders of the expert tier: lru, lfru, arc, layer-cycle (fake clock)
+    "expertmesh.experts.eviction_sim",  # replaying a routing trace through the orders and the prefetch decision
     "expertmesh.experts.mxfp4",
     "expertmesh.experts.norms",
     "expertmesh.experts.quant",  # int8/int4 expert weights and their packed matmuls (experts.quant)
