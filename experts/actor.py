@@ -122,23 +122,23 @@ class ExpertActor:
         """x: [sum(counts), H], rows grouped by expert in `experts` order -> unweighted expert outputs, same layout.
         trace: W3C carrier of the router's dispatch span (None: tracing off, no span is made).
         prefetch: shards the router predicts for the next layer, loaded in the background while this call computes
-        (ignored without a memory budget)."""
-        if prefetch:
-            self.prefetch(prefetch)
+        (ignored without a memory budget). Handed to the tiers after this call's shards are pinned: a hint handed
+        first could evict the very shard this call is about to compute with (measured: it did, README: Offload)."""
         if trace is not None and self.tracer is not None:
             with self.tracer.start_as_current_span(
                 "expertmesh.expert", context=context_of(trace),
                 attributes={"actor": self.name, "layer": layer, "experts": list(experts), "tokens": int(sum(counts))},
             ):
-                return self._forward(layer, experts, counts, x)
-        return self._forward(layer, experts, counts, x)
+                return self._forward(layer, experts, counts, x, prefetch)
+        return self._forward(layer, experts, counts, x, prefetch)
 
-    def _forward(self, layer: int, experts: list[int], counts: list[int], x: HostTensor) -> HostTensor:
+    def _forward(self, layer: int, experts: list[int], counts: list[int], x: HostTensor,
+                 prefetch: list[Shard] | None = None) -> HostTensor:
         # Arrays from Ray's object store (and gRPC messages) are read-only views; we never write to them.
         started, cpu_started = time.perf_counter(), time.thread_time()
         inputs = to_tensor(x).to(self.device, self.dtype, non_blocking=True)  # [sum(counts), H]
         with torch.inference_mode():
-            result = self._compute(layer, experts, counts, inputs)  # [sum(counts), H]
+            result = self._compute(layer, experts, counts, inputs, prefetch)  # [sum(counts), H]
             stager = HostStager()  # one per call: gRPC threads and Ray calls may run forwards side by side
             host = stager.stage(result)
             stager.finish()  # the one synchronisation of this call (none on a CPU)
@@ -152,12 +152,15 @@ class ExpertActor:
             self.metrics.observe(elapsed, None if self.tiers is None else self.tiers.stats())
         return out
 
-    def _compute(self, layer: int, experts: list[int], counts: list[int], inputs: torch.Tensor) -> torch.Tensor:
+    def _compute(self, layer: int, experts: list[int], counts: list[int], inputs: torch.Tensor,
+                 prefetch: list[Shard] | None = None) -> torch.Tensor:
         """inputs: [sum(counts), H] on this actor's device, rows grouped by expert -> outputs, same layout."""
         if self.tiers is None:
             return self.experts.run(layer, list(experts), list(counts), inputs)
         weights = self.tiers.acquire(layer, list(experts))  # resident and pinned for this call
         try:
+            if prefetch:
+                self.prefetch(prefetch)  # loads while this call computes, never over its pinned shards
             outs = [gated_mlp(rows, w, self.act) for w, rows in zip(weights, inputs.split(list(counts)))]  # [n_e, H]
             return torch.cat(outs) if outs else inputs.new_zeros((0, inputs.shape[1]))
         finally:

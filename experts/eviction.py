@@ -54,7 +54,11 @@ class LRUOrder:
             self.last_used[shard] = (now, self._tick)
 
     def on_admit(self, shard: Shard, now: float) -> None:
-        pass  # a shard brought in without a use (preload, prefetch) counts as oldest until a call uses it
+        # A shard brought in (on demand, or ahead by prefetch) counts as used now: a prefetched shard that no call
+        # has used yet is the newest, not the oldest (as oldest, the next hint evicted it before its layer ran).
+        if shard not in self.last_used:
+            self._tick += 1
+            self.last_used[shard] = (now, self._tick)
 
     def on_evict(self, shard: Shard) -> None:
         self.last_used.pop(shard, None)
@@ -187,13 +191,27 @@ class LayerCycleOrder(LRUOrder):
 
     def distance(self, shard: Shard) -> int:
         """Layers until `shard`'s layer runs again, counted from the current one (its own layer: a full cycle)."""
-        n = len(self.layers)
-        if self.current is None or shard[0] not in self.position or self.current not in self.position:
-            return n
-        return (self.position[shard[0]] - self.position[self.current] - 1) % n + 1
+        return layers_until(shard[0], self.current, self.layers)
 
     def order(self, candidates: Iterable[Shard], now: float) -> list[Shard]:
         return sorted(candidates, key=lambda s: (-self.distance(s), self.recency(s), s))
+
+
+def layers_until(layer: int, current: int | None, layers: list[int]) -> int:
+    """MoE layers from `current` until `layer` runs again (1: the next one; its own layer: a full cycle, len(layers));
+    a full cycle when either is unknown. layers: sorted."""
+    n = len(layers)
+    if current is None or layer not in layers or current not in layers:
+        return n
+    return (layers.index(layer) - layers.index(current) - 1) % n + 1
+
+
+def prefetch_may_evict(victims: Iterable[Shard], incoming: Shard, current: int | None, layers: list[int]) -> bool:
+    """A prefetch of `incoming` may make room by evicting `victims` only when none of them runs sooner than it: a
+    hint that evicts a shard needed before the one it brings moves bytes to add a stall (the counter-productive
+    traffic measured in README: Offload)."""
+    need_at = layers_until(incoming[0], current, layers)
+    return all(layers_until(v[0], current, layers) >= need_at for v in victims)
 
 
 def make_eviction_order(name: str, layers: Iterable[int] = (), capacity: int = 1,

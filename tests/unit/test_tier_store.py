@@ -121,7 +121,7 @@ def test_preload_fills_the_budget_and_hits_count(reader):
 
 
 def test_lru_eviction_and_a_call_needing_more_than_the_budget(reader):
-    store = _store(reader, shards_resident=2)
+    store = _store(reader, shards_resident=2, eviction="lru")
     for layer in range(3):
         store.acquire(layer, [0])
         store.release(layer, [0])
@@ -148,6 +148,34 @@ def test_prefetch_loads_in_background_and_makes_the_next_call_a_hit(reader):
     after = store.stats()
     assert after["hits"] - before["hits"] == 1 and after["misses"] == before["misses"]
     assert after["prefetch_useful"] == 1 and after["prefetch_issued"] == 2
+    store.close()
+
+
+def test_layer_cycle_keeps_the_shard_whose_layer_comes_next(reader):
+    store = _store(reader, shards_resident=2)  # the default order: layer-cycle
+    for layer in (0, 1, 2):  # decode: layer 2's load must evict (0, 0) or (1, 0)
+        store.acquire(layer, [0])
+        store.release(layer, [0])
+    assert store.resident() == [(0, 0), (2, 0)]  # (1, 0) runs last of the two after layer 2; LRU keeps (1, 0)
+    before = store.stats()["hits"]
+    store.acquire(0, [0])  # the next step's first layer: a hit, where LRU on this cycle misses every time
+    store.release(0, [0])
+    assert store.stats()["hits"] == before + 1
+
+
+def test_a_prefetch_never_evicts_a_shard_that_runs_before_the_one_it_brings(reader):
+    store = _store(reader, shards_resident=2, eviction="lru")
+    store.acquire(1, [0])
+    store.release(1, [0])
+    store.acquire(2, [0])  # resident now: (1, 0) and (2, 0), current layer 2
+    store.prefetch([(1, 3)])  # room only by evicting (1, 0) (LRU's pick, as oldest; (2, 0) is pinned): same layer
+    assert _poll(store, "prefetch_issued", 1)
+    store.release(2, [0])
+    store.acquire(0, [1])  # current layer 0, resident (0, 1) + one of layer 1
+    store.release(0, [1])
+    store.prefetch([(2, 3)])  # runs after layer 1: evicting layer 1's shard (LRU's oldest) would add a stall
+    assert _poll(store, "prefetch_refused", 1)
+    assert (2, 3) not in store.resident() and any(layer == 1 for layer, _ in store.resident())
     store.close()
 
 
