@@ -159,9 +159,15 @@ def simulate_recorded_trace(evictions: tuple[str, ...]) -> dict | None:
 def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, baseline: dict | None,
          params: OffloadParams) -> dict:
     from ...router_service.prefetch import NextLayerPredictor
+    from ...router_service.prefetch_policy import PrefetchPolicy
 
+    # "gate:0.3": gate prefetch hinting only experts some token gives ≥ 0.3 (experts.prefetch_min_confidence)
+    base_mode, _, confidence = mode.partition(":")
+    policy = PrefetchPolicy(min_confidence=float(confidence or 0.0))
     mesh.backend.prefetcher = (None if mode == "off" else
-                               NextLayerPredictor(mode, mesh.model_config.moe_layers, mesh.model.predict_experts))
+                               NextLayerPredictor(base_mode, mesh.model_config.moe_layers, mesh.model.predict_experts,
+                                                  policy=policy, gate_probs=mesh.model.predict_expert_probs,
+                                                  top_k=mesh.model_config.top_k))
     rows = list(prefill_ids)
     mesh.model.forward(rows)  # warm-up
     before = _actor_totals(mesh)

@@ -103,6 +103,7 @@ PURE_MODULES = (
     "expertmesh.router_service.openai_api",  # OpenAI HTTP bodies, responses, stream chunks, errors
     "expertmesh.router_service.pool_layout",  # which pool to start (the live nodes from Ray only on call)
     "expertmesh.router_service.prefetch",  # predicting the next MoE layer's experts (pre-gating, history)
+    "expertmesh.router_service.prefetch_policy",  # which predictions become prefetch hints
     "expertmesh.router_service.openai_requests",  # OpenAI jobs -> GenerationRequests, batcher events -> dicts
     "expertmesh.router_service.sampling",
     "expertmesh.router_service.step_profile",  # the stage clocks of a served step
