@@ -206,14 +206,6 @@ def layers_until(layer: int, current: int | None, layers: list[int]) -> int:
     return (layers.index(layer) - layers.index(current) - 1) % n + 1
 
 
-def prefetch_may_evict(victims: Iterable[Shard], incoming: Shard, current: int | None, layers: list[int]) -> bool:
-    """A prefetch of `incoming` may make room by evicting `victims` only when none of them runs sooner than it: a
-    hint that evicts a shard needed before the one it brings moves bytes to add a stall (the counter-productive
-    traffic measured in README: Offload)."""
-    need_at = layers_until(incoming[0], current, layers)
-    return all(layers_until(v[0], current, layers) >= need_at for v in victims)
-
-
 def make_eviction_order(name: str, layers: Iterable[int] = (), capacity: int = 1,
                         window_s: float = 30.0) -> EvictionOrder:
     """The order named by `experts.eviction`. layers: the MoE layers (layer-cycle); capacity: shards the budget

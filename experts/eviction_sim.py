@@ -39,14 +39,15 @@ class SimTier:
         self.now = 0.0
         self.demand_loads = self.hits = self.prefetch_loads = self.prefetch_used = self.evicted = 0
 
-    def _room(self, pinned: Iterable[Shard]) -> list[Shard]:
+    def _victims(self, pinned: Iterable[Shard]) -> list[Shard]:
+        """The shards that would leave so one more fits (fewer when pinned ones are all that is left)."""
         pinned = set(pinned)
+        order = self.order.order([s for s in self.resident if s not in pinned], self.now)
+        return order[:max(0, len(self.resident) - self.capacity + 1)]
+
+    def _room(self, pinned: Iterable[Shard]) -> list[Shard]:
         out = []
-        while len(self.resident) >= self.capacity:
-            order = self.order.order([s for s in self.resident if s not in pinned], self.now)
-            if not order:
-                break  # every resident shard pinned: the caller goes over the budget (a demand load) or gives up
-            victim = order[0]
+        for victim in self._victims(pinned):
             self.resident.discard(victim)
             self.prefetched.discard(victim)
             self.order.on_evict(victim)

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 
 import torch
 
-from .eviction import make_eviction_order, prefetch_may_evict
+from .eviction import make_eviction_order
 from .residency_policy import ResidencyPolicy
 from .weights import load_expert_shards
 
@@ -99,11 +99,8 @@ class TierStore:
         self._thread: threading.Thread | None = None
         self.hits = self.misses = self.bytes_moved = 0
         self.stall_s = 0.0
-        self.prefetch_issued = self.prefetch_useful = self.prefetch_dropped = self.prefetch_refused = 0
-        self._layers = sorted({layer for layer, _ in self.shards})
-        self._current_layer: int | None = None  # the layer of the latest call: where the decode cycle stands
+        self.prefetch_issued = self.prefetch_useful = self.prefetch_dropped = 0
         self.evictions = self.over_budget = 0
-        self._refused = False  # the last _make_room for a prefetch refused to evict a shard needed sooner
 
     # ---- start-up ------------------------------------------------------------------------------------------
 
@@ -137,7 +134,6 @@ class TierStore:
             for shard in wanted:
                 self._pins[shard] = self._pins.get(shard, 0) + 1
             self.policy.record_use(wanted, now)
-            self._current_layer = layer
             for shard in wanted:
                 if shard in self._prefetched:
                     self._prefetched.discard(shard)
@@ -216,11 +212,8 @@ class TierStore:
                 shard = self._queue.pop(0)
                 if shard in self._resident or shard in self._loading:
                     continue
-                if not self._make_room(self._shard_bytes, demand=False, incoming=shard):
-                    if self._refused:
-                        self._refused = False
-                        self.prefetch_refused += 1  # room only by evicting a shard needed before this one
-                    elif self._pins:
+                if not self._make_room(self._shard_bytes, demand=False):
+                    if self._pins:
                         # Full of shards a call computes with: load this one as soon as a call releases them (a
                         # newer hint may replace it meanwhile), still ahead of the layer that needs it.
                         self._queue.insert(0, shard)
@@ -266,16 +259,11 @@ class TierStore:
             self.bytes_moved += size
         future.set_result(None)
 
-    def _make_room(self, need: int, demand: bool, incoming: Shard | None = None) -> bool:
+    def _make_room(self, need: int, demand: bool) -> bool:
         """Evict (lock held) so `need` more bytes fit. A demand load goes ahead over the budget when pinned shards
-        leave no room (counted); a prefetch does not (returns False), nor when the room would cost a shard that
-        runs before `incoming` (returns False with self._refused set)."""
+        leave no room (counted); a prefetch does not (returns False)."""
         pinned = set(self._pins) | set(self._loading)
         victims = self.policy.victims(self._bytes, need, pinned, self.clock())
-        if victims and incoming is not None and not prefetch_may_evict(victims, incoming, self._current_layer,
-                                                                       self._layers):
-            self._refused = True
-            return False
         if victims is None:
             if not demand:
                 return False
@@ -318,7 +306,6 @@ class TierStore:
                 "resident_shards": len(self._resident), "hosted_shards": len(self.shards),
                 "hits": self.hits, "misses": self.misses, "bytes_moved": self.bytes_moved, "stall_s": self.stall_s,
                 "prefetch_issued": self.prefetch_issued, "prefetch_useful": self.prefetch_useful,
-                "prefetch_dropped": self.prefetch_dropped, "prefetch_refused": self.prefetch_refused,
-                "evictions": self.evictions,
+                "prefetch_dropped": self.prefetch_dropped, "evictions": self.evictions,
                 "over_budget": self.over_budget,
             }

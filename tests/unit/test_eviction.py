@@ -110,16 +110,12 @@ def test_unknown_name_is_refused_naming_the_field():
         make_eviction_order("mru")
 
 
-def test_layers_until_and_the_prefetch_rule():
-    from expertmesh.experts.eviction import layers_until, prefetch_may_evict
+def test_layers_until():
+    from expertmesh.experts.eviction import layers_until
 
     layers = [0, 1, 2, 3]
     assert [layers_until(layer, 1, layers) for layer in layers] == [3, 4, 1, 2]
     assert layers_until(2, None, layers) == 4  # nothing ran yet: a full cycle
-    assert prefetch_may_evict([(0, 5)], incoming=(3, 5), current=1, layers=layers)  # layer 0 runs after 3
-    assert not prefetch_may_evict([(2, 5)], incoming=(3, 5), current=1, layers=layers)  # layer 2 runs first
-    assert prefetch_may_evict([(3, 4)], incoming=(3, 5), current=1, layers=layers)  # the same layer: allowed
-    assert prefetch_may_evict([], incoming=(3, 5), current=1, layers=layers)
 
 
 def test_lru_counts_a_shard_brought_in_ahead_as_new():

@@ -163,22 +163,6 @@ def test_layer_cycle_keeps_the_shard_whose_layer_comes_next(reader):
     assert store.stats()["hits"] == before + 1
 
 
-def test_a_prefetch_never_evicts_a_shard_that_runs_before_the_one_it_brings(reader):
-    store = _store(reader, shards_resident=2, eviction="lru")
-    store.acquire(1, [0])
-    store.release(1, [0])
-    store.acquire(2, [0])  # resident now: (1, 0) and (2, 0), current layer 2
-    store.prefetch([(1, 3)])  # room only by evicting (1, 0) (LRU's pick, as oldest; (2, 0) is pinned): same layer
-    assert _poll(store, "prefetch_issued", 1)
-    store.release(2, [0])
-    store.acquire(0, [1])  # current layer 0, resident (0, 1) + one of layer 1
-    store.release(0, [1])
-    store.prefetch([(2, 3)])  # runs after layer 1: evicting layer 1's shard (LRU's oldest) would add a stall
-    assert _poll(store, "prefetch_refused", 1)
-    assert (2, 3) not in store.resident() and any(layer == 1 for layer, _ in store.resident())
-    store.close()
-
-
 def _poll(store, key, value, seconds=5.0):
     for _ in range(int(seconds / 0.02)):
         if store.stats()[key] >= value:
