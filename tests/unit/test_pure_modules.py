@@ -104,6 +104,8 @@ PURE_MODULES = (
     "expertmesh.router_service.pool_layout",  # which pool to start (the live nodes from Ray only on call)
     "expertmesh.router_service.prefetch",  # predicting the next MoE layer's experts (pre-gating, history)
     "expertmesh.router_service.prefetch_policy",  # which predictions become prefetch hints
+    "expertmesh.router_service.affinity",  # expert-affinity admission (fairness bound)
+    "expertmesh.router_service.affinity_sim",  # FIFO vs affinity admission replayed on a routing trace
     "expertmesh.router_service.openai_requests",  # OpenAI jobs -> GenerationRequests, batcher events -> dicts
     "expertmesh.router_service.sampling",
     "expertmesh.router_service.step_profile",  # the stage clocks of a served step
