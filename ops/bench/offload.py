@@ -134,7 +134,22 @@ def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = T
         result["perplexity"] = _perplexity(quant, config, params.ppl)
     result["stall_removed_by_prefetch"] = stall_removed_by_prefetch(result["runs"])
     result["policy_simulation"] = simulate_recorded_trace(params.eviction)
+    result["affinity_simulation"] = simulate_affinity()
     return result
+
+
+def simulate_affinity() -> list[dict] | None:
+    """FIFO against expert-affinity admission (router_service/affinity.py) replayed on the recorded trace: 16
+    requests (one per held-out file), 16-token prompts, 32 decoded tokens, 4 slots, 50 % residency."""
+    import json
+
+    from ...router_service.affinity_sim import simulate_admission
+
+    if not ROUTING_TRACE.is_file():
+        return None
+    trace = json.loads(ROUTING_TRACE.read_text())
+    return [simulate_admission(trace, admission, batch=4, gap=gap, signature_size=size)
+            for gap in (0.0, 2.0) for admission, size in (("fifo", None), ("affinity", None), ("affinity", 4))]
 
 
 def simulate_recorded_trace(evictions: tuple[str, ...]) -> dict | None:

@@ -55,3 +55,18 @@ def test_stall_removed_pairs_within_one_eviction_order():
 
 def test_no_on_demand_stall_reports_nothing_rather_than_dividing_by_zero():
     assert stall_removed_by_prefetch([_run("none", 0.5, "off", 0.0), _run("none", 0.5, "gate", 0.1)]) == []
+
+
+def test_policy_and_affinity_figures_from_the_recorded_trace_and_the_chart(tmp_path):
+    from expertmesh.ops.bench.offload import simulate_affinity, simulate_recorded_trace
+    from expertmesh.ops.bench.offload_chart import write_offload_chart
+
+    sim = simulate_recorded_trace(("layer-cycle",))
+    assert sim["benchmarked"] == ["layer-cycle"]
+    assert {(r["policy"], r["share"], r["batch"], r["prefetch"]) for r in sim["rows"]} >= {
+        ("lru", 0.5, 16, "off"), ("layer-cycle", 0.25, 4, "gate")}
+    affinity = simulate_affinity()
+    assert {r["admission"] for r in affinity} == {"fifo", "affinity"}
+    runs = [_run("none", 0.5, "gate", 0.5) | {"decode_vs_resident": 0.7}]
+    path = write_offload_chart({"policy_simulation": sim, "runs": runs}, tmp_path / "offload.png")
+    assert path.stat().st_size > 1000
