@@ -71,7 +71,7 @@ FLAGS: tuple[Flag, ...] = (
          "one computes: gate | history | off (default auto: gate with --expert-memory-gb)",
          {"choices": PREFETCH_SETTINGS}),
     Flag("--eviction", "experts.eviction", "experts", "with --expert-memory-gb, which resident shard leaves when a "
-         "load needs room: layer-cycle (default; best on a recorded decode trace) | lru | lfru | arc",
+         "load needs room: layer-cycle (best on a recorded decode trace) | lru | lfru | arc",
          {"choices": EVICTION_POLICIES}),
     Flag("--expert-quant", "experts.quant", "experts", "store routed experts' weights as int8 (per output channel) "
          "or int4 (groups of 128 inputs), quantised at load; activations stay in --dtype (README: Quantised "
