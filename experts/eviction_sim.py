@@ -73,9 +73,15 @@ class SimTier:
 
     def prefetch(self, shard: Shard, computing: Iterable[Shard] = ()) -> list[Shard]:
         """Load `shard` ahead; `computing`: the shard a call computes with now (pinned). When it alone fills the
-        budget the store waits for its release and then loads, so that case evicts it."""
+        budget the store waits for its release and then loads, so that case evicts it; so does the case where the
+        order's first victim is that shard (the store defers the hint until the release)."""
         if shard in self.resident:
             return []
+        computing = list(computing)
+        if computing and len(self.resident) >= self.capacity:
+            order = self.order.order(sorted(self.resident), self.now)
+            if order and order[0] in computing:
+                computing = []  # deferred: evicts the released shard, as the order wants
         evicted = self._room(pinned=computing)
         if len(self.resident) >= self.capacity:
             evicted += self._room(pinned=())

@@ -163,6 +163,31 @@ def test_layer_cycle_keeps_the_shard_whose_layer_comes_next(reader):
     assert store.stats()["hits"] == before + 1
 
 
+def test_a_hint_waits_for_the_release_when_the_order_would_evict_the_shard_in_use(reader):
+    """layer-cycle at 2 of 3 slots: while layer 1 computes, the hint for layer 2 would have to evict (0, 0), the
+    shard that hits next step; it waits for layer 1's release and evicts (1, 0), needed last."""
+    store = _store(reader, shards_resident=2, shards=[(0, 0), (1, 0), (2, 0)])
+    store.preload()  # (0, 0), (1, 0)
+    assert store.resident() == [(0, 0), (1, 0)]
+    store.acquire(1, [0])
+    store.prefetch([(2, 0)])
+    assert _poll(store, "prefetch_deferred", 1)
+    assert store.resident() == [(0, 0), (1, 0)]  # nothing evicted while layer 1 computes
+    store.release(1, [0])
+    assert _poll(store, "prefetch_issued", 1)
+    for _ in range(250):
+        if store.resident() == [(0, 0), (2, 0)]:
+            break
+        threading.Event().wait(0.02)
+    assert store.resident() == [(0, 0), (2, 0)]
+    before = store.stats()["hits"]
+    for layer in (2, 0):
+        store.acquire(layer, [0])
+        store.release(layer, [0])
+    assert store.stats()["hits"] == before + 2
+    store.close()
+
+
 def _poll(store, key, value, seconds=5.0):
     for _ in range(int(seconds / 0.02)):
         if store.stats()[key] >= value:
