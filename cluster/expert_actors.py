@@ -28,5 +28,5 @@ def start_expert_actor(slot: ActorSlot, spec: PoolSpec, *, detached: bool, reuse
         scheduling_strategy=NodeAffinitySchedulingStrategy(slot.node_id, soft=soft_affinity),
         lifetime="detached" if detached else None, get_if_exists=reuse,
     ).remote(slot.name, spec.model_dir, shards, spec.dtype, generation, tracing=spec.tracing,
-             revision=spec.revision, memory_gb=spec.memory_gb, quant=spec.quant,
+             revision=spec.revision, memory_gb=spec.memory_gb, eviction=spec.eviction, quant=spec.quant,
              gpu_without_cuda=spec.gpu_without_cuda, mesh_id=spec.mesh_id)

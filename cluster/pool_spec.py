@@ -19,6 +19,7 @@ class PoolSpec:
     tracing: dict | None = None  # TracingConfig fields for the actors (experts/telemetry.py); None = off
     revision: str | None = None  # with a Hub repo id as model_dir (experts/model_source.py)
     memory_gb: float | None = None  # each actor's device budget for expert weights (experts.memory_gb); None: all
+    eviction: str = "layer-cycle"  # experts.eviction: the order an actor's device tier gives shards back in
     quant: str = "none"  # experts.quant: routed experts stored as "none" (the dtype), "int8" or "int4"
     gpu_without_cuda: str = "refuse"  # devices.gpu_without_cuda: an actor given a GPU torch cannot see refuses
     # mesh.id: the namespace, controller and stored keys of this pool (cluster/naming.py: MeshNames), carried to the

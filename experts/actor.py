@@ -47,11 +47,12 @@ class ExpertActor:
     def __init__(self, name: str, model_dir: str, shards: list[Shard], dtype: str = "auto", generation: int = 0,
                  tracing: dict | None = None, metrics: bool = True, revision: str | None = None,
                  memory_gb: float | None = None, quant: str = "none", gpu_without_cuda: str = "refuse",
-                 mesh_id: str = DEFAULT_MESH_ID):
+                 mesh_id: str = DEFAULT_MESH_ID, eviction: str = "layer-cycle"):
         """dtype: model.dtype ("auto" or a name), resolved here for this actor's device; revision: with a Hub repo id
         as model_dir; tracing: TracingConfig fields (experts/telemetry.py), None = off; metrics: export
         expertmesh_expert_seconds (and the tier counters) through Ray's metrics API; memory_gb: device budget for
-        this actor's expert weights (None: every shard resident); quant: experts.quant ("none", "int8", "int4");
+        this actor's expert weights (None: every shard resident); eviction: experts.eviction, the order its device
+        tier gives shards back in (experts/eviction.py); quant: experts.quant ("none", "int8", "int4");
         gpu_without_cuda: devices.gpu_without_cuda, what to do when Ray gave a GPU that torch cannot see."""
         self.name = name
         self.generation = generation  # 0 for the first actor of this name; +1 each time it is restored
@@ -80,7 +81,8 @@ class ExpertActor:
                 self.shards = load_expert_shards(reader, shards, self.dtype, self.device, on_bytes=reporter.add,
                                                  quant=quant)
             else:
-                self.tiers = TierStore(shards, self._lower_tier(reader, shards, quant), int(memory_gb * GIB))
+                self.tiers = TierStore(shards, self._lower_tier(reader, shards, quant), int(memory_gb * GIB),
+                                       eviction=eviction)
                 self.tiers.preload(on_bytes=reporter.add)
                 self.shards = {}
         except BaseException as exc:
@@ -123,7 +125,8 @@ class ExpertActor:
         """x: [sum(counts), H], rows grouped by expert in `experts` order -> unweighted expert outputs, same layout.
         trace: W3C carrier of the router's dispatch span (None: tracing off, no span is made).
         prefetch: shards the router predicts for the next layer, loaded in the background while this call computes
-        (ignored without a memory budget)."""
+        (ignored without a memory budget). Handed to the tiers after this call's shards are pinned: a hint handed
+        first could evict the very shard this call is about to compute with (measured: it did, README: Offload)."""
         # Arrays from Ray's object store (and gRPC messages) are read-only views; we never write to them.
         return self._traced(layer, experts, counts, to_tensor(x), trace, prefetch, to_host=True)
 
@@ -146,24 +149,22 @@ class ExpertActor:
 
     def _traced(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor,
                 trace: dict[str, str] | None, prefetch: list[Shard] | None, to_host: bool) -> HostTensor | torch.Tensor:
-        if prefetch:
-            self.prefetch(prefetch)
         if trace is not None and self.tracer is not None:
             with self.tracer.start_as_current_span(
                 "expertmesh.expert", context=context_of(trace),
                 attributes={"actor": self.name, "layer": layer, "experts": list(experts), "tokens": int(sum(counts))},
             ):
-                return self._forward(layer, experts, counts, rows, to_host)
-        return self._forward(layer, experts, counts, rows, to_host)
+                return self._forward(layer, experts, counts, rows, to_host, prefetch)
+        return self._forward(layer, experts, counts, rows, to_host, prefetch)
 
     def _forward(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor,
-                 to_host: bool) -> HostTensor | torch.Tensor:
+                 to_host: bool, prefetch: list[Shard] | None = None) -> HostTensor | torch.Tensor:
         """rows: [sum(counts), H] on any device -> outputs packed as host bytes (to_host) or left on this actor's
         device, synchronised so another process may read them at once (the `rdt` transport)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
         inputs = rows.to(self.device, self.dtype, non_blocking=True)  # [sum(counts), H]
         with torch.inference_mode():
-            result = self._compute(layer, experts, counts, inputs)  # [sum(counts), H]
+            result = self._compute(layer, experts, counts, inputs, prefetch)  # [sum(counts), H]
             if to_host:
                 stager = HostStager()  # one per call: gRPC threads and Ray calls may run forwards side by side
                 host = stager.stage(result)
@@ -182,12 +183,15 @@ class ExpertActor:
             self.metrics.observe(elapsed, None if self.tiers is None else self.tiers.stats())
         return out
 
-    def _compute(self, layer: int, experts: list[int], counts: list[int], inputs: torch.Tensor) -> torch.Tensor:
+    def _compute(self, layer: int, experts: list[int], counts: list[int], inputs: torch.Tensor,
+                 prefetch: list[Shard] | None = None) -> torch.Tensor:
         """inputs: [sum(counts), H] on this actor's device, rows grouped by expert -> outputs, same layout."""
         if self.tiers is None:
             return self.experts.run(layer, list(experts), list(counts), inputs)
         weights = self.tiers.acquire(layer, list(experts))  # resident and pinned for this call
         try:
+            if prefetch:
+                self.prefetch(prefetch)  # loads while this call computes, never over its pinned shards
             outs = [gated_mlp(rows, w, self.act) for w, rows in zip(weights, inputs.split(list(counts)))]  # [n_e, H]
             return torch.cat(outs) if outs else inputs.new_zeros((0, inputs.shape[1]))
         finally:

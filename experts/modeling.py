@@ -298,6 +298,11 @@ class MoEDecoder:
         layer = self.w.layers[i]
         return route_for_model(self.cfg, self._gate_logits(layer, h), layer.router_correction_bias).experts
 
+    def predict_expert_probs(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """[T, E]: the softmax of layer i's router logits for hidden states h [T, H], the confidence of a pre-gating
+        prediction (router_service/prefetch_policy.py; for sigmoid routers a score, not the routing weight)."""
+        return torch.softmax(self._gate_logits(self.w.layers[i], h).float(), dim=-1)
+
     def _with_shared(self, layer, h: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus the (gated) shared expert where the layer has one. h, mlp: [T, H]."""
         if layer.shared_expert is None:

@@ -1,18 +1,18 @@
 """Which expert shards an actor keeps in its device tier when they do not all fit (README: Offload). Pure: no
 tensors, no threads, the clock passed in, so it is tested with a fake clock (tests/unit/test_residency_policy.py).
 
-The order of eviction is LRU with two exceptions:
-- a pinned shard (one the call in progress computes with, or one being loaded) is never evicted;
-- a shard that is hot over the load window (used more often within `window_s` than the average candidate) goes
-  only after every cold one. So a skewed load keeps its hot experts resident while the cold ones take turns; under
-  an even load (e.g. decode cycling through the layers) no shard is above the average and the order is plain LRU.
+This module does the budget arithmetic (how many bytes must leave, never a pinned shard: one the call in progress
+computes with, or one being loaded); the order in which candidates leave is an `EvictionOrder`
+(experts/eviction.py, `experts.eviction`: lru, lfru, arc, layer-cycle). Without one, lfru: LRU, except that a shard
+used more often within `window_s` than the average candidate goes only after every colder one.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+
+from .eviction import EvictionOrder, LFRUOrder
 
 Shard = tuple[int, int]  # (layer, expert)
 
@@ -21,41 +21,35 @@ Shard = tuple[int, int]  # (layer, expert)
 class ResidencyPolicy:
     budget_bytes: int
     window_s: float = 30.0
-    last_used: dict[Shard, float] = field(default_factory=dict)
-    uses: dict[Shard, deque] = field(default_factory=dict)  # shard -> times it was used within the window
+    order: EvictionOrder | None = None  # None: LFRUOrder(window_s)
+    uses_seen: int = field(default=0)
 
     def __post_init__(self) -> None:
         assert self.budget_bytes >= 0 and self.window_s > 0, (self.budget_bytes, self.window_s)
+        if self.order is None:
+            self.order = LFRUOrder(self.window_s)
 
     def record_use(self, shards: Iterable[Shard], now: float) -> None:
         """A call computed with these shards at `now`."""
-        for shard in shards:
-            self.last_used[shard] = now
-            times = self.uses.setdefault(shard, deque())
-            times.append(now)
-            self._expire(times, now)
+        shards = list(shards)
+        self.uses_seen += len(shards)
+        self.order.on_use(shards, now)
+
+    def admit(self, shard: Shard, now: float) -> None:
+        """The shard became resident (loaded on demand, by prefetch, or preloaded)."""
+        self.order.on_admit(shard, now)
 
     def forget(self, shard: Shard) -> None:
-        """The shard left the device tier: its recency goes with it (its window uses stay, they are load history)."""
-        self.last_used.pop(shard, None)
+        """The shard left the device tier."""
+        self.order.on_evict(shard)
 
     def uses_in_window(self, shard: Shard, now: float) -> int:
-        times = self.uses.get(shard)
-        if not times:
-            return 0
-        self._expire(times, now)
-        return len(times)
+        """Uses within the window (lfru only; other orders keep no window)."""
+        return self.order.uses_in_window(shard, now) if isinstance(self.order, LFRUOrder) else 0
 
     def eviction_order(self, candidates: Iterable[Shard], now: float) -> list[Shard]:
-        """candidates (unpinned resident shards) in the order they should leave: cold before hot, then least
-        recently used first (a shard never used, e.g. preloaded, counts as oldest); ties by shard id, so the order
-        is deterministic."""
-        shards = list(candidates)
-        if not shards:
-            return []
-        counts = {s: self.uses_in_window(s, now) for s in shards}
-        mean = sum(counts.values()) / len(shards)
-        return sorted(shards, key=lambda s: (counts[s] > mean, self.last_used.get(s, float("-inf")), s))
+        """candidates (unpinned resident shards) in the order they should leave; deterministic (ties by shard id)."""
+        return self.order.order(list(candidates), now)
 
     def victims(self, resident: Mapping[Shard, int], need: int, pinned: Collection[Shard],
                 now: float) -> list[Shard] | None:
@@ -75,7 +69,3 @@ class ResidencyPolicy:
             if need <= free:
                 return out
         return None
-
-    def _expire(self, times: deque, now: float) -> None:
-        while times and times[0] <= now - self.window_s:
-            times.popleft()

@@ -18,3 +18,6 @@ QUANT_MODES = ("none", "int8", "int4")
 # budget, else off (ExpertsConfig.prefetch_mode).
 PREFETCH_MODES = ("off", "gate", "history")
 PREFETCH_SETTINGS = ("auto", *PREFETCH_MODES)
+
+# experts.eviction: the order in which an actor's device tier gives shards back (experts/eviction.py).
+EVICTION_POLICIES = ("lru", "lfru", "arc", "layer-cycle")

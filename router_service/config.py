@@ -40,7 +40,7 @@ from ..experts.devices import DevicesConfig
 from ..experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from ..experts.errors import ConfigError
 from ..experts.repo_ids import is_repo_id, source_problem
-from ..experts.setting_choices import DTYPE_CHOICES, PREFETCH_SETTINGS, QUANT_MODES
+from ..experts.setting_choices import DTYPE_CHOICES, EVICTION_POLICIES, PREFETCH_SETTINGS, QUANT_MODES
 from ..experts.tracing_config import TracingConfig
 from .batching_config import BatcherConfig
 from .config_tree import from_dict, replace_path, to_dict, validate_tree
@@ -171,6 +171,16 @@ class ExpertsConfig:
     # state through the next layer's gate), "history" (the experts the next layer used last step); "auto": gate
     # when memory_gb is set, else off.
     prefetch: str = "auto"
+    # With memory_gb: which resident shard leaves when a load needs room (experts/eviction.py): "layer-cycle" (the
+    # shard whose layer runs again last: Belady's order for decode cycling through the layers), "lru", "lfru"
+    # (frequency over 30 s, then recency), "arc". Compared on a recorded routing trace (README: Offload).
+    eviction: str = "layer-cycle"
+    # Which predictions become prefetch hints (router_service/prefetch_policy.py): gate mode hints an expert only
+    # when some token gives it at least this probability (0: every top-k pick); at most this many shards per layer
+    # (None: no cap); hints stop while the measured precision is below the floor (0: never), probing 1 layer in 8.
+    prefetch_min_confidence: float = 0.0
+    prefetch_max_shards: int | None = None
+    prefetch_min_precision: float = 0.0
 
     def prefetch_mode(self, transport: str = "refs") -> str:
         """prefetch with "auto" resolved: gate with a memory budget (unless the transport is compiled, whose actors
@@ -178,6 +188,12 @@ class ExpertsConfig:
         if self.prefetch == "auto":
             return "gate" if self.memory_gb is not None and transport != "compiled" else "off"
         return self.prefetch
+
+    def prefetch_policy(self):
+        """The hint policy of these settings (router_service/prefetch_policy.py)."""
+        from .prefetch_policy import PrefetchPolicy
+
+        return PrefetchPolicy(self.prefetch_min_confidence, self.prefetch_max_shards, self.prefetch_min_precision)
 
     def validate(self) -> ExpertsConfig:
         if self.replicas_per_expert < 1:
@@ -200,6 +216,14 @@ class ExpertsConfig:
             raise ValueError(f"placement: {self.placement} is not a file")
         if self.memory_gb is not None and not (self.memory_gb > 0 and math.isfinite(self.memory_gb)):
             raise ValueError(f"memory_gb: must be a positive finite number of GiB, got {self.memory_gb}")
+        for name in ("prefetch_min_confidence", "prefetch_min_precision"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}: must be in [0, 1], got {value}")
+        if self.prefetch_max_shards is not None and self.prefetch_max_shards < 1:
+            raise ValueError(f"prefetch_max_shards: must be ≥ 1 or null, got {self.prefetch_max_shards}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction: must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         if self.prefetch not in PREFETCH_SETTINGS:
             raise ValueError(f"prefetch: must be one of {PREFETCH_SETTINGS}, got {self.prefetch!r}")
         return self

@@ -58,7 +58,8 @@ CONTROLLER_ASK_S = 2.0  # the controller's liveness view, or the router's own wi
 def pool_spec_from_dict(pool: dict) -> PoolSpec:
     """A PoolSpec from the plain dict Serve ships to a router replica (shards as lists after a YAML/JSON trip)."""
     spec = PoolSpec(model_dir=pool["model_dir"], dtype=pool["dtype"], actor_shards={}, revision=pool.get("revision"),
-                    tracing=pool.get("tracing"), memory_gb=pool.get("memory_gb"), quant=pool.get("quant", "none"),
+                    tracing=pool.get("tracing"), memory_gb=pool.get("memory_gb"),
+                    eviction=pool.get("eviction", "layer-cycle"), quant=pool.get("quant", "none"),
                     gpu_without_cuda=pool.get("gpu_without_cuda", "refuse"),
                     mesh_id=pool.get("mesh_id", DEFAULT_MESH_ID))
     return spec.with_actor_shards(pool["actor_shards"])

@@ -11,7 +11,8 @@ Modes:
   sequences route alike.
 
 Recall (the share of the shards a layer then used that were predicted) is counted here, against the routing each
-layer actually served.
+layer actually served. Which predictions become hints is router_service/prefetch_policy.py's decision (confidence
+from the gate's probabilities, a per-layer shard budget, a floor on the measured precision).
 """
 
 from __future__ import annotations
@@ -22,16 +23,24 @@ import torch
 
 from ..cluster.routing_table import Shard
 from ..experts.setting_choices import PREFETCH_MODES, PREFETCH_SETTINGS  # noqa: F401  (PREFETCH_SETTINGS re-exported)
+from .prefetch_policy import PrefetchPolicy, choose_experts, expert_confidence, precision_allows
 
 
 class NextLayerPredictor:
     """gate(layer, hidden [T, H]) -> experts [T, k] that `layer`'s router would pick for these hidden states (only
-    used in "gate" mode)."""
+    used in "gate" mode). gate_probs(layer, hidden) -> [T, E] the softmax of that router's logits: with it and a
+    policy, gate-mode hints keep only confident experts (prefetch_policy.py); top_k: experts per token."""
 
     def __init__(self, mode: str, moe_layers: list[int],
-                 gate: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
+                 gate: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+                 policy: PrefetchPolicy | None = None,
+                 gate_probs: Callable[[int, torch.Tensor], torch.Tensor] | None = None, top_k: int = 2):
         assert mode in PREFETCH_MODES and mode != "off", mode
         assert mode != "gate" or gate is not None, "gate mode needs the routers"
+        self.policy = policy or PrefetchPolicy()
+        self.gate_probs, self.top_k = gate_probs, top_k
+        self.predictions = 0  # predict() calls that had something to go on (the precision floor's probe clock)
+        self.withheld = 0  # of those, how many the precision floor kept back
         self.mode = mode
         self.layers = sorted(moe_layers)
         self.next_of = {a: b for a, b in zip(self.layers, self.layers[1:] + self.layers[:1])}
@@ -58,11 +67,19 @@ class NextLayerPredictor:
         if nxt is None or nxt == layer:
             return None
         wraps = nxt <= layer  # the next step's first MoE layer
+        policy = self.policy
         if self.mode == "gate" and not wraps:
-            guess = {int(e) for e in torch.unique(self.gate(nxt, hidden)).tolist() if e >= 0}
-        elif nxt in self.last_used:
-            guess = set(self.last_used[nxt])
+            if self.gate_probs is not None and (policy.min_confidence > 0 or policy.max_shards is not None):
+                guess = set(choose_experts(expert_confidence(self.gate_probs(nxt, hidden), self.top_k), policy))
+            else:
+                guess = {int(e) for e in torch.unique(self.gate(nxt, hidden)).tolist() if e >= 0}
+        elif nxt in self.last_used:  # history: no probability to threshold; the budget keeps the lowest ids
+            guess = set(choose_experts(dict.fromkeys(self.last_used[nxt], 1.0), policy))
         else:
+            return None
+        self.predictions += 1
+        if not precision_allows(self.hits, self.predicted, self.predictions, policy):
+            self.withheld += 1
             return None
         self.pending[nxt] = guess
         return nxt, sorted(guess)
@@ -70,7 +87,8 @@ class NextLayerPredictor:
     def stats(self) -> dict:
         return {"mode": self.mode, "predicted_shards": self.predicted, "actual_shards": self.actual,
                 "hit_shards": self.hits, "recall": self.hits / self.actual if self.actual else None,
-                "precision": self.hits / self.predicted if self.predicted else None}
+                "precision": self.hits / self.predicted if self.predicted else None,
+                "withheld_layers": self.withheld}
 
 
 def address_hints(layer: int, experts: Sequence[int], replicas: Mapping[Shard, Sequence[str]],

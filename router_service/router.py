@@ -104,8 +104,10 @@ class Router:
                                 overlap=self._overlap_setting(settings, len(spec.actor_shards)), kv_cache=kv_cache)
         prefetch = config.experts.prefetch_mode(self.transport_name)
         if prefetch != "off":  # README: Offload
-            self.backend.prefetcher = NextLayerPredictor(prefetch, self.model_config.moe_layers,
-                                                         self.model.predict_experts)
+            self.backend.prefetcher = NextLayerPredictor(
+                prefetch, self.model_config.moe_layers, self.model.predict_experts,
+                policy=config.experts.prefetch_policy(), gate_probs=self.model.predict_expert_probs,
+                top_k=self.model_config.top_k)
         # Load statistics, metrics, traces (router_service/observability.py).
         self.observer = RouterObserver(self.model_config, self.backend, router_id or default_router_id(),
                                        config.observability, build_tracer(config.tracing, "router"),

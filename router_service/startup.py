@@ -159,6 +159,7 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False,
                                 # too, reads the same weights even if the branch moves (and finds its node's cache
                                 # without asking the Hub)
                                 revision=reader.commit or config.model.revision, memory_gb=config.experts.memory_gb,
+                                eviction=config.experts.eviction,
                                 quant=config.experts.quant, gpu_without_cuda=config.devices.gpu_without_cuda,
                                 mesh_id=config.mesh.id)
         runtime.pool = ExpertPool(runtime.spec, config.experts.num_cpus_per_actor, config.experts.start_timeout_s,

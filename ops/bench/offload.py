@@ -36,6 +36,7 @@ from ...router_service.config import MeshConfig
 from .checkpoints import MIXTRAL, write_bench_checkpoint
 from .common import all_cores, machine_info, say_to_stderr
 from .offload_report import TIER_KEYS, counter_delta, rebase_on_best_resident, stall_removed_by_prefetch, tier_summary
+from .routing_trace import ROUTING_TRACE
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class OffloadParams:
 
     residency: tuple[float, ...] = (1.0, 0.5, 0.25)
     prefetch: tuple[str, ...] = ("off", "gate")
+    eviction: tuple[str, ...] = ("layer-cycle",)  # experts.eviction orders, one mesh per offloaded level each
     layers: int = 4
     quant: tuple[str, ...] = ("none", "int8", "int4")
     perplexity: bool = True
@@ -57,7 +59,8 @@ class OffloadParams:
     @classmethod
     def from_args(cls, args) -> OffloadParams:
         return cls(tuple(float(r) for r in args.residency.split(",")), tuple(args.prefetch_modes.split(",")),
-                   layers=args.layers, quant=tuple(args.quant.split(",")), perplexity=not args.no_perplexity)
+                   eviction=tuple(args.evictions.split(",")), layers=args.layers, quant=tuple(args.quant.split(",")),
+                   perplexity=not args.no_perplexity)
 
 
 def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = True,
@@ -104,16 +107,20 @@ def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = T
             for share in params.residency:
                 keep = max(1, round(share * per_actor))
                 offload = keep < per_actor
-                mesh_config = base.replace(**{"experts.memory_gb": keep * shard_bytes / 2**30}) if offload else base
-                say(f"quant {q}, residency {share:.0%} ({keep}/{per_actor} shards per actor): starting actors ...")
-                with ExpertMesh(mesh_config) as mesh:
-                    for mode in (prefetch if offload else ("off",)):
-                        say(f"  prefetch {mode} ...")
-                        run = _run(mesh, mode, prefill_ids, context_ids, baseline, params)
-                        run |= {"quant": q, "residency": share, "resident_shards_per_actor": keep}
-                        if baseline is None:
-                            baseline = run
-                        result["runs"].append({k: v for k, v in run.items() if not k.startswith("_")})
+                for eviction in (params.eviction if offload else (None,)):
+                    mesh_config = (base.replace(**{"experts.memory_gb": keep * shard_bytes / 2**30,
+                                                   "experts.eviction": eviction}) if offload else base)
+                    say(f"quant {q}, residency {share:.0%} ({keep}/{per_actor} shards per actor)"
+                        f"{f', eviction {eviction}' if offload else ''}: starting actors ...")
+                    with ExpertMesh(mesh_config) as mesh:
+                        for mode in (prefetch if offload else ("off",)):
+                            say(f"  prefetch {mode} ...")
+                            run = _run(mesh, mode, prefill_ids, context_ids, baseline, params)
+                            run |= {"quant": q, "residency": share, "resident_shards_per_actor": keep,
+                                    "eviction": eviction}
+                            if baseline is None:
+                                baseline = run
+                            result["runs"].append({k: v for k, v in run.items() if not k.startswith("_")})
             if baseline is not None and baseline["residency"] >= 1.0:
                 # The resident mesh once more at the end: on a shared machine the load drifts over minutes, so
                 # the ratios use the better of the two resident runs (both are reported).
@@ -126,15 +133,56 @@ def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = T
         say("held-out perplexity of the embedded model, resident in process and offloaded through actors ...")
         result["perplexity"] = _perplexity(quant, config, params.ppl)
     result["stall_removed_by_prefetch"] = stall_removed_by_prefetch(result["runs"])
+    result["policy_simulation"] = simulate_recorded_trace(params.eviction)
+    result["affinity_simulation"] = simulate_affinity()
     return result
+
+
+def simulate_affinity() -> list[dict] | None:
+    """FIFO against expert-affinity admission (router_service/affinity.py) replayed on the recorded trace: 16
+    requests (one per held-out file), 16-token prompts, 32 decoded tokens, 4 slots, 50 % residency."""
+    import json
+
+    from ...router_service.affinity_sim import simulate_admission
+
+    if not ROUTING_TRACE.is_file():
+        return None
+    trace = json.loads(ROUTING_TRACE.read_text())
+    return [simulate_admission(trace, admission, batch=4, gap=gap, signature_size=size)
+            for gap in (0.0, 2.0) for admission, size in (("fifo", None), ("affinity", None), ("affinity", 4))]
+
+
+def simulate_recorded_trace(evictions: tuple[str, ...]) -> dict | None:
+    """The eviction orders (every one, the benchmark's marked) replayed on the embedded model's recorded routing
+    trace (experts/eviction_sim.py): demand loads and shards moved at 50 % / 25 % residency, on demand and with
+    gate prefetch, at batch 16 (the decode workload's) and 4."""
+    import json
+
+    from ...experts.eviction_sim import compare_policies
+    from ...experts.setting_choices import EVICTION_POLICIES
+
+    if not ROUTING_TRACE.is_file():
+        return None  # installed without the repository's docs
+    trace = json.loads(ROUTING_TRACE.read_text())
+    keys = ("policy", "share", "batch", "prefetch", "calls", "demand_loads", "shards_moved", "needed_evictions",
+            "hit_rate", "prefetch_precision")
+    rows = compare_policies(trace, EVICTION_POLICIES, (0.5, 0.25), (16, 4))
+    return {"trace": str(ROUTING_TRACE.relative_to(ROUTING_TRACE.parents[4])), "benchmarked": list(evictions),
+            "rows": [{k: r[k] for k in keys} for r in rows]}
 
 
 def _run(mesh, mode: str, prefill_ids: torch.Tensor, context_ids: torch.Tensor, baseline: dict | None,
          params: OffloadParams) -> dict:
     from ...router_service.prefetch import NextLayerPredictor
+    from ...router_service.prefetch_policy import PrefetchPolicy
 
+    # "gate:0.3": gate prefetch hinting only experts some token gives ≥ 0.3 (experts.prefetch_min_confidence)
+    base_mode, _, confidence = mode.partition(":")
+    policy = PrefetchPolicy(min_confidence=float(confidence or 0.0))
     mesh.backend.prefetcher = (None if mode == "off" else
-                               NextLayerPredictor(mode, mesh.model_config.moe_layers, mesh.model.predict_experts))
+                               NextLayerPredictor(base_mode, mesh.model_config.moe_layers, mesh.model.predict_experts,
+                                                  policy=policy, gate_probs=mesh.model.predict_expert_probs,
+                                                  top_k=mesh.model_config.top_k))
     rows = list(prefill_ids)
     mesh.model.forward(rows)  # warm-up
     before = _actor_totals(mesh)

@@ -30,16 +30,17 @@ def tier_summary(d: dict) -> dict:
 
 
 def stall_removed_by_prefetch(runs: list[dict]) -> list[dict]:
-    """Per (quant, residency): 1 - decode stall with prefetch / decode stall on demand."""
+    """Per (quant, residency, eviction): 1 - decode stall with prefetch / decode stall on demand."""
     out = []
     for run in runs:
         if run["prefetch"] == "off" or run["residency"] >= 1.0:
             continue
         off = next((r for r in runs if r["prefetch"] == "off" and r["residency"] == run["residency"]
-                    and r["quant"] == run["quant"]), None)
+                    and r["quant"] == run["quant"] and r.get("eviction") == run.get("eviction")), None)
         if off is None or not off["decode_tiers"]["stall_s"]:
             continue
         out.append({"quant": run["quant"], "residency": run["residency"], "prefetch": run["prefetch"],
+                    "eviction": run.get("eviction"),
                     "decode_stall_removed": round(1 - run["decode_tiers"]["stall_s"] / off["decode_tiers"]["stall_s"],
                                                   3)})
     return out

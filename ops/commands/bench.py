@@ -101,7 +101,10 @@ def add_parser(sub) -> None:
                                    "prefetch, against all-resident in the same run")
     offload.add_argument("--residency", default="1,0.5,0.25", help="comma-separated shares of each actor's shards "
                          "kept resident (1: no budget, the baseline)")
-    offload.add_argument("--prefetch-modes", default="off,gate", help="comma-separated prefetch modes per level")
+    offload.add_argument("--prefetch-modes", default="off,gate", help="comma-separated prefetch modes per level; "
+                         "gate:C hints only experts some token gives probability ≥ C (experts.prefetch_min_confidence)")
+    offload.add_argument("--evictions", default="layer-cycle", help="comma-separated experts.eviction orders, one "
+                         "mesh each per offloaded level (all four are also replayed on the recorded routing trace)")
     offload.add_argument("--layers", type=int, default=4, help="layers of the benchmark model")
     offload.add_argument("--quant", default="none,int8,int4",
                          help="comma-separated expert quantisation modes (experts.quant), each against its own "

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...experts.devices import GPU_WITHOUT_CUDA
 from ...experts.errors import ConfigError
-from ...experts.setting_choices import PREFETCH_SETTINGS
+from ...experts.setting_choices import EVICTION_POLICIES, PREFETCH_SETTINGS
 from ...router_service.config import DTYPES, EXPERT_LAYOUTS, MeshConfig
 from ...router_service.config_tree import replace_path
 from ...router_service.transports.base import TRANSPORT_SETTINGS
@@ -77,6 +77,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--prefetch", "experts.prefetch", "experts", "load the next layer's predicted experts while the current "
          "one computes: gate | history | off (default auto: gate with --expert-memory-gb)",
          {"choices": PREFETCH_SETTINGS}),
+    Flag("--eviction", "experts.eviction", "experts", "with --expert-memory-gb, which resident shard leaves when a "
+         "load needs room: layer-cycle (best on a recorded decode trace) | lru | lfru | arc",
+         {"choices": EVICTION_POLICIES}),
     Flag("--expert-quant", "experts.quant", "experts", "store routed experts' weights as int8 (per output channel) "
          "or int4 (groups of 128 inputs), quantised at load; activations stay in --dtype (README: Quantised "
          "experts)", {"choices": ("none", "int8", "int4")}),

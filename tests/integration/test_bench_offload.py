@@ -31,11 +31,13 @@ def test_offload_bench_reports_each_mode_against_its_own_resident_run():
         ("int8", 1.0, "off"), ("int8", 0.5, "off"), ("int8", 0.5, "gate")]
     for run in runs:
         if run["residency"] < 1.0:
+            assert run["eviction"] == "layer-cycle"  # the default order, one mesh per offloaded level
             assert run["bit_identical_to_resident"], run  # int8 against int8's resident run, not float's
             assert run["decode_tiers"]["bytes_moved"] > 0 and run["decode_vs_resident"] > 0
     gate = [r for r in runs if r["prefetch"] == "gate"]
     assert all(r["prefetch_prediction"]["recall"] > 0.5 for r in gate)
     assert set(result["resident_again"]) == {"none", "int8"}
+    assert result["policy_simulation"]["rows"] and result["affinity_simulation"]  # the recorded-trace replays
     assert {s["quant"] for s in result["stall_removed_by_prefetch"]} <= {"none", "int8"}
     ppl = result["perplexity"]
     assert set(ppl) == {"none", "int8"}

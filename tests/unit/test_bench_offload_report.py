@@ -11,8 +11,9 @@ from expertmesh.ops.bench.offload_report import (
 
 
 def _run(quant: str, residency: float, prefetch: str, stall_s: float, prefill: float = 100.0,
-         decode: float = 10.0) -> dict:
-    return {"quant": quant, "residency": residency, "prefetch": prefetch, "prefill_tokens_per_s": prefill,
+         decode: float = 10.0, eviction: str | None = "lru") -> dict:
+    return {"quant": quant, "residency": residency, "prefetch": prefetch, "eviction": eviction,
+            "prefill_tokens_per_s": prefill,
             "decode_tokens_per_s": decode, "decode_tiers": {"stall_s": stall_s}}
 
 
@@ -39,9 +40,33 @@ def test_stall_removed_pairs_each_prefetch_run_with_its_own_on_demand_run():
             _run("int8", 1.0, "off", 0.0), _run("int8", 0.5, "off", 1.0), _run("int8", 0.5, "gate", 1.5),
             _run("int8", 0.25, "gate", 1.0)]  # no on-demand run at 25 %: left out, not paired with another level
     assert stall_removed_by_prefetch(runs) == [
-        {"quant": "none", "residency": 0.5, "prefetch": "gate", "decode_stall_removed": 0.75},
-        {"quant": "int8", "residency": 0.5, "prefetch": "gate", "decode_stall_removed": -0.5}]  # prefetch cost time
+        {"quant": "none", "residency": 0.5, "prefetch": "gate", "eviction": "lru", "decode_stall_removed": 0.75},
+        {"quant": "int8", "residency": 0.5, "prefetch": "gate", "eviction": "lru",
+         "decode_stall_removed": -0.5}]  # prefetch cost time
+
+
+def test_stall_removed_pairs_within_one_eviction_order():
+    runs = [_run("none", 0.5, "off", 2.0, eviction="lru"), _run("none", 0.5, "off", 1.0, eviction="layer-cycle"),
+            _run("none", 0.5, "gate", 0.5, eviction="layer-cycle")]
+    assert stall_removed_by_prefetch(runs) == [
+        {"quant": "none", "residency": 0.5, "prefetch": "gate", "eviction": "layer-cycle",
+         "decode_stall_removed": 0.5}]
 
 
 def test_no_on_demand_stall_reports_nothing_rather_than_dividing_by_zero():
     assert stall_removed_by_prefetch([_run("none", 0.5, "off", 0.0), _run("none", 0.5, "gate", 0.1)]) == []
+
+
+def test_policy_and_affinity_figures_from_the_recorded_trace_and_the_chart(tmp_path):
+    from expertmesh.ops.bench.offload import simulate_affinity, simulate_recorded_trace
+    from expertmesh.ops.bench.offload_chart import write_offload_chart
+
+    sim = simulate_recorded_trace(("layer-cycle",))
+    assert sim["benchmarked"] == ["layer-cycle"]
+    assert {(r["policy"], r["share"], r["batch"], r["prefetch"]) for r in sim["rows"]} >= {
+        ("lru", 0.5, 16, "off"), ("layer-cycle", 0.25, 4, "gate")}
+    affinity = simulate_affinity()
+    assert {r["admission"] for r in affinity} == {"fifo", "affinity"}
+    runs = [_run("none", 0.5, "gate", 0.5) | {"decode_vs_resident": 0.7}]
+    path = write_offload_chart({"policy_simulation": sim, "runs": runs}, tmp_path / "offload.png")
+    assert path.stat().st_size > 1000

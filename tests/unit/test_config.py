@@ -72,6 +72,7 @@ def test_bad_plain_data_is_refused_naming_the_field(data, field):
 
 @pytest.mark.parametrize("settings, field", [
     ({"model.dtype": "int8"}, "model.dtype"),
+    ({"experts.eviction": "mru"}, "experts.eviction"),
     ({"model.path": "/nonexistent"}, "model.path"),
     ({"ray.num_cpus": 0}, "ray.num_cpus"),
     ({"ray.address": "10.0.0.1:6379", "ray.num_cpus": 2}, "ray.num_cpus"),

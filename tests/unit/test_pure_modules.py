@@ -74,6 +74,8 @@ PURE_MODULES = (
     "expertmesh.experts.mla_attention",
     "expertmesh.experts.model_source",  # folders and Hub repo ids (huggingface_hub imported on use)
     "expertmesh.experts.modeling",
+    "expertmesh.experts.eviction",  # eviction orders of the expert tier: lru, lfru, arc, layer-cycle (fake clock)
+    "expertmesh.experts.eviction_sim",  # replaying a routing trace through the orders and the prefetch decision
     "expertmesh.experts.mxfp4",
     "expertmesh.experts.norms",
     "expertmesh.experts.quant",  # int8/int4 expert weights and their packed matmuls (experts.quant)
@@ -104,6 +106,9 @@ PURE_MODULES = (
     "expertmesh.router_service.openai_api",  # OpenAI HTTP bodies, responses, stream chunks, errors
     "expertmesh.router_service.pool_layout",  # which pool to start (the live nodes from Ray only on call)
     "expertmesh.router_service.prefetch",  # predicting the next MoE layer's experts (pre-gating, history)
+    "expertmesh.router_service.prefetch_policy",  # which predictions become prefetch hints
+    "expertmesh.router_service.affinity",  # expert-affinity admission (fairness bound)
+    "expertmesh.router_service.affinity_sim",  # FIFO vs affinity admission replayed on a routing trace
     "expertmesh.router_service.openai_requests",  # OpenAI jobs -> GenerationRequests, batcher events -> dicts
     "expertmesh.router_service.openai_responses",  # events -> OpenAI response bodies and stream chunks
     "expertmesh.router_service.choice_streams",  # a request's choice streams merged into one

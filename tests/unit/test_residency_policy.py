@@ -69,4 +69,4 @@ def test_forget_drops_recency():
     policy = ResidencyPolicy(budget_bytes=MB)
     policy.record_use([(0, 0)], now=5.0)
     policy.forget((0, 0))
-    assert (0, 0) not in policy.last_used
+    assert (0, 0) not in policy.order.last_used

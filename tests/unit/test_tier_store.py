@@ -121,7 +121,7 @@ def test_preload_fills_the_budget_and_hits_count(reader):
 
 
 def test_lru_eviction_and_a_call_needing_more_than_the_budget(reader):
-    store = _store(reader, shards_resident=2)
+    store = _store(reader, shards_resident=2, eviction="lru")
     for layer in range(3):
         store.acquire(layer, [0])
         store.release(layer, [0])
@@ -148,6 +148,43 @@ def test_prefetch_loads_in_background_and_makes_the_next_call_a_hit(reader):
     after = store.stats()
     assert after["hits"] - before["hits"] == 1 and after["misses"] == before["misses"]
     assert after["prefetch_useful"] == 1 and after["prefetch_issued"] == 2
+    store.close()
+
+
+def test_layer_cycle_keeps_the_shard_whose_layer_comes_next(reader):
+    store = _store(reader, shards_resident=2)  # the default order: layer-cycle
+    for layer in (0, 1, 2):  # decode: layer 2's load must evict (0, 0) or (1, 0)
+        store.acquire(layer, [0])
+        store.release(layer, [0])
+    assert store.resident() == [(0, 0), (2, 0)]  # (1, 0) runs last of the two after layer 2; LRU keeps (1, 0)
+    before = store.stats()["hits"]
+    store.acquire(0, [0])  # the next step's first layer: a hit, where LRU on this cycle misses every time
+    store.release(0, [0])
+    assert store.stats()["hits"] == before + 1
+
+
+def test_a_hint_waits_for_the_release_when_the_order_would_evict_the_shard_in_use(reader):
+    """layer-cycle at 2 of 3 slots: while layer 1 computes, the hint for layer 2 would have to evict (0, 0), the
+    shard that hits next step; it waits for layer 1's release and evicts (1, 0), needed last."""
+    store = _store(reader, shards_resident=2, shards=[(0, 0), (1, 0), (2, 0)])
+    store.preload()  # (0, 0), (1, 0)
+    assert store.resident() == [(0, 0), (1, 0)]
+    store.acquire(1, [0])
+    store.prefetch([(2, 0)])
+    assert _poll(store, "prefetch_deferred", 1)
+    assert store.resident() == [(0, 0), (1, 0)]  # nothing evicted while layer 1 computes
+    store.release(1, [0])
+    assert _poll(store, "prefetch_issued", 1)
+    for _ in range(250):
+        if store.resident() == [(0, 0), (2, 0)]:
+            break
+        threading.Event().wait(0.02)
+    assert store.resident() == [(0, 0), (2, 0)]
+    before = store.stats()["hits"]
+    for layer in (2, 0):
+        store.acquire(layer, [0])
+        store.release(layer, [0])
+    assert store.stats()["hits"] == before + 2
     store.close()
 
 
