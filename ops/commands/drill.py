@@ -33,17 +33,11 @@ def add_parser(sub) -> None:
     p.add_argument("--admin-token", default=os.environ.get("EXPERTMESH_ADMIN_TOKEN"),
                    help="admin token: sent with Admin KillReplica when attached with --target and no --address; a "
                         "self-started server gets it (default: $EXPERTMESH_ADMIN_TOKEN)")
-    p.add_argument("--mesh-id", help="the drilled mesh (default: default): with --target, the running server's "
-                   "--mesh-id, so the drill kills only that mesh's actors, router replicas and controller; a "
-                   "self-started server serves under it")
     p.add_argument("--out", metavar="DIR", default="drill_out", help="report folder (default: drill_out)")
     p.add_argument("--json", action="store_true", help="print only the JSON report")
     # The self-started server's settings (ignored with --target).
-    add_mesh_flags(p, DRILLED_SERVER_GROUPS)
-
-
-def _with_mesh_id(mesh, mesh_id: str | None):
-    return mesh if mesh_id is None else mesh.replace(**{"mesh.id": mesh_id})
+    # --mesh-id: the drilled mesh (with --target, the running server's id; a self-started server serves under it).
+    add_mesh_flags(p, DRILLED_SERVER_GROUPS, extra=("mesh.id",))
 
 
 def config_from_args(args: argparse.Namespace):
@@ -56,7 +50,7 @@ def config_from_args(args: argparse.Namespace):
                        fraction=args.fraction, nodes=args.nodes, node_cpus=args.node_cpus,
                        node_gpus=args.node_gpus, target=args.target, address=args.address,
                        out=args.out, admin_token=args.admin_token,
-                       mesh=_with_mesh_id(mesh_config_from_args(args, default_drill_mesh()), args.mesh_id))
+                       mesh=mesh_config_from_args(args, default_drill_mesh()))
 
 
 def run(args: argparse.Namespace) -> int:

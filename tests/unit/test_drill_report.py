@@ -393,5 +393,5 @@ def test_the_drill_kills_in_the_mesh_its_flag_names(tmp_path):
     path = tmp_path / "serve_config.json"
     serve_args(chat, "127.0.0.1:6379", path)
     assert MeshConfig.load(path).mesh.id == "chat"
-    with pytest.raises(ValueError, match="mesh.mesh.id: "):
+    with pytest.raises(ValueError, match="^mesh.id: must be 1-40 lower-case"):  # as `serve --mesh-id` says it
         config_from_args(parser.parse_args(["drill", "--mesh-id", "Bad_Id"])).validate()
