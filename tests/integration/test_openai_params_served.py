@@ -23,10 +23,8 @@ from operator import itemgetter
 
 import grpc
 import pytest
-import ray
 import torch
 
-from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR, EMBEDDED_MODEL_NAME
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.tokenizer import load_tokenizer
@@ -34,8 +32,7 @@ from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
 from expertmesh.router_service.batching import GenerationRequest
 from expertmesh.router_service.sampling import SamplingParams, adjust_logits, sample_next
-from tests.clusters import init_local_ray
-from tests.served import start_server
+from tests.served import server_on_own_ray
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra (pip install -e '.[test]')")
 
@@ -46,15 +43,8 @@ PROMPT = "The river"  # its greedy continuation repeats tokens, so every penalty
 
 @pytest.fixture(scope="module")
 def served():
-    init_local_ray(num_cpus=4, namespace=NAMESPACE, include_dashboard=False)
-    try:
-        server = start_server("--address", ray.get_runtime_context().gcs_address, "--http-port", "0")
-        try:
-            yield server
-        finally:
-            assert server.stop() == 0, server.log()
-    finally:
-        ray.shutdown()
+    with server_on_own_ray("--http-port", "0") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
