@@ -537,7 +537,7 @@ def record_drill(config: DrillConfig, verbose: bool = True) -> DrillRecord:
             args = serve_args(config, gcs, out_dir / "serve_config.json")
             say(verbose, f"starting expertmesh serve {' '.join(args)} ...")
             t_srv = time.time()
-            server = start_server(args, out_dir / "serve.log", new_session=True)
+            server = start_server(args, out_dir / "serve.log", timeout=config.ready_timeout, new_session=True)
             target = server.target
             say(verbose, f"serving {server.model_name} on {target} (ready after {time.time() - t_srv:.1f} s)")
             policy = config.no_replica_policy
