@@ -8,13 +8,18 @@ Admin.KillReplica).
 
 Kills: `actor` one random live expert actor per tick; `fraction` a random share of them per tick; `node` one worker
 node, once (only on a cluster the drill started); `router` one Serve replica of the router deployment; `controller`
-the controller actor (the serve process recreates it). Per kill the report gives the time to detection (the
+the controller actor (the serve process recreates it); `chaos` all at once (chaos.py: a node, the controller and a
+share of the actors at the first tick, a share of the actors every tick, the controller every second tick); `none`
+nothing -- a soak, whose report says whether resident memory, descriptors and KV blocks stayed flat (resources.py
+samples them for every drill the drill started itself). Per kill the report gives the time to detection (the
 controller's `lost` event) and to restore (its `restored` event), or for router / controller kills the time until
 requests succeed / GetClusterState reports the controller again.
 
 Three parts, one idea each:
   config.py  DrillConfig (every setting, validated) and serve_args (the self-started server's arguments)
   run.py     running it -- Ray, server, load, kills, polls -- into a DrillRecord (record.py), nothing else
+  chaos.py   PURE: what one chaos tick kills
+  resources.py  /proc samples of what the drill started, and PURE flatness scoring
   report.py  PURE scoring: the report dict from a DrillRecord (no Ray, gRPC or OpenTelemetry)
   render.py  the timeline PNG, drill_report.md and the terminal summary, from the report
 
@@ -29,7 +34,7 @@ from pathlib import Path
 
 from .config import DrillConfig, serve_args
 from .record import DrillRecord
-from .render import markdown, plot_timeline, summary
+from .render import markdown, plot_resources, plot_timeline, summary
 from .report import build_report
 
 __all__ = ["DrillConfig", "DrillRecord", "build_report", "run_drill", "serve_args", "write_report"]
@@ -45,6 +50,8 @@ def write_report(record: DrillRecord, out: str | Path) -> dict:
                        "png": str(out_dir / "drill_timeline.png"), "record": str(out_dir / "drill_record.json")}
     record.save(out_dir / "drill_record.json")
     plot_timeline(report, out_dir / "drill_timeline.png")
+    if plot_resources(report, out_dir / "drill_resources.png"):
+        report["files"]["resources_png"] = str(out_dir / "drill_resources.png")
     (out_dir / "drill_report.md").write_text(markdown(report))
     (out_dir / "drill_report.json").write_text(json.dumps(report, indent=2) + "\n")
     report["summary"] = summary(report)

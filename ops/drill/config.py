@@ -16,7 +16,9 @@ from ...cluster.naming import MeshNames
 from ...experts.errors import ConfigError
 from ...router_service.config import MeshConfig
 
-KILL_MODES = ("actor", "fraction", "node", "router", "controller")
+KILL_MODES = ("actor", "fraction", "node", "router", "controller", "chaos", "none")
+# Modes that need a ray.cluster_utils.Cluster the drill starts itself (they remove worker nodes).
+CLUSTER_KILLS = ("node", "chaos")
 # What the report shows of the server's settings (flat keys, as records have always carried them).
 _SERVER_KEYS = ("model_dir", "replicas_per_expert", "no_replica_policy")
 
@@ -38,6 +40,8 @@ class DrillConfig:
     fraction: float = 0.25  # kill=fraction: share of the live expert actors per tick
     nodes: int = 2  # kill=node: worker nodes of the self-started cluster
     node_cpus: int = 2  # kill=node: CPUs of each worker node
+    ready_timeout: float = 600.0  # seconds the self-started server may take to be ready (64 actors, 2 cores: more)
+    sample_every: float = 5.0  # seconds between samples of resident memory / descriptors / KV blocks / actors
     # kill=node: GPUs each worker declares (no real GPU needed). With any, expert actors go only to the workers, so
     # experts.num_cpus_per_actor = node_cpus / actors per worker leaves the cluster no spare capacity.
     node_gpus: int = 0
@@ -77,10 +81,12 @@ class DrillConfig:
             self.mesh.validate()
         except ConfigError as exc:
             raise ConfigError(f"mesh.{exc.field}", exc.message) from None
-        for name in ("every", "duration", "baseline"):
+        for name in ("every", "duration", "baseline", "ready_timeout"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
+        if not (self.sample_every > 0 and math.isfinite(self.sample_every)):
+            raise ValueError(f"sample_every: must be a positive number of seconds, got {self.sample_every}")
         if self.node_gpus < 0:
             raise ValueError(f"node_gpus: must be >= 0, got {self.node_gpus}")
         for name in ("concurrency", "max_tokens", "nodes", "node_cpus"):
@@ -93,8 +99,8 @@ class DrillConfig:
         if self.target is not None and self.kill in ("node", "router", "controller") and self.address is None:
             raise ValueError(f"address: --kill {self.kill} against --target needs --address (the drill kills "
                              "through Ray)")
-        if self.target is not None and self.kill == "node":
-            raise ValueError("kill: node needs a cluster the drill started itself (no --target)")
+        if self.target is not None and self.kill in CLUSTER_KILLS:
+            raise ValueError(f"kill: {self.kill} needs a cluster the drill started itself (no --target)")
         if self.admin_token is not None and not self.admin_token.strip():
             raise ValueError("admin_token: must not be blank")
         if self.target is None and self.address is not None:

@@ -44,6 +44,9 @@ class PollRecord:
     router_replica: str | None = None
     degraded_slots: int | None = None
     error: str | None = None
+    kv_blocks_free: int | None = None  # the answering router replica's paged KV cache
+    kv_blocks_total: int | None = None
+    live_kv_caches: int | None = None  # sequences holding KV blocks there (active + queued)
 
 
 @dataclass
@@ -88,6 +91,9 @@ class DrillRecord:
     server: dict | None = None  # the self-started server: exit code and log
     machine: dict = field(default_factory=dict)
     wall_s: float | None = None
+    # ops/drill/resources.py sample_tree: {t, roles: {role: {procs, rss_bytes, fds}}} every `sample_every` s over
+    # everything the drill started (empty when attached to a running server: its processes are not ours to read)
+    resources: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)

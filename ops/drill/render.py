@@ -82,6 +82,77 @@ def plot_timeline(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_resources(report: dict, path: Path) -> bool:
+    """Resident memory and descriptors per role, KV blocks free and live expert replicas over the run, as a PNG.
+    False (nothing written) when the drill took no samples (attached to a running server)."""
+    res = report.get("resources") or {}
+    series = res.get("series") or {}
+    if not series.get("t_s"):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(12, 10), sharex=True)
+    t = series["t_s"]
+    for role, values in series["rss_mib"].items():
+        if any(series["procs"][role]):
+            axes[0].plot(t, values, label=role)
+            axes[1].plot(t, series["fds"][role], label=role)
+    axes[0].plot(t, [sum(v) for v in zip(*series["rss_mib"].values())], "k-", lw=1.5, label="total")
+    axes[1].plot(t, [sum(v) for v in zip(*series["fds"].values())], "k-", lw=1.5, label="total")
+    axes[0].set_ylabel("resident memory (MiB)")
+    axes[1].set_ylabel("open descriptors")
+    flat = res.get("flatness") or {}
+    if flat.get("enough_samples"):
+        for ax in axes[:2]:
+            ax.axvspan(t[0], t[0] + flat["warmup_s"], color="gray", alpha=0.15, label="warm-up")
+    axes[0].legend(loc="upper left", fontsize=7, ncol=4)
+    axes[1].legend(loc="upper left", fontsize=7, ncol=4)
+    kv = res["kv_blocks"]["series"]
+    if kv:
+        axes[2].plot([x for x, _, _ in kv], [f for _, f, _ in kv], ".-", ms=3, label="KV blocks free")
+        if res["kv_blocks"]["total"]:
+            axes[2].axhline(res["kv_blocks"]["total"], color="gray", ls="--", lw=1, label="KV blocks in all")
+        axes[2].legend(loc="lower left", fontsize=8)
+    axes[2].set_ylabel("KV blocks (router)")
+    live = res["live_actors"]
+    axes[3].plot([x for x, _, _ in live], [n for _, n, _ in live], ".", ms=3, color="tab:green", label="serving")
+    axes[3].plot([x for x, _, _ in live], [e for _, _, e in live], "-", lw=1, color="gray", label="expected")
+    axes[3].set_ylabel("expert replicas")
+    axes[3].set_xlabel("seconds since the baseline started")
+    axes[3].legend(loc="lower left", fontsize=8)
+    fig.suptitle(f"expertmesh drill ({report['drill']['kill']}): resources")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def _resources_markdown(report: dict) -> list[str]:
+    res = report.get("resources") or {}
+    flat = res.get("flatness") or {}
+    if not flat.get("enough_samples"):
+        return []
+    lines = ["", "## Resources", "",
+             f"{flat['samples']} samples; the first {flat['warmup_s']} s are warm-up; drift over the next "
+             f"{flat['window_s']} s = least-squares slope x window / mean (flat within +-{flat['limit']:.0%}).", "",
+             "| metric | first | last | min | max | drift | flat |", "|---|---|---|---|---|---|---|"]
+    for name, row in flat["metrics"].items():
+        in_mib = name.startswith("rss")
+
+        def fmt(v, in_mib=in_mib):
+            return f"{v / 2**20:.1f} MiB" if in_mib else str(v)
+
+        lines.append(f"| {name} | {fmt(row['first'])} | {fmt(row['last'])} | {fmt(row['min'])} | {fmt(row['max'])} "
+                     f"| {row['drift']:+.2%} | {'yes' if row['flat'] else '**NO**'} |")
+    kv = res["kv_blocks"]
+    lines += ["", f"KV blocks: {kv['total']} in all, fewest free {kv['min_free']}, free after the load stopped "
+                  f"{kv['free_at_end']}.", "", "![resources](drill_resources.png)"]
+    return lines
+
+
 def markdown(report: dict) -> str:
     """drill_report.md: targets, requests per phase, kills, perplexity and cluster, with the timeline image."""
     d, q, lat, tg = report["drill"], report["requests"], report["latency_s"], report["targets"]
@@ -145,7 +216,8 @@ def markdown(report: dict) -> str:
               f"Expected {c['replicas_expected']} expert replicas; fewest live {c['min_live_replicas']}; "
               f"{c['polls']} polls, failed {c['failed_polls'] or 0}; controller reported down in "
               f"{c['controller_down_polls']} polls; events {c['events_by_kind']}; epoch {c['epoch_start']} -> "
-              f"{c['epoch_end']}.", "", "![timeline](drill_timeline.png)", ""]
+              f"{c['epoch_end']}.", "", "![timeline](drill_timeline.png)"]
+    lines += _resources_markdown(report) + [""]
     return "\n".join(lines)
 
 

@@ -20,11 +20,13 @@ from collections import Counter
 
 from ..measure import percentile
 from .record import DrillRecord, KillRecord, PollRecord, RequestRecord
+from .resources import flatness
 
 RESTORE_TARGET_S = 15.0  # a killed expert actor is restored within this
 ROUTER_TARGET_S = 30.0  # a killed router replica: new requests succeed within this
 P99_FACTOR = 3.0  # p99 latency during faults at most this times the baseline's
-EXPERT_KILLS = ("actor", "fraction", "node")
+EXPERT_KILLS = ("actor", "fraction", "node")  # chaos ticks are recorded as these kinds plus "controller"
+FLAT_LIMIT = 0.05  # a soak: resident memory and descriptors drift at most this share after the warm-up
 PHASES = ("baseline", "faults", "after")
 
 
@@ -236,6 +238,17 @@ def _targets(record: DrillRecord, policy: str | None, failed: int, mismatches: i
             "applicable": True,
         },
     }
+    if record.options["kill"] == "none":  # a soak: nothing killed, so what matters is that nothing grows
+        resources = _resources(record)
+        for metric, name in (("rss_bytes", "resident_memory_flat_within_5pct"),
+                             ("fds", "descriptors_flat_within_5pct")):
+            row = resources["flatness"]["metrics"].get(f"{metric}.total")
+            targets[name] = {"value": row["drift"] if row else None, "met": bool(row and row["flat"]),
+                             "applicable": bool(resources["flatness"]["enough_samples"])}
+        kv = resources["kv_blocks"]
+        targets["kv_blocks_all_free_at_end"] = {
+            "value": kv["free_at_end"], "met": kv["free_at_end"] is not None and kv["free_at_end"] == kv["total"],
+            "applicable": kv["total"] is not None}
     if record.options["kill"] == "router":
         # A router kill: Serve replaces the replica and new requests succeed within 30 s; streams in flight on it
         # resume on a live replica (the gRPC front, router_service/continuation.py), so none may fail. Latency is
@@ -250,6 +263,31 @@ def _targets(record: DrillRecord, policy: str | None, failed: int, mismatches: i
             "applicable": bool(restore_values),
         }
     return targets
+
+
+def _resources(record: DrillRecord) -> dict:
+    """Resident memory and descriptors (flatness after the warm-up, per role), KV blocks and live actors over time."""
+    samples = record.resources
+    t0 = record.t0
+    ok = [p for p in record.polls if p.ok]
+    kv = [p for p in ok if p.kv_blocks_total]
+    end = ok[-1] if ok else None
+    return {
+        "flatness": flatness(samples, FLAT_LIMIT),
+        "series": {"t_s": [_r(s["t"] - t0) for s in samples],
+                   "rss_mib": {role: [round(s["roles"][role]["rss_bytes"] / 2**20, 1) for s in samples]
+                               for role in (samples[0]["roles"] if samples else {})},
+                   "fds": {role: [s["roles"][role]["fds"] for s in samples]
+                           for role in (samples[0]["roles"] if samples else {})},
+                   "procs": {role: [s["roles"][role]["procs"] for s in samples]
+                             for role in (samples[0]["roles"] if samples else {})}},
+        "kv_blocks": {"total": kv[-1].kv_blocks_total if kv else None,
+                      "min_free": min((p.kv_blocks_free for p in kv), default=None),
+                      # the last poll comes after the load stopped: every sequence's blocks are back by then
+                      "free_at_end": end.kv_blocks_free if end is not None and end.kv_blocks_total else None,
+                      "series": [[_r(p.t - t0), p.kv_blocks_free, p.live_kv_caches] for p in kv]},
+        "live_actors": [[_r(p.t - t0), p.live, p.expected] for p in ok],
+    }
 
 
 def build_report(record: DrillRecord) -> dict:
@@ -351,6 +389,7 @@ def build_report(record: DrillRecord) -> dict:
                     "events": [{"t_s": _r(e["t"] - t0), "kind": e["kind"], "actor": e["actor"], **e["detail"]}
                                for e in events][-300:]},
         "perplexity": _perplexity(record, kills, after_from) if record.ppl_info is not None else None,
+        "resources": _resources(record),
         "targets": targets,
         "all_targets_met": all(t["met"] for t in targets.values() if t["applicable"]),
         "server": record.server,

@@ -35,9 +35,11 @@ from ...protos import inference_pb2 as pb
 from ...router_service.admin_auth import admin_metadata
 from ...router_service.ray_join import prepare_join
 from ..server_process import ServerProcess, start_server
-from .config import DrillConfig, serve_args
+from .chaos import plan_chaos_tick
+from .config import CLUSTER_KILLS, DrillConfig, serve_args
 from .record import DrillRecord, KillRecord, PollRecord, RequestRecord
 from .report import all_recovered, last_good_poll
+from .resources import sample_tree
 from .workload import PPL_WINDOW, held_out_chunk, make_prompts, training_perplexity
 
 POLL_EVERY_S = 0.5
@@ -128,7 +130,9 @@ class _Drill:
             return PollRecord(t=time.time(), sent=sent, ok=False, error=_code_name(exc))
         poll = PollRecord(t=time.time(), sent=sent, ok=True, expected=len(state.replicas),
                           controller_alive=state.controller_alive, epoch=state.epoch,
-                          router_replica=state.router.replica, degraded_slots=state.router.degraded_slots)
+                          router_replica=state.router.replica, degraded_slots=state.router.degraded_slots,
+                          kv_blocks_free=state.router.kv_blocks_free, kv_blocks_total=state.router.kv_blocks_total,
+                          live_kv_caches=state.router.live_kv_caches)
         for rep in state.replicas:
             # A replica the controller is still restoring can answer `info` before the call ends: not serving yet.
             serving = rep.alive and not rep.restoring
@@ -274,13 +278,16 @@ class _Drill:
                 pass
             time.sleep(0.1)
 
-    def _kill_node(self, kill: KillRecord) -> None:
+    def _kill_node(self, kill: KillRecord, node_id: str | None = None) -> None:
+        """Remove a worker node: `node_id`, else a random one that hosts expert actors."""
         poll = last_good_poll(self.rec.polls)
         on_node: dict[str, list[str]] = {}
         for actor, node in (poll.nodes if poll else {}).items():
             on_node.setdefault(node, []).append(actor)
         workers = [w for w in self.cluster.worker_nodes if w.node_id not in self.removed_nodes]
         candidates = [w for w in workers if on_node.get(w.node_id)] or workers
+        if node_id is not None:
+            candidates = [w for w in workers if w.node_id == node_id]
         if not candidates:
             kill.note = "no worker node left to remove"
             return
@@ -291,52 +298,94 @@ class _Drill:
         self.cluster.remove_node(node, allow_graceful=False)
         self.removed_nodes.add(node.node_id)
 
-    async def _do_kill(self, index: int) -> KillRecord | None:
-        mode = self.o.kill
+    def _blank_kill(self, index: int, mode: str) -> KillRecord:
         poll = last_good_poll(self.rec.polls)
-        kill = KillRecord(index=index, mode=mode, t=time.time(), targets=[],
+        return KillRecord(index=index, mode=mode, t=time.time(), targets=[],
                           pre_nodes=dict(poll.nodes) if poll else {},
                           pre_generations=dict(poll.generations) if poll else {},
                           pre_epoch=poll.epoch if poll else None)
+
+    async def _kill_controller_async(self, kill: KillRecord) -> None:
+        kill.targets = [self.o.names.controller]
+        old_id = await asyncio.to_thread(self._kill_controller, kill)
+        if old_id is not None:
+            self.watchers.append(asyncio.create_task(asyncio.to_thread(self._wait_controller, kill, old_id)))
+
+    async def _do_kill(self, index: int) -> list[KillRecord]:
+        mode = self.o.kill
+        if mode == "none":  # a soak: load and sampling only
+            return []
+        if mode == "chaos":
+            return await self._chaos_tick(index)
+        kill = self._blank_kill(index, mode)
         if mode in ("actor", "fraction"):
             live = await asyncio.to_thread(self._live_experts)
             if not live:
-                return None
+                return []
             count = 1 if mode == "actor" else max(1, round(self.o.fraction * len(live)))
             kill.targets = sorted(self.rng.sample(live, min(count, len(live))))
             kill.t, kill.note = await asyncio.to_thread(self._kill_experts, kill.targets)
         elif mode == "router":
             kill.t, kill.targets, kill.note = await asyncio.to_thread(self._kill_router)
         elif mode == "controller":
-            kill.targets = [self.o.names.controller]
-            old_id = await asyncio.to_thread(self._kill_controller, kill)
-            if old_id is not None:
-                self.watchers.append(asyncio.create_task(asyncio.to_thread(self._wait_controller, kill, old_id)))
+            await self._kill_controller_async(kill)
         elif mode == "node":
             if self.removed_nodes:
-                return None  # a node goes only once
+                return []  # a node goes only once
             await asyncio.to_thread(self._kill_node, kill)
-        return kill
+        return [kill]
+
+    async def _chaos_tick(self, index: int) -> list[KillRecord]:
+        """ops/drill/chaos.py's plan for this tick, carried out at once: node, controller, then actors."""
+        live = set(await asyncio.to_thread(self._live_experts))
+        poll = last_good_poll(self.rec.polls)
+        actors_on = {a: n for a, n in (poll.nodes if poll else {}).items() if a in live}
+        workers = [w.node_id for w in self.cluster.worker_nodes]
+        plan = plan_chaos_tick(index, actors_on, workers, self.removed_nodes, self.o.fraction, self.rng)
+        kills = []
+        if plan.node is not None:
+            kill = self._blank_kill(index, "node")
+            await asyncio.to_thread(self._kill_node, kill, plan.node)
+            kills.append(kill)
+        if plan.controller:
+            kill = self._blank_kill(index, "controller")
+            await self._kill_controller_async(kill)
+            kills.append(kill)
+        if plan.actors:
+            kill = self._blank_kill(index, "fraction")
+            kill.targets = plan.actors
+            kill.t, kill.note = await asyncio.to_thread(self._kill_experts, kill.targets)
+            kills.append(kill)
+        return kills
 
     async def _faults(self) -> None:
         every, duration = self.o.every, self.o.duration
         ticks = [self.rec.fault_start + k * every for k in range(int(duration // every) + 1)
                  if k * every + every <= duration + 1e-9] or [self.rec.fault_start]
-        kills = self.rec.kills
         for index, tick in enumerate(ticks):
             await asyncio.sleep(max(0.0, tick - time.time()))
             if self.stop_side.is_set():
                 return
             try:
-                kill = await self._do_kill(index)
+                done = await self._do_kill(index)
             except Exception as exc:  # record and go on: one failed kill must not end the drill
-                kill = KillRecord(index=index, mode=self.o.kill, t=time.time(), targets=[],
-                                  error=f"{type(exc).__name__}: {exc}"[:300])
-            if kill is not None:
+                done = [KillRecord(index=index, mode=self.o.kill, t=time.time(), targets=[],
+                                   error=f"{type(exc).__name__}: {exc}"[:300])]
+            for kill in done:
                 kill.scheduled_t = tick
-                kills.append(kill)
+                self.rec.kills.append(kill)
                 say(self.verbose, f"kill {index}: {kill.mode} {', '.join(kill.targets) or '-'} {kill.note}"
                                   f"{' ERROR ' + kill.error if kill.error else ''}")
+
+    async def _sampler(self) -> None:
+        """Resident memory and descriptors of everything this process started (the server, Ray, its workers),
+        every `sample_every` s; only for a self-started drill (attached, the processes are not ours)."""
+        while not self.stop_side.is_set():
+            started = time.time()
+            sample = await asyncio.to_thread(sample_tree, [os.getpid()])
+            if sample is not None:
+                self.rec.resources.append(sample)
+            await asyncio.sleep(max(0.0, self.o.sample_every - (time.time() - started)))
 
     # ---- run ---------------------------------------------------------------------------------------------
 
@@ -367,6 +416,8 @@ class _Drill:
             say(self.verbose, f"baseline {o.baseline} s with {o.concurrency} streams ...")
             workers = [asyncio.create_task(self._worker(i)) for i in range(o.concurrency)]
             side = [asyncio.create_task(self._poller())]
+            if self.o.self_started:
+                side.append(asyncio.create_task(self._sampler()))
             if self.ppl_ids is not None:
                 side.append(asyncio.create_task(self._perplexity()))
             try:
@@ -428,7 +479,7 @@ def _start_ray(config: DrillConfig, verbose: bool):
     """Ray for a self-started drill: (Cluster or None, GCS address). A Cluster only for node kills."""
     import ray
 
-    if config.kill == "node":
+    if config.kill in CLUSTER_KILLS:
         from ray.cluster_utils import Cluster
 
         gpus = f", {config.node_gpus} GPUs" if config.node_gpus else ""
@@ -486,7 +537,7 @@ def record_drill(config: DrillConfig, verbose: bool = True) -> DrillRecord:
             args = serve_args(config, gcs, out_dir / "serve_config.json")
             say(verbose, f"starting expertmesh serve {' '.join(args)} ...")
             t_srv = time.time()
-            server = start_server(args, out_dir / "serve.log", new_session=True)
+            server = start_server(args, out_dir / "serve.log", timeout=config.ready_timeout, new_session=True)
             target = server.target
             say(verbose, f"serving {server.model_name} on {target} (ready after {time.time() - t_srv:.1f} s)")
             policy = config.no_replica_policy
