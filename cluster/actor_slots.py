@@ -48,9 +48,10 @@ def plan_actor_slots(
     gpus = _interleaved_gpus(nodes)
     if gpus:
         targets = [(node, slot) for node, slot in gpus]
+        assignment = [targets[i % len(targets)] for i in range(len(names))]
     else:
         targets = [(node, None) for node in sorted(nodes, key=lambda n: n.node_id)]
-    assignment = [targets[i % len(targets)] for i in range(len(names))]
+        assignment = _cpu_round_robin(targets, len(names), num_cpus_per_actor)
 
     per_node: dict[str, int] = {}
     per_gpu: dict[tuple[str, int], int] = {}
@@ -75,6 +76,27 @@ def plan_actor_slots(
             gpu_share = 1.0 / sharing
         slots.append(ActorSlot(name=name, node_id=node.node_id, num_cpus=cpus, num_gpus=gpu_share, gpu_slot=slot))
     return slots
+
+
+def _cpu_round_robin(targets: list[tuple[NodeResources, None]], count: int,
+                     num_cpus_per_actor: float | None) -> list[tuple[NodeResources, None]]:
+    """Round-robin over CPU nodes. With a fixed num_cpus_per_actor a node is skipped once it holds as many actors as
+    its CPUs fit: plain round-robin put 7 actors of 0.5 CPU on a 1-CPU head among 8 workers, and the actors Ray
+    could not place there (node affinity) never started. Only when every node is full does the rest overflow
+    round-robin again (Ray then waits for room, as it would have)."""
+    if num_cpus_per_actor is None:
+        return [targets[i % len(targets)] for i in range(count)]
+    room = {node.node_id: int(math.floor(node.num_cpus / num_cpus_per_actor + 1e-9)) for node, _ in targets}
+    assignment: list[tuple[NodeResources, None]] = []
+    i = 0
+    while len(assignment) < count and any(room.values()):
+        node, slot = targets[i % len(targets)]
+        if room[node.node_id] > 0:
+            room[node.node_id] -= 1
+            assignment.append((node, slot))
+        i += 1
+    overflow = count - len(assignment)
+    return assignment + [targets[i % len(targets)] for i in range(overflow)]
 
 
 def _interleaved_gpus(nodes: list[NodeResources]) -> list[tuple[NodeResources, int]]:

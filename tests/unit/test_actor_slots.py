@@ -221,3 +221,24 @@ def test_bad_names_with_trailing_newline_or_unicode_digits_raise(bad):
 def test_cpu_share_floors_to_exact_hundredth():
     slots = plan_actor_slots([f"a{i}" for i in range(50)], [NodeResources("n", num_cpus=29)])
     assert {s.num_cpus for s in slots} == {0.58}
+
+
+def test_fixed_cpus_per_actor_fill_nodes_by_room_not_plain_round_robin():
+    # The 8-node chaos drill: a 1-CPU head and 8 workers of 5 CPUs, 64 actors of 0.5 CPU. Plain round-robin put 7
+    # on the head (room for 2); Ray never placed the other 5 (node affinity) and the server never became ready.
+    nodes = [NodeResources("a-head", num_cpus=1)] + [NodeResources(f"w{i}", num_cpus=5) for i in range(8)]
+    slots = plan_actor_slots([f"a{i}" for i in range(64)], nodes, num_cpus_per_actor=0.5)
+    per_node = {}
+    for s in slots:
+        per_node[s.node_id] = per_node.get(s.node_id, 0) + s.num_cpus
+    assert per_node["a-head"] == 1.0
+    assert all(per_node[n.node_id] <= n.num_cpus for n in nodes), per_node
+    assert sorted(s.name for s in slots) == sorted(f"a{i}" for i in range(64))
+    # consecutive names still land on different nodes while there is room
+    assert slots[0].node_id != slots[1].node_id
+
+
+def test_fixed_cpus_per_actor_overflow_when_nothing_fits_keeps_round_robin():
+    nodes = [NodeResources("n0", num_cpus=1), NodeResources("n1", num_cpus=1)]
+    slots = plan_actor_slots([f"a{i}" for i in range(6)], nodes, num_cpus_per_actor=0.5)
+    assert [s.node_id for s in slots] == ["n0", "n1", "n0", "n1", "n0", "n1"]
