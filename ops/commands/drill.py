@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
                         "workers, and with --cpus-per-actor taking every CPU the cluster has no spare capacity)")
     p.add_argument("--fraction", type=float, default=0.25, help="share of expert actors per tick (fraction, chaos)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--settle", type=float, default=30.0,
+                   help="after the schedule, keep the load on until every kill recovered, at most this many seconds")
     p.add_argument("--ready-timeout", type=float, default=600.0,
                    help="seconds the self-started server may take to become ready (many actors on few cores: more)")
     p.add_argument("--sample-every", type=float, default=5.0,
@@ -58,7 +60,7 @@ def config_from_args(args: argparse.Namespace):
     return DrillConfig(kill=args.kill, every=args.every, duration=args.duration, baseline=args.baseline,
                        concurrency=args.concurrency, max_tokens=args.max_tokens, seed=args.seed,
                        fraction=args.fraction, sample_every=args.sample_every,
-                       ready_timeout=args.ready_timeout, nodes=args.nodes,
+                       ready_timeout=args.ready_timeout, settle=args.settle, nodes=args.nodes,
                        node_cpus=args.node_cpus,
                        node_gpus=args.node_gpus, target=args.target, address=args.address,
                        out=args.out, admin_token=args.admin_token,

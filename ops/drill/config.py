@@ -40,6 +40,7 @@ class DrillConfig:
     fraction: float = 0.25  # kill=fraction: share of the live expert actors per tick
     nodes: int = 2  # kill=node: worker nodes of the self-started cluster
     node_cpus: int = 2  # kill=node: CPUs of each worker node
+    settle: float = 30.0  # after `duration`: keep the load on until every kill recovered, at most this long
     ready_timeout: float = 600.0  # seconds the self-started server may take to be ready (64 actors, 2 cores: more)
     sample_every: float = 5.0  # seconds between samples of resident memory / descriptors / KV blocks / actors
     # kill=node: GPUs each worker declares (no real GPU needed). With any, expert actors go only to the workers, so
@@ -81,7 +82,7 @@ class DrillConfig:
             self.mesh.validate()
         except ConfigError as exc:
             raise ConfigError(f"mesh.{exc.field}", exc.message) from None
-        for name in ("every", "duration", "baseline", "ready_timeout"):
+        for name in ("every", "duration", "baseline", "ready_timeout", "settle"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value}")

@@ -8,7 +8,7 @@ Timeline, all from one asyncio event loop (grpc.aio):
            Admin.GetClusterState every 0.5 s (live replicas, controller events) ----------------------------->
            with the degrade policy: held-out perplexity through Score, in baseline and repeatedly after
 
-After the schedule the load stays on until every kill has recovered (at most SETTLE_MAX_S), then TAIL_S more.
+After the schedule the load stays on until every kill has recovered (at most config.settle seconds), then TAIL_S more.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from .workload import PPL_WINDOW, held_out_chunk, make_prompts, training_perplex
 POLL_EVERY_S = 0.5
 REQUEST_TIMEOUT_S = 120.0
 FAILURE_BACKOFF_S = 0.25  # a client pauses this long after a failed request before its next one
-SETTLE_MAX_S = 30.0  # after `duration`: keep the load on until every kill recovered, at most this long
 TAIL_S = 5.0  # and then at least this long, so "after the last fault" has data
 STOP_GRACE_S = 45.0  # when the load stops, in-flight requests get this long (> the server's 30 s wait timeout)
 
@@ -430,7 +429,7 @@ class _Drill:
                 rec.fault_end = time.time()
                 await faults
                 # Keep the load on until every kill recovered (bounded), then a short tail.
-                settle_deadline = rec.fault_end + SETTLE_MAX_S
+                settle_deadline = rec.fault_end + o.settle
                 recovered, last = all_recovered(rec)
                 while not recovered and time.time() < settle_deadline:
                     await asyncio.sleep(0.5)

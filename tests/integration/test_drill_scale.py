@@ -78,7 +78,7 @@ def test_chaos_on_eight_nodes_with_64_actors_loses_no_request(tmp_path):
                      "--model", str(model), "--expert-layout", "per-expert", "--replicas-per-expert", "2",
                      "--every", "15", "--duration", "45", "--baseline", "20", "--concurrency", "4",
                      "--max-tokens", "8", "--fraction", "0.1", "--sample-every", "2", "--wait-timeout", "600",
-                     "--ready-timeout", "2400"],
+                     "--ready-timeout", "2400", "--settle", "900"],
                     out, timeout_s=3600)
     _assert_no_request_lost(report)
     _assert_chaos_recovered(report, expected_actors=64)
