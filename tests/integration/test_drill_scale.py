@@ -57,7 +57,8 @@ def _assert_chaos_recovered(report: dict, expected_actors: int) -> None:
 def test_chaos_on_four_nodes_loses_no_request(tmp_path):
     report = _drill(["--kill", "chaos", "--nodes", "3", "--node-cpus", "2", "--expert-layout", "per-expert",
                      "--replicas-per-expert", "2", "--every", "6", "--duration", "12", "--baseline", "6",
-                     "--concurrency", "4", "--fraction", "0.1", "--sample-every", "1"], tmp_path / "chaos",
+                     "--concurrency", "4", "--fraction", "0.1", "--sample-every", "1", "--settle", "120"],
+                    tmp_path / "chaos",
                     timeout_s=900)
     _assert_no_request_lost(report)
     _assert_chaos_recovered(report, expected_actors=16)
