@@ -23,6 +23,7 @@ from ray import serve
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from ..experts.telemetry import carrier_from_metadata
+from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
 from . import health
 from .admin_auth import DESTRUCTIVE_ADMIN_METHODS, admin_denial
@@ -102,7 +103,7 @@ class _Forwarder:
         if self.auth_token is None:
             return
         metadata = dict(context.invocation_metadata() or ())
-        if metadata.get("authorization") != f"Bearer {self.auth_token}":
+        if not bearer_matches(metadata.get("authorization"), self.auth_token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
 
     async def authorize_admin(self, context: grpc.aio.ServicerContext) -> None:

@@ -15,7 +15,6 @@ closes the batcher stream on the replica and frees the sequence's KV cache: the 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import ssl
@@ -27,6 +26,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from ray import serve
 
+from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2
 from . import http_metrics, openai_api, openai_responses
 from .config import ConfigError, ServerConfig
@@ -93,8 +93,7 @@ class HttpFront:
     async def _guarded(self, request: web.Request, handler):
         try:
             if request.path.startswith(GUARDED) and self.settings.auth_token is not None:
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.settings.auth_token}".encode()):
+                if not bearer_matches(request.headers.get("Authorization"), self.settings.auth_token):
                     raise OpenAIError(401, "authorization: missing or wrong bearer token (send `Authorization: "
                                            "Bearer <token>`)", code="invalid_api_key")
             return await handler(request)
