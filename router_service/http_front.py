@@ -28,7 +28,7 @@ from ray import serve
 
 from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2
-from . import http_metrics, openai_api, openai_responses
+from . import http_metrics, json_body, openai_api, openai_responses
 from .config import ConfigError, ServerConfig
 from .grpc_front import _api_error
 from .log_limit import LogRateLimit
@@ -101,21 +101,15 @@ class HttpFront:
             return error_response(exc)
         except web.HTTPException as exc:
             if exc.status == 413:
-                return error_response(self._too_large(request.content_length))
+                return error_response(json_body.too_large(request.content_length, self.settings.max_message_bytes))
             if exc.status < 400:
                 raise
             return error_response(OpenAIError(exc.status, exc.reason or "request refused"))
 
-    def _too_large(self, size: int | None) -> OpenAIError:
-        got = f"{size} bytes" if size is not None else "the body"
-        return OpenAIError(413, f"{got} exceeds the server's limit of {self.settings.max_message_bytes} bytes "
-                                "(server.max_message_bytes)", code="request_too_large")
-
     async def _body(self, request: web.Request) -> dict:
-        size = request.content_length
-        if size is not None and size > self.settings.max_message_bytes:
-            raise self._too_large(size)
-        return openai_api.parse_body(await request.read())
+        """The JSON object in the body, or an OpenAI-shaped 4xx (router_service/json_body.py)."""
+        return await json_body.read_json_object(request, self.settings.max_message_bytes,
+                                                self.settings.max_json_depth)
 
     # ---- the OpenAI API ----------------------------------------------------------------------------------------
 
