@@ -28,7 +28,7 @@ from ray import serve
 
 from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2
-from . import http_metrics, json_body, openai_api, openai_responses
+from . import http_metrics, http_protocol, json_body, openai_api, openai_responses
 from .config import ConfigError, ServerConfig
 from .grpc_front import _api_error
 from .log_limit import LogRateLimit
@@ -317,7 +317,8 @@ async def start_http_front(handle: serve.handle.DeploymentHandle, settings: Serv
                            model_name: str) -> tuple[web.AppRunner, int]:
     """Serve the HTTP API on settings.host:settings.http_port; returns the runner (cleanup() stops it) and the
     port it bound (useful with port 0)."""
-    runner = web.AppRunner(HttpFront(handle, settings, model_name).app(), **RUNNER_OPTIONS)
+    # Its connections answer aiohttp's own parser errors as a client's mistake (router_service/http_protocol.py).
+    runner = http_protocol.AppRunner(HttpFront(handle, settings, model_name).app(), **RUNNER_OPTIONS)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.http_port, ssl_context=tls_context(settings),
                        reuse_port=False)
