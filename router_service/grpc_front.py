@@ -32,6 +32,7 @@ from .continuation import StreamProgress, with_resumable_seed
 from .log_limit import LogRateLimit
 from .malformed_requests import RefuseMalformedRequests
 from .proto_mapping import ApiError
+from .serve_calls import cancel_with_caller
 from .step_profile import StageClock
 
 MAX_DETAILS_CHARS = 1024  # status details travel in a trailer (16 KiB by default); errors already cap echoed input
@@ -128,7 +129,8 @@ class _Forwarder:
         if method in DESTRUCTIVE_ADMIN_METHODS:
             await self.authorize_admin(context)
         try:
-            reply = await getattr(self.unary_handle, method).remote(request)
+            # A client cancel or deadline cancels this handler; cancel_with_caller passes it on to the replica.
+            reply = await cancel_with_caller(getattr(self.unary_handle, method).remote(request))
             if method == "GetRouterStats":
                 reply.stage_seconds.update(self.profile.snapshot())
             return reply

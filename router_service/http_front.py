@@ -33,6 +33,7 @@ from .config import ConfigError, ServerConfig
 from .grpc_front import _api_error
 from .log_limit import LogRateLimit
 from .openai_api import OpenAIError
+from .serve_calls import cancel_with_caller
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).resolve().parent / "static"
@@ -198,7 +199,7 @@ class HttpFront:
         else:
             raise openai_api.invalid("prompt", "required: a non-empty string (or messages)")
         try:
-            ids = await self.unary_handle.OpenAITokenize.remote(*args)
+            ids = await cancel_with_caller(self.unary_handle.OpenAITokenize.remote(*args))
         except Exception as exc:
             raise _as_openai_error(exc) from None
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": await self._context()})
@@ -211,7 +212,7 @@ class HttpFront:
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise openai_api.invalid("tokens", "required: a list of token ids")
         try:
-            text = await self.unary_handle.OpenAIDetokenize.remote(tokens)
+            text = await cancel_with_caller(self.unary_handle.OpenAIDetokenize.remote(tokens))
         except Exception as exc:
             raise _as_openai_error(exc) from None
         return json_response({"prompt": text})
