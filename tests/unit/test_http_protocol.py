@@ -13,9 +13,39 @@ from expertmesh.router_service import http_protocol
 from expertmesh.router_service.config import ServerConfig
 from expertmesh.router_service.http_front import start_http_front
 from tests.hostile_http import BODY_ERRORS, GOOD_BODY, NOT_HTTP, PARSER_ERRORS, _post, request, send_raw
-from tests.unit.test_http_front import DONE, MODEL, FakeHandle, token
 
 LIMIT = 1 << 20
+MODEL = "m"  # the model GOOD_BODY names
+DONE = {"done": {"finish_reason": "length", "prompt_tokens": 2, "completion_tokens": 1, "tokens_per_expert": {},
+                 "rerouted": 0, "degraded": 0, "dropped": 0}}
+
+
+class FakeCall:
+    """A Serve streaming call answering one token and its end."""
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        yield {"token": {"ids": [7], "text": "a", "logprobs": None}}
+        yield DONE
+
+    def cancel(self) -> None:
+        pass
+
+
+class FakeHandle:
+    """The router deployment handle, as far as a completion needs it."""
+
+    def options(self, **_):
+        return self
+
+    @property
+    def OpenAIGenerate(self):  # noqa: N802
+        return self
+
+    def remote(self, job):
+        return FakeCall()
 
 
 class Records(logging.Handler):
@@ -36,7 +66,7 @@ def answers(cases: list[tuple[str, bytes]], **settings) -> tuple[list, list[logg
 
     async def main():
         config = ServerConfig(http_port=0, max_message_bytes=LIMIT, **settings)
-        runner, port = await start_http_front(FakeHandle([token("a"), DONE]), config, MODEL)
+        runner, port = await start_http_front(FakeHandle(), config, MODEL)
         try:
             return [await asyncio.to_thread(send_raw, "127.0.0.1", port, data) for _, data in cases]
         finally:
