@@ -28,7 +28,9 @@ from .openai_api import OpenAIError
 
 log = logging.getLogger(__name__)
 MAX_REASON_CHARS = 200  # aiohttp's messages can quote the client's bytes; keep what is echoed and logged short
-CLIENT_FAULTS = (HttpProcessingError, RequestPayloadError)
+# ConnectionResetError: the client went away mid-body (aiohttp's "Connection lost"); there is no one to answer, and
+# without handler_cancellation aiohttp logged it as a 500 with a traceback.
+CLIENT_FAULTS = (HttpProcessingError, RequestPayloadError, ConnectionResetError)
 _lines = LogRateLimit()
 
 
@@ -62,8 +64,10 @@ def note(exc: BaseException, remote: str | None) -> None:
 class QuietRequestHandler(RequestHandler):
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        if not (client_fault(exc) and 400 <= status < 500):
+        if not client_fault(exc):
             return super().handle_error(request, status, exc, message)  # ours: aiohttp's 500 and traceback
+        # A client's broken body that escaped a handler reaches here as a 500: it is still the client's mistake.
+        status = status if 400 <= status < 500 else 400
         note(exc, request.remote)
         if request.writer.output_size > 0:  # as aiohttp: a response is already out, nothing more can be said
             raise ConnectionError("response already sent; cannot answer the malformed request")

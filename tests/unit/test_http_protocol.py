@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import time
 
 import pytest
 
@@ -136,3 +138,54 @@ def test_our_own_faults_keep_aiohttps_500_and_traceback():
     assert not http_protocol.client_fault(RuntimeError("our bug")) and not http_protocol.client_fault(None)
     assert http_protocol.reason(RuntimeError("a\n  b " + "x" * 500)).startswith("a b x")
     assert len(http_protocol.reason(RuntimeError("x" * 500))) == http_protocol.MAX_REASON_CHARS + 1
+
+
+def test_a_broken_body_that_escapes_a_handler_is_400_not_500():
+    """A handler that reads a body without json_body (none of ours does today) and lets the read's error escape:
+    aiohttp answered 500 and logged a traceback; the adapter answers 400 and logs a line. A bad chunk that arrives
+    while such a handler reads ended in aiohttp's 500 "Connection lost" with a traceback: now quiet."""
+    from aiohttp import web
+
+    async def escapes(request: web.Request) -> web.Response:
+        raise http_protocol.RequestPayloadError("Invalid character in chunk size")
+
+    async def reads(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(text="read")
+
+    def split(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(request("POST", "/reads", b"", {"Transfer-Encoding": "chunked"}) + b"2\r\n{}\r\n")
+            time.sleep(0.3)  # the handler is reading the body when the bad chunk comes
+            sock.sendall(b"zz\r\n")
+            try:
+                return sock.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                return b""
+
+    records = Records()
+    logging.getLogger().addHandler(records)
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/escapes", escapes)
+        app.router.add_post("/reads", reads)
+        runner = http_protocol.AppRunner(app)  # without handler_cancellation, unlike the front: the harder case
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            first = await asyncio.to_thread(send_raw, "127.0.0.1", port, request("POST", "/escapes", b"{}"))
+            await asyncio.to_thread(split, port)
+            await asyncio.sleep(0.5)
+            return first
+        finally:
+            await runner.cleanup()
+
+    try:
+        reply = asyncio.run(main())
+    finally:
+        logging.getLogger().removeHandler(records)
+    assert reply.status == 400 and reply.json()["error"]["code"] == "bad_request", reply
+    assert_quiet(records.records)
