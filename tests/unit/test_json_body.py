@@ -121,3 +121,12 @@ def test_checking_a_16_megabyte_body_adds_little_to_parsing_it():
     started = time.perf_counter()
     assert json_depth("[]" * 8_000_000) == 1  # 16 MB of brackets
     assert time.perf_counter() - started < 3.0
+
+
+def test_the_depth_setting_is_validated_naming_the_field():
+    from expertmesh.router_service.config import MAX_JSON_DEPTH, ServerConfig
+
+    assert ServerConfig().max_json_depth == 32 and ServerConfig(max_json_depth=MAX_JSON_DEPTH).validate()
+    for bad in (7, MAX_JSON_DEPTH + 1):
+        with pytest.raises(ValueError, match=r"^max_json_depth: must be in \[8, 256\]"):
+            ServerConfig(max_json_depth=bad).validate()
