@@ -11,7 +11,6 @@ anything is decoded. The comparison takes constant time, so the answer's timing 
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 from concurrent import futures
 
@@ -21,6 +20,7 @@ from ..protos import expert_transport_pb2 as pb
 from ..protos import expert_transport_pb2_grpc as pb_grpc
 from . import wire
 from .arrays import HostTensor
+from .token_compare import secret_matches
 
 # Prefill batches of a large model exceed gRPC's 4 MiB default by far; the router is the only client.
 MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
@@ -45,7 +45,7 @@ class _RequireSecret(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         sent = dict(handler_call_details.invocation_metadata or ()).get(SECRET_METADATA_KEY, "")
-        if hmac.compare_digest(str(sent).encode(), self._secret):
+        if secret_matches(sent, self._secret):
             return continuation(handler_call_details)
         return _REFUSE
 

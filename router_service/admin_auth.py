@@ -11,8 +11,9 @@ message into PERMISSION_DENIED.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Mapping
+
+from ..experts.token_compare import secret_matches
 
 ADMIN_TOKEN_KEY = "x-expertmesh-admin-token"  # gRPC metadata key (lower case, as gRPC requires)
 DESTRUCTIVE_ADMIN_METHODS = frozenset({"KillReplica", "DrainReplica", "UndrainReplica"})
@@ -28,8 +29,8 @@ def admin_denial(configured: str | None, metadata: Mapping[str, str]) -> str | N
     if configured is None:
         return DISABLED_MESSAGE
     sent = metadata.get(ADMIN_TOKEN_KEY)
-    # compare_digest: the time taken must not tell a caller how much of the token it got right.
-    if not isinstance(sent, str) or not hmac.compare_digest(sent.encode(), configured.encode()):
+    # Constant-time: the time taken must not tell a caller how much of the token it got right.
+    if not secret_matches(sent, configured):
         return f"{ADMIN_TOKEN_KEY}: missing or wrong admin token"
     return None
 

@@ -54,6 +54,7 @@ __all__ = ["MeshConfig", "ModelConfig", "MeshIdConfig", "RayConfig", "ExpertsCon
 
 DTYPES = DTYPE_CHOICES  # "auto", "bfloat16", "float16", "float32" (experts/dtypes.py resolves "auto")
 MAX_MESSAGE_BYTES = 1 << 30  # gRPC's limits are 32-bit; Serve's hop adds its own overhead to a request
+MAX_JSON_DEPTH = 256  # well inside Python's recursion limit (1000), which json.loads recurses against
 MIN_RESPONSE_BYTES = 64 * 1024 * 1024
 
 
@@ -312,6 +313,10 @@ class ServerConfig:
     # The OpenAI-compatible HTTP API and the live cluster page (router_service/http_front.py) on this port, same
     # host, token and TLS as gRPC; None: off. 0 picks a free port (printed on the ready line).
     http_port: int | None = None
+    # Deepest nesting of arrays and objects an HTTP JSON body may have, checked before it is parsed
+    # (router_service/json_body.py): a deep body made the parser recurse until it failed (a 500). A chat body with
+    # content parts is 6 deep; tools' JSON schemas go deeper.
+    max_json_depth: int = 32
 
     def validate(self) -> ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -331,6 +336,8 @@ class ServerConfig:
         if not 1024 <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
             raise ValueError(f"max_message_bytes: must be in [1024, {MAX_MESSAGE_BYTES}] (1 GiB), got "
                              f"{self.max_message_bytes}")
+        if not 8 <= self.max_json_depth <= MAX_JSON_DEPTH:
+            raise ValueError(f"max_json_depth: must be in [8, {MAX_JSON_DEPTH}], got {self.max_json_depth}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth_token: must not be blank")
         if self.admin_token is not None and not self.admin_token.strip():

@@ -27,6 +27,7 @@ from ..cluster.shard_liveness import HealthVerdict, health_verdict
 from ..cluster.table_store import read_table
 from ..experts.load_progress import read_progress
 from ..experts.telemetry import carrier_from_metadata
+from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
@@ -147,7 +148,7 @@ class RouterDeployment:
         if token is None or grpc_context is None:
             return  # no auth, or called through a handle from inside the cluster (the front checked it)
         metadata = dict(grpc_context.invocation_metadata())
-        if metadata.get("authorization") != f"Bearer {token}":
+        if not bearer_matches(metadata.get("authorization"), token):
             raise _set_status(grpc_context, ApiError("UNAUTHENTICATED", "missing or wrong bearer token"))
 
     def _authorize_admin(self, grpc_context) -> None:

@@ -23,6 +23,7 @@ from ray import serve
 from ray.serve.exceptions import ReplicaUnavailableError
 
 from ..experts.telemetry import carrier_from_metadata
+from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
 from . import health
 from .admin_auth import DESTRUCTIVE_ADMIN_METHODS, admin_denial
@@ -31,6 +32,7 @@ from .continuation import StreamProgress, with_resumable_seed
 from .log_limit import LogRateLimit
 from .malformed_requests import RefuseMalformedRequests
 from .proto_mapping import ApiError
+from .serve_calls import cancel_with_caller
 from .step_profile import StageClock
 
 MAX_DETAILS_CHARS = 1024  # status details travel in a trailer (16 KiB by default); errors already cap echoed input
@@ -102,7 +104,7 @@ class _Forwarder:
         if self.auth_token is None:
             return
         metadata = dict(context.invocation_metadata() or ())
-        if metadata.get("authorization") != f"Bearer {self.auth_token}":
+        if not bearer_matches(metadata.get("authorization"), self.auth_token):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
 
     async def authorize_admin(self, context: grpc.aio.ServicerContext) -> None:
@@ -127,7 +129,8 @@ class _Forwarder:
         if method in DESTRUCTIVE_ADMIN_METHODS:
             await self.authorize_admin(context)
         try:
-            reply = await getattr(self.unary_handle, method).remote(request)
+            # A client cancel or deadline cancels this handler; cancel_with_caller passes it on to the replica.
+            reply = await cancel_with_caller(getattr(self.unary_handle, method).remote(request))
             if method == "GetRouterStats":
                 reply.stage_seconds.update(self.profile.snapshot())
             return reply

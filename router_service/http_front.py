@@ -15,7 +15,6 @@ closes the batcher stream on the replica and frees the sequence's KV cache: the 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import ssl
@@ -27,12 +26,14 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from ray import serve
 
+from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2
-from . import http_metrics, openai_api, openai_responses
+from . import http_metrics, http_protocol, json_body, openai_api, openai_responses
 from .config import ConfigError, ServerConfig
 from .grpc_front import _api_error
 from .log_limit import LogRateLimit
 from .openai_api import OpenAIError
+from .serve_calls import cancel_with_caller
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).resolve().parent / "static"
@@ -93,8 +94,7 @@ class HttpFront:
     async def _guarded(self, request: web.Request, handler):
         try:
             if request.path.startswith(GUARDED) and self.settings.auth_token is not None:
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.settings.auth_token}".encode()):
+                if not bearer_matches(request.headers.get("Authorization"), self.settings.auth_token):
                     raise OpenAIError(401, "authorization: missing or wrong bearer token (send `Authorization: "
                                            "Bearer <token>`)", code="invalid_api_key")
             return await handler(request)
@@ -102,21 +102,15 @@ class HttpFront:
             return error_response(exc)
         except web.HTTPException as exc:
             if exc.status == 413:
-                return error_response(self._too_large(request.content_length))
+                return error_response(json_body.too_large(request.content_length, self.settings.max_message_bytes))
             if exc.status < 400:
                 raise
             return error_response(OpenAIError(exc.status, exc.reason or "request refused"))
 
-    def _too_large(self, size: int | None) -> OpenAIError:
-        got = f"{size} bytes" if size is not None else "the body"
-        return OpenAIError(413, f"{got} exceeds the server's limit of {self.settings.max_message_bytes} bytes "
-                                "(server.max_message_bytes)", code="request_too_large")
-
     async def _body(self, request: web.Request) -> dict:
-        size = request.content_length
-        if size is not None and size > self.settings.max_message_bytes:
-            raise self._too_large(size)
-        return openai_api.parse_body(await request.read())
+        """The JSON object in the body, or an OpenAI-shaped 4xx (router_service/json_body.py)."""
+        return await json_body.read_json_object(request, self.settings.max_message_bytes,
+                                                self.settings.max_json_depth)
 
     # ---- the OpenAI API ----------------------------------------------------------------------------------------
 
@@ -205,7 +199,7 @@ class HttpFront:
         else:
             raise openai_api.invalid("prompt", "required: a non-empty string (or messages)")
         try:
-            ids = await self.unary_handle.OpenAITokenize.remote(*args)
+            ids = await cancel_with_caller(self.unary_handle.OpenAITokenize.remote(*args))
         except Exception as exc:
             raise _as_openai_error(exc) from None
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": await self._context()})
@@ -218,7 +212,7 @@ class HttpFront:
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise openai_api.invalid("tokens", "required: a list of token ids")
         try:
-            text = await self.unary_handle.OpenAIDetokenize.remote(tokens)
+            text = await cancel_with_caller(self.unary_handle.OpenAIDetokenize.remote(tokens))
         except Exception as exc:
             raise _as_openai_error(exc) from None
         return json_response({"prompt": text})
@@ -324,7 +318,8 @@ async def start_http_front(handle: serve.handle.DeploymentHandle, settings: Serv
                            model_name: str) -> tuple[web.AppRunner, int]:
     """Serve the HTTP API on settings.host:settings.http_port; returns the runner (cleanup() stops it) and the
     port it bound (useful with port 0)."""
-    runner = web.AppRunner(HttpFront(handle, settings, model_name).app(), **RUNNER_OPTIONS)
+    # Its connections answer aiohttp's own parser errors as a client's mistake (router_service/http_protocol.py).
+    runner = http_protocol.AppRunner(HttpFront(handle, settings, model_name).app(), **RUNNER_OPTIONS)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.http_port, ssl_context=tls_context(settings),
                        reuse_port=False)

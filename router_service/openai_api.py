@@ -123,16 +123,6 @@ class OpenAIJob:
 
 # ---- request bodies ------------------------------------------------------------------------------------------
 
-def parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(None, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise invalid(None, "the body must be a JSON object")
-    return body
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

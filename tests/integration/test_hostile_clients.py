@@ -6,7 +6,9 @@ front of one served embedded model with default settings:
 - a multi-megabyte prompt is refused at once, without stalling the streams already running;
 - bytes that are not the request message, a 1 MB model name, data given twice: the right code and a short message;
 - none of it floods the server's log with tracebacks;
-- a junk certificate or a port in use stops `expertmesh serve` in a line, before Ray starts.
+- a junk certificate or a port in use stops `expertmesh serve` in a line, before Ray starts;
+- (issue 30 item 3) raw bytes aiohttp's parser refuses, and bodies that are not strict JSON objects, are 4xx on the
+  HTTP front with no traceback in the log; a non-streamed completion whose client leaves stops at the router.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from urllib.parse import urlsplit
 
 import grpc
 import numpy as np
@@ -29,6 +33,7 @@ from expertmesh.experts.reference import load_reference_model
 from expertmesh.ops.cli import main
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc, kserve_v2_pb2, kserve_v2_pb2_grpc
+from tests.hostile_http import BODY_ERRORS, NOT_HTTP, PARSER_ERRORS, send_raw
 from tests.served import start_server
 from tests.traffic import wait_for
 
@@ -39,7 +44,8 @@ BIG = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_l
 
 @pytest.fixture(scope="module")
 def served():
-    server = start_server()  # the embedded model, every setting at its default (16 MiB messages)
+    # The embedded model, every setting at its default (16 MiB messages), and the HTTP front on a free port.
+    server = start_server("--http-port", "0")
     yield server
     assert server.stop() == 0, server.log()
 
@@ -173,6 +179,15 @@ def test_bytes_that_are_not_the_request_message_are_invalid_argument(channel, pa
     assert message in err.details() and "Unexpected" not in err.details()
 
 
+def test_a_string_field_that_is_not_utf8_is_invalid_argument(channel):
+    """Protobuf refuses a `string` field holding bytes that are not UTF-8 while parsing: INVALID_ARGUMENT naming the
+    message, like any other bytes that are not the request (issue 30 item 3)."""
+    raw = pb.ScoreRequest(model="ab", token_ids=[1]).SerializeToString().replace(b"ab", b"\xff\xfe")
+    call = channel.unary_unary(PATHS[0][0], request_serializer=None, response_deserializer=None)
+    err = rpc_error(call, raw, timeout=30)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "expertmesh.v1.ScoreRequest" in err.details()
+
+
 def test_a_one_megabyte_model_name_is_not_found_with_a_short_message(channel):
     name = "m" * (1 << 20)
     err = rpc_error(inference_pb2_grpc.InferenceStub(channel).Score, pb.ScoreRequest(model=name, token_ids=[1]),
@@ -215,6 +230,64 @@ def test_bad_requests_do_not_flood_the_log(served, channel):
     assert "Traceback" not in log, log[-3000:]
     about = [line for line in log.splitlines() if re.search(r"no-such-model|Score|Request failed|ScoreRequest", line)]
     assert len(about) <= 10, "\n".join(about[:40])
+
+
+# ---- issue 30 item 3: hostile HTTP bytes, and a client that leaves a non-streamed completion -------------------
+
+
+def router_state(served) -> dict:
+    return json.loads(urllib.request.urlopen(f"{served.http_url}/api/state", timeout=30).read())["router"]
+
+
+def new_log_since(served, start: int) -> str:
+    with served.log_path.open("rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace")
+
+
+def test_hostile_http_bytes_are_4xx_without_a_traceback_in_the_log(served, channel):
+    """Every case of tests/hostile_http.py over a raw socket: aiohttp's parser errors are 400 (they were 400s with a
+    logged traceback), bad bodies the front's 4xx naming the field (a deep body was a 500; a lone surrogate reached
+    the tokenizer)."""
+    start = served.log_path.stat().st_size
+    url = urlsplit(served.http_url)
+    for name, data in PARSER_ERRORS + NOT_HTTP:
+        reply = send_raw(url.hostname, url.port, data, timeout=30)
+        assert reply.status == 400 and reply.json()["error"]["code"] == "bad_request", (name, reply)
+    for name, data, status, param in BODY_ERRORS:
+        reply = send_raw(url.hostname, url.port, data, timeout=60)
+        if status is None:  # a non-UTF-8 Authorization header on a server without a token: answered as usual
+            assert reply.status is not None and reply.status < 500 and reply.json(), (name, reply)  # (404: model)
+            continue
+        assert reply.status == status and reply.json()["error"]["param"] == param, (name, reply)
+    sentinel = "sentinel-http-model-4b1e"  # its line shows every line before it has reached the log
+    rpc_error(kserve_v2_pb2_grpc.GRPCInferenceServiceStub(channel).ModelMetadata,
+              kserve_v2_pb2.ModelMetadataRequest(name=sentinel), timeout=30)
+    log = wait_for(lambda: sentinel in new_log_since(served, start) and new_log_since(served, start), timeout=60,
+                   what="the sentinel's log line", detail=lambda: new_log_since(served, start)[-3000:])
+    for loud in ("Traceback", "Error handling request", "Unhandled exception", "Internal Server Error"):
+        assert loud not in log, log[-3000:]
+
+
+def test_a_non_streamed_completion_whose_client_leaves_stops_at_the_router(served):
+    """The client of a unary (stream: false) completion closes its connection mid-generation: the front's handler is
+    cancelled, which cancels the Serve call, which closes the batcher stream: the sequence and its KV cache are
+    freed long before max_tokens."""
+    body = json.dumps({"model": served.model_name, "prompt": "The river", "max_tokens": 400, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    url = urlsplit(served.http_url)
+    steps_before = int(router_state(served)["steps"])
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: int(router_state(served)["steps"]) - steps_before >= 5, timeout=120,
+                 what="the completion to be decoding")
+        assert router_state(served)["live_kv_caches"] == 1
+    wait_for(lambda: router_state(served)["live_kv_caches"] == 0, timeout=30, what="the KV cache freed")
+    steps = int(router_state(served)["steps"])
+    assert steps - steps_before < 300, steps - steps_before  # it stopped long before max_tokens
+    time.sleep(1.0)
+    assert int(router_state(served)["steps"]) == steps  # and decodes no more
 
 
 # ---- item 9: settings that cannot work stop `expertmesh serve` before anything starts ----------------------------

@@ -112,7 +112,9 @@ def state(served) -> dict:
 def http_error(url: str, data: bytes | None = None) -> tuple[int, dict]:
     """(status, JSON body) of a request the server refuses."""
     with pytest.raises(urllib.error.HTTPError) as info:
-        urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=30)
+        # JSON's media type: urllib's default for a body (a form) is refused with 415 before the body is read.
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=30)
     return info.value.code, json.loads(info.value.read())
 
 

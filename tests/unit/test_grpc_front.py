@@ -260,3 +260,66 @@ def test_failing_in_a_row_without_progress_gives_up_after_the_resume_window(monk
 
     assert run_against_front(handle, client).code() == grpc.StatusCode.UNAVAILABLE
     assert 3 <= len(handle.requests) <= 6  # backoff 0.1, 0.2, 0.4, ... until 0.5 s have passed
+
+
+class FakeUnary:
+    """A Serve unary call (DeploymentResponse): awaitable, never done unless `result` is set; records cancel()."""
+
+    def __init__(self, result=None):
+        self.result = result
+        self.cancelled = False
+
+    def __await__(self):
+        return self._wait().__await__()
+
+    async def _wait(self):
+        if self.result is None:
+            await asyncio.Event().wait()  # a long Score: only a cancel ends it
+        return self.result
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeScoreHandle:
+    def __init__(self, result=None):
+        self.result = result
+        self.calls: list[FakeUnary] = []
+
+    def options(self, **_) -> FakeScoreHandle:
+        return self
+
+    @property
+    def Score(self) -> FakeScoreHandle:  # noqa: N802
+        return self
+
+    def remote(self, request, **_) -> FakeUnary:
+        self.calls.append(FakeUnary(self.result))
+        return self.calls[-1]
+
+
+def test_a_unary_call_the_client_cancels_or_lets_expire_is_cancelled_at_the_router():
+    """Serve leaves a unary call running on the replica when the awaiting front handler is cancelled; the front
+    cancels it (router_service/serve_calls.py), so a long Score stops with its client."""
+    handle = FakeScoreHandle()
+
+    async def client(stub):
+        call = stub.Score(pb.ScoreRequest(token_ids=[1, 2]), timeout=30)
+        await poll(lambda: len(handle.calls) == 1, timeout=5)
+        call.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # and one whose deadline passes
+            await stub.Score(pb.ScoreRequest(token_ids=[1, 2]), timeout=0.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        return await poll(lambda: len(handle.calls) == 2 and all(c.cancelled for c in handle.calls), timeout=5)
+
+    assert run_against_front(handle, client), [c.cancelled for c in handle.calls]
+
+
+def test_a_unary_call_that_completes_is_not_cancelled():
+    handle = FakeScoreHandle(result=pb.ScoreResponse())
+
+    async def client(stub):
+        return await stub.Score(pb.ScoreRequest(token_ids=[1, 2]), timeout=30)
+
+    assert run_against_front(handle, client) == pb.ScoreResponse()
+    assert not handle.calls[0].cancelled
