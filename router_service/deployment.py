@@ -204,7 +204,9 @@ class RouterDeployment:
             plan = await asyncio.to_thread(
                 openai_requests.plan, job, self.cfg, self.router.encode, self._encode_rendered, self.chat_template)
             per_prompt = job.candidates
-            if job.echo:
+            # A job re-sent after failover (openai_continuation.py) skips what its client already has.
+            echoed, finished = set(job.echoed), set(job.finished)
+            if job.echo and len(echoed) < job.num_choices:
                 scored = [None] * len(plan.prompt_ids)
                 if job.top_logprobs is not None:  # every prompt of the batch in one forward, between steps
                     logits = await self.batcher.run_exclusive(lambda: self.router.score_batch(plan.prompt_ids))
@@ -215,13 +217,17 @@ class RouterDeployment:
                     if text is None:
                         text = self.router.decode(ids) or ""
                     for j in range(job.n):
-                        yield openai_requests.echo_dict(p * job.n + j, text, ids, scored[p], self._token_text)
+                        if p * job.n + j not in echoed:
+                            yield openai_requests.echo_dict(p * job.n + j, text, ids, scored[p], self._token_text)
             if job.max_tokens == 0:
                 for p, ids in enumerate(plan.prompt_ids):
                     for j in range(job.n):
-                        yield openai_requests.empty_done(p * job.n + j, len(ids))
+                        if p * job.n + j not in finished:
+                            yield openai_requests.empty_done(p * job.n + j, len(ids))
                 return
-            streams = [self.batcher.stream(r, span=span) for r in plan.requests]
+            # Sequence i of plan.requests is choice i unless best_of (which never resumes, so `finished` is empty).
+            live = [i for i in range(len(plan.requests)) if i not in finished]
+            streams = [self.batcher.stream(plan.requests[i], span=span) for i in live]
             if job.best_of is not None:  # collect every candidate, keep the best n per prompt
                 candidates: list[list[dict]] = [[] for _ in streams]
                 async with contextlib.aclosing(choice_streams.merged(streams)) as events:
@@ -238,11 +244,11 @@ class RouterDeployment:
             if len(streams) == 1:  # the common case without the merge's task and queue
                 async with contextlib.aclosing(streams[0]) as events:
                     async for event in events:
-                        yield openai_requests.event_dict(event, self._token_text, 0, prompt_tokens[0])
+                        yield openai_requests.event_dict(event, self._token_text, live[0], prompt_tokens[live[0]])
                 return
             async with contextlib.aclosing(choice_streams.merged(streams)) as events:
                 async for i, event in events:
-                    yield openai_requests.event_dict(event, self._token_text, i, prompt_tokens[i])
+                    yield openai_requests.event_dict(event, self._token_text, live[i], prompt_tokens[live[i]])
         except asyncio.CancelledError:
             raise
         except Exception as exc:
