@@ -30,7 +30,7 @@ from ..experts.telemetry import carrier_from_metadata
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
-from . import choice_streams, health, openai_requests, proto_mapping
+from . import health, openai_generation, openai_requests, proto_mapping
 from .admin_auth import admin_denial
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
 from .chat_template import load_chat_template
@@ -203,52 +203,13 @@ class RouterDeployment:
         try:
             plan = await asyncio.to_thread(
                 openai_requests.plan, job, self.cfg, self.router.encode, self._encode_rendered, self.chat_template)
-            per_prompt = job.candidates
-            # A job re-sent after failover (openai_continuation.py) skips what its client already has.
-            echoed, finished = set(job.echoed), set(job.finished)
-            if job.echo and len(echoed) < job.num_choices:
-                scored = [None] * len(plan.prompt_ids)
-                if job.top_logprobs is not None:  # every prompt of the batch in one forward, between steps
-                    logits = await self.batcher.run_exclusive(lambda: self.router.score_batch(plan.prompt_ids))
-                    scored = [openai_requests.prompt_logprobs(x, ids, job.top_logprobs)  # x: [S, V]
-                              for x, ids in zip(logits, plan.prompt_ids)]
-                for p, ids in enumerate(plan.prompt_ids):
-                    text = plan.prompt_texts[p]
-                    if text is None:
-                        text = self.router.decode(ids) or ""
-                    for j in range(job.n):
-                        if p * job.n + j not in echoed:
-                            yield openai_requests.echo_dict(p * job.n + j, text, ids, scored[p], self._token_text)
-            if job.max_tokens == 0:
-                for p, ids in enumerate(plan.prompt_ids):
-                    for j in range(job.n):
-                        if p * job.n + j not in finished:
-                            yield openai_requests.empty_done(p * job.n + j, len(ids))
-                return
-            # Sequence i of plan.requests is choice i unless best_of (which never resumes, so `finished` is empty).
-            live = [i for i in range(len(plan.requests)) if i not in finished]
-            streams = [self.batcher.stream(plan.requests[i], span=span) for i in live]
-            if job.best_of is not None:  # collect every candidate, keep the best n per prompt
-                candidates: list[list[dict]] = [[] for _ in streams]
-                async with contextlib.aclosing(choice_streams.merged(streams)) as events:
-                    async for i, event in events:
-                        candidates[i].append(openai_requests.event_dict(event, self._token_text))
-                for p in range(len(plan.prompt_ids)):
-                    mine = candidates[p * per_prompt:(p + 1) * per_prompt]
-                    kept = openai_requests.best_of(mine, job.n, keep_logprobs=job.top_logprobs is not None)
-                    for j, events_of_choice in enumerate(kept):
-                        for event in events_of_choice:
-                            yield openai_requests.with_index(event, p * job.n + j)
-                return
-            prompt_tokens = [len(r.prompt_ids) for r in plan.requests]
-            if len(streams) == 1:  # the common case without the merge's task and queue
-                async with contextlib.aclosing(streams[0]) as events:
-                    async for event in events:
-                        yield openai_requests.event_dict(event, self._token_text, live[0], prompt_tokens[live[0]])
-                return
-            async with contextlib.aclosing(choice_streams.merged(streams)) as events:
-                async for i, event in events:
-                    yield openai_requests.event_dict(event, self._token_text, live[i], prompt_tokens[live[i]])
+            events = openai_generation.job_events(
+                job, plan, stream=lambda request: self.batcher.stream(request, span=span),
+                score=lambda ids: self.batcher.run_exclusive(lambda: self.router.score_batch(ids)),
+                decode=self.router.decode, token_text=self._token_text)
+            async with contextlib.aclosing(events) as events:
+                async for event in events:
+                    yield event
         except asyncio.CancelledError:
             raise
         except Exception as exc:
