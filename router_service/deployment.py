@@ -229,6 +229,10 @@ class RouterDeployment:
         except Exception as exc:
             raise _set_status(None, _classify(exc), "OpenAITokenize") from None
 
+    async def served_model_name(self) -> str:
+        """The name clients use for the model (`expertmesh front` asks, so its HTTP front checks the same one)."""
+        return self.model_name
+
     async def context_length(self) -> int:
         """The model's context (max_position_embeddings), for /tokenize's max_model_len."""
         return self.cfg.max_position_embeddings
