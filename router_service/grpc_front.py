@@ -5,8 +5,9 @@ Why not only Serve's own gRPC proxy: it listens on every interface and has no TL
 told (127.0.0.1 by default), terminates TLS when given a certificate and key, checks a bearer token, caps message
 size, and maps failures to gRPC codes without leaking tracebacks. Replicas, autoscaling and replacement of failed
 router replicas stay Serve's job. A client cancel or deadline cancels the Serve call, which cancels the sequence.
-A Generate stream whose router replica dies resumes on a live one (router_service/continuation.py): the client sees
-neither an error nor a repeated token.
+A Generate stream whose router replica dies resumes on a live one (router_service/continuation.py; the rule shared
+with the HTTP front: resume_streak.py): the client sees neither an error nor a repeated token. Read-only unary calls
+are re-sent to a live replica the same way (resuming.retried).
 """
 
 from __future__ import annotations
