@@ -30,8 +30,9 @@ class ResumingCall:
         self._handle = stream_handle
         self.progress = OpenAIProgress(with_resumable_seed(job))
         self._current = None  # the Serve call in flight
+        # best_of streams nothing until its candidates end: its first event's wait is no sign of a lost replica.
         self._events = resumed_events(self._start, self.progress, replica_lost, streak or ResumeStreak(),
-                                      self._note)
+                                      self._note, bound_first=job.best_of is None)
 
     def _start(self, job: OpenAIJob):
         self._current = self._handle.OpenAIGenerate.remote(job)

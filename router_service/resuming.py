@@ -42,19 +42,21 @@ async def first_then_rest(responses, first_wait_s: float | None) -> AsyncIterato
 
 
 async def resumed_events(start: Callable[[Any], Any], progress: Progress, lost: Callable[[BaseException], bool],
-                         streak: ResumeStreak, note: Callable[[BaseException, int], None]) -> AsyncIterator:
+                         streak: ResumeStreak, note: Callable[[BaseException, int], None],
+                         bound_first: bool = True) -> AsyncIterator:
     """Every event of one request, each once, across as many calls as its router replicas' deaths take.
 
     start(job) begins a streaming call (iterable; `cancel()` lets it go); each call is sent progress.next_job(). A
     call that fails is re-sent after the streak's backoff when `lost(error)` says its replica died and the streak
     allows; otherwise the error is raised here, after the events before it. A failure after every choice's final
     event ends the stream quietly: the client has everything. Closing this iterator (the client went away) cancels
-    the call in flight."""
+    the call in flight. bound_first=False: a re-sent call's first event is awaited without the streak's bound (a
+    call whose first event comes only at its end, as best_of's, is not a lost one for taking long)."""
     while True:
         call = start(progress.next_job())
         finished = False
         try:
-            async for event in first_then_rest(call, streak.first_wait(None)):
+            async for event in first_then_rest(call, streak.first_wait(None) if bound_first else None):
                 if progress.fresh(event):
                     progress.record(event)
                     yield event
