@@ -1,4 +1,4 @@
-"""`expertmesh` command line: serve, status, generate, score, bench, plan, plan-cluster, drill (ops/commands/).
+"""`expertmesh` command line: serve, front, status, generate, score, bench, plan, plan-cluster, drill (ops/commands/).
 
 Errors in what the user passed (a setting out of range, a bad checkpoint, a gRPC error from the server) print one
 line naming the field or the file and key, and exit with status 2; they never print a traceback.
@@ -14,10 +14,10 @@ import argparse
 import sys
 
 from ..experts.errors import CheckpointError
-from .commands import bench, drill, generate, plan, plan_cluster, score, serve, status
+from .commands import bench, drill, front, generate, plan, plan_cluster, score, serve, status
 
 COMMANDS = {getattr(module, "COMMAND", module.__name__.rsplit(".", 1)[-1]): module
-            for module in (serve, status, generate, score, bench, plan, plan_cluster, drill)}
+            for module in (serve, front, status, generate, score, bench, plan, plan_cluster, drill)}
 
 
 def build_parser() -> argparse.ArgumentParser:

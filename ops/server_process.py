@@ -48,12 +48,13 @@ class ServerProcess:
 
 
 def start_server(args: list[str], log_path: Path | None = None, timeout: float = 600,
-                 new_session: bool = False, env: dict[str, str] | None = None) -> ServerProcess:
+                 new_session: bool = False, env: dict[str, str] | None = None, command: str = "serve") -> ServerProcess:
     """`expertmesh serve --port 0 <args>`; returns once it is ready. new_session keeps a terminal's Ctrl-C away
-    from the server so the caller can stop it in order. env: the server's whole environment (None: ours)."""
+    from the server so the caller can stop it in order. env: the server's whole environment (None: ours).
+    command: "front" runs `expertmesh front` instead (the fronts for a mesh already deployed; the same ready line)."""
     if log_path is None:
         log_path = Path(tempfile.mkstemp(prefix="expertmesh-serve-", suffix=".log")[1])
-    command = [sys.executable, "-m", "expertmesh.ops.cli", "serve", "--port", "0", *args]
+    command = [sys.executable, "-m", "expertmesh.ops.cli", command, "--port", "0", *args]
     with log_path.open("w") as err:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True,
                                 start_new_session=new_session, env=env)

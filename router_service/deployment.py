@@ -31,7 +31,7 @@ from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
-from . import choice_streams, health, openai_requests, proto_mapping
+from . import health, openai_generation, openai_requests, proto_mapping
 from .admin_auth import admin_denial
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
 from .chat_template import load_chat_template
@@ -204,46 +204,13 @@ class RouterDeployment:
         try:
             plan = await asyncio.to_thread(
                 openai_requests.plan, job, self.cfg, self.router.encode, self._encode_rendered, self.chat_template)
-            per_prompt = job.candidates
-            if job.echo:
-                scored = [None] * len(plan.prompt_ids)
-                if job.top_logprobs is not None:  # every prompt of the batch in one forward, between steps
-                    logits = await self.batcher.run_exclusive(lambda: self.router.score_batch(plan.prompt_ids))
-                    scored = [openai_requests.prompt_logprobs(x, ids, job.top_logprobs)  # x: [S, V]
-                              for x, ids in zip(logits, plan.prompt_ids)]
-                for p, ids in enumerate(plan.prompt_ids):
-                    text = plan.prompt_texts[p]
-                    if text is None:
-                        text = self.router.decode(ids) or ""
-                    for j in range(job.n):
-                        yield openai_requests.echo_dict(p * job.n + j, text, ids, scored[p], self._token_text)
-            if job.max_tokens == 0:
-                for p, ids in enumerate(plan.prompt_ids):
-                    for j in range(job.n):
-                        yield openai_requests.empty_done(p * job.n + j, len(ids))
-                return
-            streams = [self.batcher.stream(r, span=span) for r in plan.requests]
-            if job.best_of is not None:  # collect every candidate, keep the best n per prompt
-                candidates: list[list[dict]] = [[] for _ in streams]
-                async with contextlib.aclosing(choice_streams.merged(streams)) as events:
-                    async for i, event in events:
-                        candidates[i].append(openai_requests.event_dict(event, self._token_text))
-                for p in range(len(plan.prompt_ids)):
-                    mine = candidates[p * per_prompt:(p + 1) * per_prompt]
-                    kept = openai_requests.best_of(mine, job.n, keep_logprobs=job.top_logprobs is not None)
-                    for j, events_of_choice in enumerate(kept):
-                        for event in events_of_choice:
-                            yield openai_requests.with_index(event, p * job.n + j)
-                return
-            prompt_tokens = [len(r.prompt_ids) for r in plan.requests]
-            if len(streams) == 1:  # the common case without the merge's task and queue
-                async with contextlib.aclosing(streams[0]) as events:
-                    async for event in events:
-                        yield openai_requests.event_dict(event, self._token_text, 0, prompt_tokens[0])
-                return
-            async with contextlib.aclosing(choice_streams.merged(streams)) as events:
-                async for i, event in events:
-                    yield openai_requests.event_dict(event, self._token_text, i, prompt_tokens[i])
+            events = openai_generation.job_events(
+                job, plan, stream=lambda request: self.batcher.stream(request, span=span),
+                score=lambda ids: self.batcher.run_exclusive(lambda: self.router.score_batch(ids)),
+                decode=self.router.decode, token_text=self._token_text)
+            async with contextlib.aclosing(events) as events:
+                async for event in events:
+                    yield event
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -262,6 +229,10 @@ class RouterDeployment:
             return await asyncio.to_thread(self.router.encode, text)
         except Exception as exc:
             raise _set_status(None, _classify(exc), "OpenAITokenize") from None
+
+    async def served_model_name(self) -> str:
+        """The name clients use for the model (`expertmesh front` asks, so its HTTP front checks the same one)."""
+        return self.model_name
 
     async def context_length(self) -> int:
         """The model's context (max_position_embeddings), for /tokenize's max_model_len."""

@@ -5,8 +5,9 @@ Why not only Serve's own gRPC proxy: it listens on every interface and has no TL
 told (127.0.0.1 by default), terminates TLS when given a certificate and key, checks a bearer token, caps message
 size, and maps failures to gRPC codes without leaking tracebacks. Replicas, autoscaling and replacement of failed
 router replicas stay Serve's job. A client cancel or deadline cancels the Serve call, which cancels the sequence.
-A Generate stream whose router replica dies resumes on a live one (router_service/continuation.py): the client sees
-neither an error nor a repeated token.
+A Generate stream whose router replica dies resumes on a live one (router_service/continuation.py; the rule shared
+with the HTTP front: resume_streak.py): the client sees neither an error nor a repeated token. Read-only unary calls
+are re-sent to a live replica the same way (resuming.retried).
 """
 
 from __future__ import annotations
@@ -32,18 +33,12 @@ from .continuation import StreamProgress, with_resumable_seed
 from .log_limit import LogRateLimit
 from .malformed_requests import RefuseMalformedRequests
 from .proto_mapping import ApiError
+from .resume_streak import MAX_RESUMES, RESUME_BACKOFF_MAX_S, RESUME_BACKOFF_S, RESUME_WAIT_S, ResumeStreak
+from .resuming import first_then_rest, retried
 from .serve_calls import cancel_with_caller
 from .step_profile import StageClock
 
 MAX_DETAILS_CHARS = 1024  # status details travel in a trailer (16 KiB by default); errors already cap echoed input
-# A stream is re-sent at most MAX_RESUMES times, and for at most RESUME_WAIT_S after a failure that no delivered
-# message followed: with one router replica, Serve restarts it in 8-24 s (2-core machine) and until its handle
-# learns the replica died, a re-sent call can land on the dead one again and fail at once; backing off (doubling
-# up to RESUME_BACKOFF_MAX_S) keeps that from spinning. The client's deadline bounds all of it too.
-MAX_RESUMES = 30
-RESUME_WAIT_S = 60.0
-RESUME_BACKOFF_S = 0.1
-RESUME_BACKOFF_MAX_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +65,6 @@ def replica_lost(exc: BaseException) -> bool:
             return True
         exc = getattr(exc, "cause", None) or exc.__cause__
     return False
-
-
-async def _first_then_rest(responses, first_wait_s: float | None):
-    """The messages of a Serve streaming call, the first awaited for at most `first_wait_s` (None: unbounded)."""
-    iterator = responses.__aiter__()
-    try:
-        first = await asyncio.wait_for(iterator.__anext__(), first_wait_s)
-    except StopAsyncIteration:
-        return
-    yield first
-    async for message in iterator:
-        yield message
 
 
 class _Forwarder:
@@ -130,7 +113,13 @@ class _Forwarder:
             await self.authorize_admin(context)
         try:
             # A client cancel or deadline cancels this handler; cancel_with_caller passes it on to the replica.
-            reply = await cancel_with_caller(getattr(self.unary_handle, method).remote(request))
+            if method in DESTRUCTIVE_ADMIN_METHODS:  # acted on once: a lost reply is the caller's to judge
+                reply = await cancel_with_caller(getattr(self.unary_handle, method).remote(request))
+            else:  # read-only: re-sent to a live router replica when the one serving it dies
+                reply = await retried(lambda: cancel_with_caller(getattr(self.unary_handle, method).remote(request)),
+                                      replica_lost,
+                                      ResumeStreak(MAX_RESUMES, RESUME_WAIT_S, RESUME_BACKOFF_S, RESUME_BACKOFF_MAX_S),
+                                      self._note_retry)
             if method == "GetRouterStats":
                 reply.stage_seconds.update(self.profile.snapshot())
             return reply
@@ -154,15 +143,15 @@ class _Forwarder:
         carrier = carrier_from_metadata(context.invocation_metadata())
         extra = {"trace": carrier} if carrier else {}
         progress = StreamProgress(with_resumable_seed(request))
-        # The failures in a row with no message delivered between them: when the first came, the tokens delivered
-        # then, and how many; the backoff and the RESUME_WAIT_S window count from it.
-        streak_start, streak_tokens, streak = 0.0, -1, 0
-        for attempt in range(MAX_RESUMES + 1):
+        # The resume rule shared with the HTTP front (router_service/resume_streak.py); the limits read here so a
+        # test can lower them.
+        streak = ResumeStreak(MAX_RESUMES, RESUME_WAIT_S, RESUME_BACKOFF_S, RESUME_BACKOFF_MAX_S)
+        while True:
             responses = getattr(self.stream_handle, method).remote(progress.next_request(), **extra)
-            first_wait_s = None if attempt == 0 else _bounded(RESUME_WAIT_S, context.time_remaining())
+            first_wait_s = streak.first_wait(context.time_remaining())
             finished = False
             try:
-                async for message in _first_then_rest(responses, first_wait_s):
+                async for message in first_then_rest(responses, first_wait_s):
                     relaying = time.perf_counter()
                     await context.write(message)
                     progress.record(message)
@@ -170,18 +159,21 @@ class _Forwarder:
                 finished = True
                 return
             except Exception as exc:  # (a client cancel or deadline is a CancelledError: straight to the finally)
-                now = time.monotonic()
-                if streak_tokens != len(progress.delivered):  # the last call made progress: a new streak
-                    streak_start, streak_tokens, streak = now, len(progress.delivered), 0
-                streak += 1
-                out_of_time = now - streak_start > RESUME_WAIT_S
-                if attempt == MAX_RESUMES or out_of_time or progress.done or not replica_lost(exc):
+                backoff = streak.failed(len(progress.delivered))
+                if backoff is None or progress.done or not replica_lost(exc):
                     await self.fail(context, exc)
-                self._note_resume(exc, len(progress.delivered), attempt)
+                self._note_resume(exc, len(progress.delivered), streak.failures - 1)
             finally:
                 if not finished:
                     responses.cancel()  # best effort and idempotent; a no-op for a call that already failed
-            await asyncio.sleep(min(RESUME_BACKOFF_MAX_S, RESUME_BACKOFF_S * 2 ** (streak - 1)))
+            await asyncio.sleep(backoff)
+
+    def _note_retry(self, exc: BaseException, attempt: int) -> None:
+        dropped = self.warnings.admit(f"retry:{type(exc).__name__}")
+        if dropped is not None:
+            more = f" ({dropped} more like it dropped)" if dropped else ""
+            log.warning("router replica lost under a unary call (%s); retrying, attempt %d%s",
+                        type(exc).__name__, attempt + 1, more)
 
     def _note_resume(self, exc: BaseException, delivered: int, attempt: int) -> None:
         dropped = self.warnings.admit(f"resume:{type(exc).__name__}")
@@ -189,10 +181,6 @@ class _Forwarder:
             more = f" ({dropped} more like it dropped)" if dropped else ""
             log.warning("router replica lost mid-stream (%s); resuming after %d tokens, attempt %d%s",
                         type(exc).__name__, delivered, attempt + 1, more)
-
-
-def _bounded(limit_s: float, remaining_s: float | None) -> float:
-    return limit_s if remaining_s is None else max(0.0, min(limit_s, remaining_s))
 
 
 def _unary(method: str):

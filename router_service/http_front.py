@@ -28,7 +28,7 @@ from ray import serve
 
 from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2
-from . import http_metrics, http_protocol, json_body, openai_api, openai_responses
+from . import http_metrics, http_protocol, http_resume, json_body, openai_api, openai_responses
 from .config import ConfigError, ServerConfig
 from .grpc_front import _api_error
 from .log_limit import LogRateLimit
@@ -133,7 +133,8 @@ class HttpFront:
 
     async def _generate(self, request: web.Request, job: openai_api.OpenAIJob, request_id: str):
         created = int(time.time())
-        call = self.stream_handle.OpenAIGenerate.remote(job)
+        # Resumed on a live router replica when the one serving it dies (router_service/http_resume.py).
+        call = http_resume.ResumingCall(self.stream_handle, job)
         finished = False
         try:
             events = call.__aiter__()
@@ -199,7 +200,8 @@ class HttpFront:
         else:
             raise openai_api.invalid("prompt", "required: a non-empty string (or messages)")
         try:
-            ids = await cancel_with_caller(self.unary_handle.OpenAITokenize.remote(*args))
+            # retried on a live replica if its replica dies; cancelled there if the client leaves
+            ids = await http_resume.unary(lambda: cancel_with_caller(self.unary_handle.OpenAITokenize.remote(*args)))
         except Exception as exc:
             raise _as_openai_error(exc) from None
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": await self._context()})
@@ -212,7 +214,8 @@ class HttpFront:
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise openai_api.invalid("tokens", "required: a list of token ids")
         try:
-            text = await cancel_with_caller(self.unary_handle.OpenAIDetokenize.remote(tokens))
+            text = await http_resume.unary(
+                lambda: cancel_with_caller(self.unary_handle.OpenAIDetokenize.remote(tokens)))
         except Exception as exc:
             raise _as_openai_error(exc) from None
         return json_response({"prompt": text})

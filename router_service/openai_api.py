@@ -101,6 +101,12 @@ class OpenAIJob:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    # Failover only (router_service/openai_continuation.py): set by the HTTP front when it re-sends the job to a live
+    # router replica, never from a client's body. Per choice index, the token ids the client already has; the
+    # choices whose echo, and whose final event, it already has.
+    resumed: tuple[tuple[int, ...], ...] = ()
+    echoed: tuple[int, ...] = ()
+    finished: tuple[int, ...] = ()
 
     @property
     def prompt_param(self) -> str:

@@ -74,7 +74,26 @@ def plan(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]]
                 prompt_ids=ids, max_tokens=max_tokens, sampling=seeded, stop_token_ids=stop_ids,
                 stop_strings=job.stop, eos_token_id=None if job.ignore_eos else cfg.eos_token_id,
                 top_logprobs=top, min_tokens=job.min_tokens))
+    if job.resumed:
+        requests = _resumed(job, requests, cfg.vocab_size)
     return Plan(prompt_ids=prompts, prompt_texts=texts, requests=requests)
+
+
+def _resumed(job: OpenAIJob, requests: list[GenerationRequest], vocab_size: int) -> list[GenerationRequest]:
+    """A job re-sent after failover (router_service/openai_continuation.py): each choice continues after the token
+    ids its client already has. Only without best_of (choice index = request index); the front never sends more."""
+    if job.best_of is not None or len(job.resumed) != len(requests):
+        raise RequestError("resumed", f"{len(job.resumed)} resumed choices for {len(requests)} sequences"
+                                      + (" (best_of cannot resume)" if job.best_of is not None else ""))
+    out = []
+    for request, ids in zip(requests, job.resumed):
+        if len(ids) > request.max_tokens:
+            raise RequestError("resumed", f"{len(ids)} tokens already streamed exceed max_tokens "
+                                          f"({request.max_tokens})")
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise RequestError("resumed", "a resumed token id is outside the vocabulary")
+        out.append(replace(request, resumed_ids=tuple(ids)) if ids else request)
+    return out
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

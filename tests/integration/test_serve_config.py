@@ -18,6 +18,7 @@ from ray._private import state as ray_state
 
 from expertmesh.cluster.naming import NAMESPACE, expert_actor_name
 from expertmesh.experts.reference import load_reference_model
+from expertmesh.ops.server_process import start_server
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc, kserve_v2_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import kserve_v2_pb2 as kpb
@@ -135,3 +136,29 @@ def test_settings_from_the_serve_config_took_effect(deployed):
     ready = kserve_v2_pb2_grpc.GRPCInferenceServiceStub(deployed).ModelReady(
         kpb.ModelReadyRequest(name="yaml-mixtral"), timeout=30)
     assert ready.ready
+
+
+def test_expertmesh_front_serves_the_deployed_mesh(deployed, checkpoints):
+    """`expertmesh front --address` before the mesh `serve run` deployed: gRPC Generate through it equals the
+    reference, and its HTTP front serves the deployed model's name (asked from the deployment). Its resuming is the
+    `expertmesh serve` fronts' code, tested with killed replicas in test_router_resume_served.py; killing this
+    module's one router replica would cost a Serve restart (30 s to minutes on a loaded 2-core machine)."""
+    import json
+    import urllib.request
+
+    front = start_server(["--address", ray.get_runtime_context().gcs_address, "--http-port", "0"], command="front",
+                         timeout=120)
+    try:
+        assert front.model_name == "yaml-mixtral"
+        prompt, max_tokens = [7, 8, 9, 10], 12
+        with grpc.insecure_channel(front.target) as channel:
+            ids = [t for m in inference_pb2_grpc.InferenceStub(channel).Generate(
+                pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens), timeout=60)
+                   if m.HasField("token") for t in m.token.token_ids]
+        assert ids == greedy_tokens(load_reference_model(checkpoints["mixtral"]), prompt, max_tokens)
+        body = json.dumps({"model": "yaml-mixtral", "prompt": prompt, "max_tokens": 3}).encode()
+        reply = urllib.request.urlopen(urllib.request.Request(
+            f"{front.http_url}/v1/completions", body, {"Content-Type": "application/json"}), timeout=60)
+        assert json.loads(reply.read())["usage"]["completion_tokens"] == 3
+    finally:
+        assert front.stop() == 0, front.log()

@@ -323,3 +323,49 @@ def test_a_unary_call_that_completes_is_not_cancelled():
 
     assert run_against_front(handle, client) == pb.ScoreResponse()
     assert not handle.calls[0].cancelled
+
+
+class DyingScoreReplicas:
+    """Score calls: the first `deaths` die with their replica (ActorDiedError), then one answers."""
+
+    def __init__(self, deaths: int, error: BaseException | None = None):
+        self.deaths, self.error, self.calls = deaths, error, 0
+
+    def options(self, **_):
+        return self
+
+    @property
+    def Score(self):  # noqa: N802
+        return self
+
+    def remote(self, request):
+        async def reply():
+            self.calls += 1
+            if self.error is not None:
+                raise self.error
+            if self.calls <= self.deaths:
+                from ray.exceptions import ActorDiedError
+
+                raise ActorDiedError()
+            return pb.ScoreResponse()
+        return reply()
+
+
+def test_a_unary_call_whose_replica_dies_is_retried_on_a_live_one():
+    handle = DyingScoreReplicas(deaths=2)
+
+    async def client(stub):
+        return await stub.Score(pb.ScoreRequest(token_ids=[1, 2]), timeout=30)
+
+    assert isinstance(run_against_front(handle, client), pb.ScoreResponse) and handle.calls == 3
+
+
+def test_a_unary_request_error_is_not_retried():
+    handle = DyingScoreReplicas(deaths=0, error=ApiError("INVALID_ARGUMENT", "token_ids: empty"))
+
+    async def client(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Score(pb.ScoreRequest(), timeout=30)
+        return err.value
+
+    assert run_against_front(handle, client).code() == grpc.StatusCode.INVALID_ARGUMENT and handle.calls == 1
