@@ -36,7 +36,7 @@ from ...router_service.admin_auth import admin_metadata
 from ...router_service.ray_join import prepare_join
 from ..server_process import ServerProcess, start_server
 from .config import DrillConfig, serve_args
-from .ray_start import FAST_HEALTH_CHECKS, start_local_ray, start_node_cluster
+from .ray_start import FAST_HEALTH_CHECKS, leave_loopback_mode, start_local_ray, start_node_cluster
 from .record import DrillRecord, KillRecord, PollRecord, RequestRecord
 from .report import all_recovered, last_good_poll
 from .workload import PPL_WINDOW, held_out_chunk, make_prompts, training_perplexity
@@ -506,6 +506,7 @@ def record_drill(config: DrillConfig, verbose: bool = True) -> DrillRecord:
             ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
+        leave_loopback_mode()
         if in_main:
             signal.signal(signal.SIGTERM, old_term)
         sys.stdout = real_stdout
