@@ -37,6 +37,7 @@ from .actor_slots import ActorSlot
 from .admin_checks import drain_refusal, outcome, removal_refusal, undrain_refusal
 from .control_pass import control_pass
 from .controller_config import ControllerConfig
+from .controller_placement import ControllerPlacement, choose_controller_placement
 from .controller_record import clear_record, load_record
 from .elastic import ElasticConfig, ElasticState
 from .pool_spec import PoolSpec
@@ -87,6 +88,8 @@ class Controller:
         return await self.get_state()
 
     async def _watch(self) -> None:
+        if self.config.node_poll_s > 0:
+            asyncio.get_running_loop().create_task(self._node_watch())
         while True:
             try:
                 await self.restorer.check_all()
@@ -96,6 +99,18 @@ class Controller:
             if self.restorer.return_due(time.monotonic()):
                 asyncio.get_running_loop().create_task(self.restorer.return_displaced())
             await asyncio.sleep(self.config.check_interval_s)
+
+    async def _node_watch(self) -> None:
+        """Read Ray's node table every node_poll_s: actors on a node that died are restored at once, together
+        (restore_flow.RestoreFlow.node_check), while their probes in the watch may still be waiting to time out."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                snapshot = await loop.run_in_executor(None, ray.nodes)
+                self.restorer.node_check(snapshot)
+            except Exception:  # the watch must outlive any one bad poll (a GCS hiccup)
+                log.exception("controller node poll failed")
+            await asyncio.sleep(self.config.node_poll_s)
 
     # ---- API (admin and routers) ---------------------------------------------------------------------------
 
@@ -254,12 +269,29 @@ def start_controller(spec: PoolSpec, slots: list[ActorSlot], config: ControllerC
     if fresh:
         clear_record(spec.mesh_id)
         clear_table(spec.mesh_id)
+    config = config or ControllerConfig()
     try:
         handle = ray.get_actor(names.controller, namespace=names.namespace)
     except ValueError:
+        placement = choose_controller_placement(config.placement, config.num_cpus, ray.nodes(),
+                                                {s.node_id for s in slots if s.node_id})
+        log.info("controller placement: %s", placement.reason)
         handle = ray.remote(Controller).options(
             name=names.controller, namespace=names.namespace, lifetime="detached", max_restarts=-1,
-            max_concurrency=64, num_cpus=0,
-        ).remote(spec, list(slots), config or ControllerConfig(), (reservation or NO_RESERVATION).as_dict())
+            max_concurrency=64, **placement_options(placement),
+        ).remote(spec, list(slots), config, (reservation or NO_RESERVATION).as_dict())
     ray.get(handle.start.remote())
     return handle
+
+
+def placement_options(placement: ControllerPlacement) -> dict:
+    """The choice as ray.remote().options keywords."""
+    options: dict = {"num_cpus": placement.num_cpus}
+    if placement.resources:
+        options["resources"] = dict(placement.resources)
+    if placement.node_id is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # soft: a controller Ray restarts after that node died still finds a node
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(placement.node_id, soft=True)
+    return options

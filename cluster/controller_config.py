@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .controller_placement import CONTROLLER_PLACEMENTS
 from .elastic_config import ElasticConfig
 
 
@@ -20,6 +21,13 @@ class ControllerConfig:
     # this many CPUs each, the lost actors merge into fewer stand-ins (cluster/lost_restore.py).
     stand_in_min_cpus: float = 0.1
     return_check_s: float = 2.0  # how often to look for room to move displaced actors back (a node joined)
+    # Where the controller actor runs (cluster/controller_placement.py): head | no-experts | any; and the CPUs it
+    # reserves there (0: none; the drill's head node has 1 CPU).
+    placement: str = "head"
+    num_cpus: float = 0.0
+    # How often the controller reads Ray's node table: actors on a node Ray calls dead are restored at once, not
+    # after their probes time out (cluster/node_loss.py). 0: off (probes only).
+    node_poll_s: float = 0.5
     elastic: ElasticConfig | None = None  # rebalancing / autoscaling from load (README: Elasticity); None: off
 
     def validate(self) -> ControllerConfig:
@@ -27,6 +35,12 @@ class ControllerConfig:
                      "stand_in_min_cpus", "return_check_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.placement not in CONTROLLER_PLACEMENTS:
+            raise ValueError(f"placement: must be one of {CONTROLLER_PLACEMENTS}, got {self.placement!r}")
+        for name in ("num_cpus", "node_poll_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")):
+                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
         if self.elastic is not None and not self.enabled:
             raise ValueError("enabled: elasticity (elastic) runs in the controller; it cannot be off")
         return self

@@ -20,6 +20,7 @@ from .controller_config import ControllerConfig
 from .displacement import displace, move_back, return_groups, stand_in_placement
 from .lost_restore import RestorePlan, plan_return
 from .naming import stand_in_actor_name
+from .node_loss import NodeWatchState, observe
 from .remap_flow import Remapper
 from .replica_registry import ReplicaRegistry
 
@@ -32,16 +33,41 @@ class RestoreFlow:
         self.reg, self.ops, self.history, self.config, self.remapper = registry, ops, history, config, remapper
         self._returning = False
         self._last_return_check = float("-inf")
+        self._nodes = NodeWatchState()
 
     async def check_all(self) -> None:
         """One pass of the watch: probe every expected actor not being restored; start restoring the lost ones."""
-        names = [n for n in self.reg.expected() if n not in self.reg.restoring]
+        reg = self.reg
+        names = [n for n in reg.expected() if n not in reg.restoring]
+        before = {n: reg.generations.get(n) for n in names}
         infos = await asyncio.gather(*(self.ops.probe(n, self.config.ping_timeout_s) for n in names))
-        lost, to_restore = self.reg.probed(names, infos, restore=self.config.restore)
+        # The node watch may have found some of them lost (and restored them) while the probes ran: its verdict
+        # is newer than a probe that timed out on the old incarnation.
+        fresh = [(n, i) for n, i in zip(names, infos) if n not in reg.restoring and reg.generations.get(n) == before[n]]
+        lost, to_restore = reg.probed([n for n, _ in fresh], [i for _, i in fresh], restore=self.config.restore)
         for name in lost:
             self.history.event("lost", name)
         if to_restore:
             asyncio.get_running_loop().create_task(self.restore_lost(to_restore))
+
+    def node_check(self, snapshot: list[dict]) -> list[str]:
+        """One poll of the node watch (cluster/node_loss.py): the actors on a node Ray now calls dead are lost at
+        once, without waiting for their probes to time out, and restored together (one re-plan for the node).
+        snapshot: `ray.nodes()`. -> the actors it started restoring."""
+        reg = self.reg
+        placed = {(n, reg.generations.get(n, 0)): reg.node_of(n) for n in reg.expected() if n not in reg.restoring}
+        loss, self._nodes = observe(self._nodes, snapshot, placed)
+        for node in loss.dead_nodes:
+            self.history.event("node_lost", node, actors=sorted(n for (n, _), at in placed.items() if at == node))
+        names = [name for name, _ in loss.lost if name not in reg.restoring]
+        if not names:
+            return []
+        lost, to_restore = reg.probed(names, [None] * len(names), restore=self.config.restore)
+        for name in lost:
+            self.history.event("lost", name, reason="node", node_id=reg.node_of(name))
+        if to_restore:
+            asyncio.get_running_loop().create_task(self.restore_lost(to_restore))
+        return to_restore
 
     def return_due(self, now: float) -> bool:
         """Whether to look for room for the displaced actors now (then it counts as started). Not while a restore is

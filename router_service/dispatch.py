@@ -91,6 +91,8 @@ class RemoteExperts:
         # Prefetch (README: Offload): predicts the next MoE layer's experts (router_service/prefetch.py); the
         # prediction rides with this layer's calls to the actors hosting those shards. None = off.
         self.prefetcher = None
+        # Node watch (router_service/node_watch.py): hands over actors found on dead nodes. None = off.
+        self.node_watch = None
         self.prefetch_calls = 0  # hints sent as calls of their own (to actors this layer does not call)
         self.prefetch_riding = 0  # hints that rode with an actor's call of this layer
 
@@ -172,6 +174,10 @@ class RemoteExperts:
                 from ..experts.telemetry import carrier_of
 
                 carrier = carrier_of(span)
+            if self.node_watch is not None:
+                lost = self.node_watch.take_lost()
+                if lost:
+                    self.health.nodes_lost(lost)
             self.health.revive()
             deadline = self.clock() + self.failover.wait_timeout_s
             # One bound for the whole layer, however many retries it takes: calls queued on actors that never come

@@ -41,6 +41,9 @@ class FailoverConfig:
     call_timeout_s: float = 30.0  # an expert call slower than this counts as failed and is retried elsewhere
     wait_timeout_s: float = 30.0  # with "wait": how long a step holds tokens for a shard with no live replica
     revive_interval_s: float = 0.5  # how often to look a dead replica up again by name
+    # How often the router reads Ray's node table (router_service/node_watch.py): replicas on a node Ray calls dead
+    # are dead to the router at once and its calls in flight to them fail and are retried. 0: off.
+    node_poll_s: float = 0.5
     # Overload shedding (router_service/shedding.py): an overloaded shard's excess tokens go to the next-best expert.
     shed: ShedConfig = field(default_factory=ShedConfig)
 
@@ -50,4 +53,6 @@ class FailoverConfig:
         for name in ("call_timeout_s", "wait_timeout_s", "revive_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0")
+        if not (isinstance(self.node_poll_s, (int, float)) and 0 <= self.node_poll_s < math.inf):
+            raise ValueError(f"node_poll_s: must be a finite number >= 0 (0: off), got {self.node_poll_s!r}")
         return self

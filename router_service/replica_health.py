@@ -12,7 +12,7 @@ The routing table is passed in, never kept: live remap (table_switch.py) decides
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -101,6 +101,11 @@ class ReplicaHealth:
         if self.is_death(error):
             self.dead.add(actor)
 
+    def nodes_lost(self, actors: Collection[str]) -> None:
+        """The node watch found these actors on a dead node: dead from now on (the reviver finds their restores).
+        Called on the dispatching thread, between calls (the watch hands them over: router_service/node_watch.py)."""
+        self.dead.update(actors)
+
     def forget(self, actor: str) -> None:
         """The actor is back (restored) or retired by the table: not dead, and a closed breaker if it is called."""
         self.dead.discard(actor)
@@ -125,4 +130,6 @@ def is_actor_death(error: BaseException) -> bool:
     """An actor that is gone (killed, node lost), as opposed to a slow or erroring one."""
     import ray
 
-    return isinstance(error, ray.exceptions.RayActorError)
+    from .transports.base import ActorNodeLost
+
+    return isinstance(error, (ray.exceptions.RayActorError, ActorNodeLost))

@@ -28,6 +28,7 @@ from ..experts.weights import load_dense_weights
 from .config import MeshConfig
 from .dispatch import RemoteExperts
 from .errors import RequestError, check_budget, check_token_ids
+from .node_watch import NodeWatch
 from .observability import RouterObserver, default_router_id
 from .prefetch import NextLayerPredictor
 from .table_sync import TableFollower
@@ -89,6 +90,14 @@ class Router:
         self.transport = make_transport(self.transport_name, dict(actors))
         self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport,
                                      config.failover, reviver=NameReviver(self.transport, spec.names.namespace))
+        # Node loss from Ray's node table (router_service/node_watch.py): replicas on a dead node are dead at once
+        # and calls in flight to them are given up on (refs and socket transports) and retried elsewhere.
+        self.node_watch = None
+        if config.failover.node_poll_s > 0 and ray.is_initialized():
+            self.node_watch = NodeWatch(self.transport.actors, config.failover.node_poll_s)
+            if hasattr(self.transport, "lost"):
+                self.transport.lost = self.node_watch.lost
+            self.backend.node_watch = self.node_watch.start()
         # Dense weights, KV cache and sampling live on self.device; only rows for expert actors leave it.
         self.dtype_name = resolve_dtype(spec.dtype, read_checkpoint_dtype(self.reader.model_dir),
                                         self.device.type == "cuda")
@@ -155,6 +164,8 @@ class Router:
         """Release the transport (a compiled graph's channels, gRPC channels); the actors stay up."""
         self.observer.stop()
         self.follower.stop()
+        if self.node_watch is not None:
+            self.node_watch.stop()
         close_transport(self.transport)
 
     def encode(self, prompt: str) -> list[int]:

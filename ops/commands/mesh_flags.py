@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...cluster.controller_placement import CONTROLLER_PLACEMENTS
 from ...experts.devices import GPU_WITHOUT_CUDA
 from ...experts.errors import ConfigError
 from ...experts.setting_choices import EVICTION_POLICIES, PREFETCH_SETTINGS
@@ -125,6 +126,9 @@ FLAGS: tuple[Flag, ...] = (
          "no live replica", {"type": float}),
     Flag("--call-timeout", "failover.call_timeout_s", "failover", "an expert call slower than this is retried on "
          "another replica", {"type": float}),
+    Flag("--node-poll", "failover.node_poll_s", "failover", "seconds between a router's reads of Ray's node table: "
+         "replicas on a node Ray calls dead are dropped at once and calls in flight to them retried elsewhere "
+         "(default 0.5; 0: off, wait for the calls to fail)", {"type": float}),
     Flag("--shed-overload", "failover.shed.enabled", "failover", "overload shedding: a shard above --shed-threshold "
          "of its replicas' capacity for --shed-window-s sends up to --shed-max-share of its tokens to their next-best "
          "expert, counted (README: Overload shedding; default off)", {"action": "store_const", "const": True}),
@@ -144,6 +148,14 @@ FLAGS: tuple[Flag, ...] = (
          "kill/drain, no elasticity)", {"action": "store_const", "const": False}),
     Flag("--no-restore", "controller.restore", "controller", "do not restore lost expert actors",
          {"action": "store_const", "const": False}),
+    Flag("--controller-placement", "controller.placement", "controller", "where the controller actor runs: the "
+         "head node (default), a node hosting no expert actor, or any node (README: Failover)",
+         {"choices": CONTROLLER_PLACEMENTS}),
+    Flag("--controller-cpus", "controller.num_cpus", "controller", "CPUs the controller actor reserves (default 0)",
+         {"type": float}),
+    Flag("--controller-node-poll", "controller.node_poll_s", "controller", "seconds between the controller's reads "
+         "of Ray's node table: actors on a dead node are restored at once (default 0.5; 0: off, probes only)",
+         {"type": float}),
     Flag("--stand-in-min-cpus", "controller.stand_in_min_cpus", "controller", "a lost expert actor the survivors "
          "have no room for gets a stand-in with a smaller CPU share, at least this much; below it lost actors merge "
          "into fewer stand-ins", {"type": float}),

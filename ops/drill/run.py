@@ -37,6 +37,7 @@ from ...router_service.ray_join import prepare_join
 from ..server_process import ServerProcess, start_server
 from .chaos import plan_chaos_tick
 from .config import CLUSTER_KILLS, DrillConfig, serve_args
+from .ray_start import FAST_HEALTH_CHECKS, leave_loopback_mode, start_local_ray, start_node_cluster
 from .record import DrillRecord, KillRecord, PollRecord, RequestRecord
 from .report import all_recovered, last_good_poll
 from .resources import sample_tree
@@ -475,27 +476,15 @@ def _ray_snapshot() -> dict | None:
 
 
 def _start_ray(config: DrillConfig, verbose: bool):
-    """Ray for a self-started drill: (Cluster or None, GCS address). A Cluster only for node kills."""
-    import ray
-
+    """Ray for a self-started drill: (Cluster or None, GCS address). A Cluster for node and chaos kills. Both on
+    loopback; the Cluster with Ray's fast node health checks (ops/drill/ray_start.py)."""
     if config.kill in CLUSTER_KILLS:
-        from ray.cluster_utils import Cluster
-
         gpus = f", {config.node_gpus} GPUs" if config.node_gpus else ""
-        say(verbose, f"starting a Ray cluster: head (1 CPU) + {config.nodes} workers ({config.node_cpus} CPUs{gpus} "
-                     "each) ...")
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-        for _ in range(config.nodes):
-            cluster.add_node(num_cpus=config.node_cpus, num_gpus=config.node_gpus)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace=config.names.namespace, logging_level=logging.WARNING,
-                 log_to_driver=False)
-        return cluster, cluster.address
-    cpus = config.num_cpus or max(2, os.cpu_count() or 2)
-    say(verbose, f"starting Ray ({cpus} CPUs) ...")
-    ctx = ray.init(address="local", num_cpus=cpus, namespace=config.names.namespace, include_dashboard=False,
-                   logging_level=logging.WARNING, log_to_driver=False)
-    return None, ctx.address_info["gcs_address"]
+        say(verbose, f"starting a Ray cluster on loopback: head (1 CPU) + {config.nodes} workers ({config.node_cpus} "
+                     f"CPUs{gpus} each), node health checks {FAST_HEALTH_CHECKS} ...")
+        return start_node_cluster(config.nodes, config.node_cpus, config.node_gpus, config.names.namespace)
+    say(verbose, f"starting Ray on loopback ({config.num_cpus or max(2, os.cpu_count() or 2)} CPUs) ...")
+    return None, start_local_ray(config.num_cpus, config.names.namespace)
 
 
 def _server_policy(target: str) -> str:
@@ -567,6 +556,7 @@ def record_drill(config: DrillConfig, verbose: bool = True) -> DrillRecord:
             ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
+        leave_loopback_mode()
         if in_main:
             signal.signal(signal.SIGTERM, old_term)
         sys.stdout = real_stdout

@@ -14,12 +14,43 @@ Every one returns the same results.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # annotations only
     import torch
 
     from ...experts.arrays import HostTensor
+
+# While a node watch runs (router_service/node_watch.py), transports wait for a call's answer in slices this long and
+# between slices give up on calls to actors it found on a dead node.
+ABANDON_POLL_S = 0.05
+
+
+class ActorNodeLost(RuntimeError):
+    """The actor ran on a node Ray reports dead: its call will never be answered. Dispatch counts it as the actor's
+    death (router_service/replica_health.py) and sends the call's rows to another replica in the same step."""
+
+
+class LostActors:
+    """Actor incarnations (Ray actor ids, hex) on nodes Ray reports dead: the node watch adds, transports ask.
+    Reads take no lock (the set is replaced, never changed in place), so a transport's wait loop can ask often."""
+
+    def __init__(self):
+        self._ids: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
+
+    def add(self, actor_ids: Iterable[str]) -> None:
+        with self._lock:
+            self._ids = self._ids | frozenset(actor_ids)
+
+    def __contains__(self, actor_id: object) -> bool:
+        return actor_id in self._ids
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
 
 TRANSPORTS = ("refs", "grpc", "socket", "compiled", "rdt")
 # What router.transport accepts: a transport, or "auto" = socket on an embedded Ray (every actor on this machine, on

@@ -36,6 +36,7 @@ from ...experts.socket_server import secure_connection
 from ...experts.transport_secret import transport_secret
 from ...protos import expert_transport_pb2 as pb
 from .actor_connections import ActorConnections
+from .base import ABANDON_POLL_S, ActorNodeLost, LostActors
 from .grpc import ExpertUnreachable, liveness_error
 
 CONNECT_TIMEOUT_S = 10.0  # dialling an actor's port (a firewalled one would otherwise hang for minutes)
@@ -69,9 +70,12 @@ class SocketTransport(ActorConnections):
     takes_prefetch = True  # prefetch hints ride in ExpertBatch.prefetch
 
     def __init__(self, actors: dict[str, ray.actor.ActorHandle], address_timeout_s: float = 60.0,
-                 secret: str | None = None):
-        """secret: the cluster secret (None: read it from Ray's GCS, where the actors read theirs)."""
+                 secret: str | None = None, lost: LostActors | None = None):
+        """secret: the cluster secret (None: read it from Ray's GCS, where the actors read theirs). lost: actors on
+        dead nodes (router_service/node_watch.py): calls to them are given up on while waiting; None: wait for the
+        connection to break or the call to time out."""
         super().__init__(actors, address_timeout_s)
+        self.lost = lost
         self.secret = (secret if secret is not None else transport_secret()).encode()
         self.reconnects = 0  # actors dialled again (a new incarnation, or after a failure); tests check restores
         self._dialled: set[str] = set()
@@ -142,10 +146,17 @@ class SocketTransport(ActorConnections):
         conn = call.connection
         while call.reply is None and call.error is None:
             try:
-                if not conn.conn.poll(max(0.0, deadline - time.monotonic())):
-                    self._break(conn, TimeoutError(f"expert call to {call.actor} did not finish within {timeout}s"))
-                    if self.connections.get(call.actor) is conn:
-                        self.connections.pop(call.actor)  # a late reply must not be read as the next call's
+                left = deadline - time.monotonic()
+                sliced = self.lost is not None and left > ABANDON_POLL_S
+                if not conn.conn.poll(max(0.0, min(left, ABANDON_POLL_S) if sliced else left)):
+                    if sliced:
+                        if self.lost and conn.actor_id.hex() in self.lost:
+                            self._forget(call.actor, conn, ActorNodeLost(
+                                f"{call.actor}: its node died (Ray's node table), call abandoned"))
+                            return
+                        continue
+                    self._forget(call.actor, conn,
+                                 TimeoutError(f"expert call to {call.actor} did not finish within {timeout}s"))
                     return
                 data = conn.conn.recv_bytes()
             except (EOFError, OSError) as exc:  # the actor closed the connection or its process is gone
@@ -153,6 +164,12 @@ class SocketTransport(ActorConnections):
                 return
             # `call` is still in in_flight (only a reply or _break takes a call out), so the FIFO is not empty.
             conn.in_flight.popleft().reply = data
+
+    def _forget(self, actor: str, conn: _Connection, error: BaseException) -> None:
+        """Give up on conn: its calls in flight fail with `error`; a late reply must not be read as the next call's."""
+        self._break(conn, error)
+        if self.connections.get(actor) is conn:
+            self.connections.pop(actor)
 
     def _lost(self, call: _Call, exc: BaseException) -> None:
         """The call's connection broke: forget it, and ask Ray whether the actor itself is gone."""
@@ -164,7 +181,10 @@ class SocketTransport(ActorConnections):
         self._break(conn, error)
 
     def _liveness(self, actor: str, address: str, exc: BaseException) -> BaseException:
-        return liveness_error(self.actors[actor], actor, address, repr(exc))
+        handle = self.actors[actor]
+        if self.lost and handle._actor_id.hex() in self.lost:  # no need to ask Ray (up to LIVENESS_TIMEOUT_S)
+            return ActorNodeLost(f"{actor} at {address}: its node died (Ray's node table): {exc!r}")
+        return liveness_error(handle, actor, address, repr(exc))
 
     def close(self) -> None:
         for name in list(self.connections):

@@ -202,3 +202,39 @@ def test_control_pass_waits_while_an_actor_is_being_restored_and_balances_otherw
     balanced, _ = control_pass(0.0, snapshot, alive, NO_RESERVATION, reg, ElasticState(), config)
     assert balanced.entry["reason"] in ("balanced", "little load") and balanced.placement is None
     assert np.isclose(balanced.entry["window_slots"], 400.0)
+
+
+def test_a_dead_node_in_rays_table_restores_its_actors_at_once_in_one_replan_and_probes_do_not_restore_twice():
+    placement = {"expert-e0-r0": [[0, 0]], "expert-e0-r1": [[0, 0]], "expert-e1-r0": [[0, 1]], "expert-e2-r0": [[0, 2]]}
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 4.0)], placement)
+    reg.slots["expert-e2-r0"] = ActorSlot("expert-e2-r0", "dead", 1.0, 0.0, None)  # two actors on the lost node
+    plans = []
+    real_plan = reg.restore_plan
+    reg.restore_plan = lambda names, *rest: plans.append(list(names)) or real_plan(names, *rest)
+    table = [{"NodeID": n, "Alive": True} for n in ("a", "b", "dead")]
+    quick_probe = ops.probe
+
+    async def slow_probe(name, timeout_s):  # a probe of an actor on a dead node waits (here: past its restore)
+        answer = await quick_probe(name, timeout_s)
+        await asyncio.sleep(0.05)
+        return answer
+
+    ops.probe = slow_probe
+
+    async def run():
+        assert flow.node_check(table) == []
+        ops.alive -= {"expert-e1-r0", "expert-e2-r0"}
+        table[2] = {"NodeID": "dead", "Alive": False}
+        probing = asyncio.create_task(flow.check_all())  # a pass whose probes started before the watch saw it
+        await asyncio.sleep(0)
+        assert flow.node_check(table) == ["expert-e1-r0", "expert-e2-r0"]
+        assert reg.restoring == {"expert-e1-r0", "expert-e2-r0"}
+        await probing
+        await settle()
+        assert flow.node_check(table) == [], "a node is lost once; the restored actors run elsewhere"
+
+    asyncio.run(run())
+    assert plans == [["expert-e1-r0", "expert-e2-r0"]], "one re-plan for the node, none from the pass's probes"
+    assert [e["kind"] for e in history.events] == ["node_lost", "lost", "lost", "restored", "restored"]
+    assert history.events[0]["actors"] == ["expert-e1-r0", "expert-e2-r0"]
+    assert sum(1 for entry in ops.log if entry[0] == "spawn") == 2 and not reg.restoring and not reg.lost

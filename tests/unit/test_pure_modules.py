@@ -149,6 +149,8 @@ PURE_MODULES = (
     "expertmesh.cluster.controller_record",  # the persisted record (Ray only inside load/save, via MeshStore)
     "expertmesh.cluster.displacement",  # displaced actors and their stand-ins
     "expertmesh.cluster.node_choice",
+    "expertmesh.cluster.node_loss",  # which nodes died and which actors were on them, from node-table snapshots
+    "expertmesh.cluster.controller_placement",
     "expertmesh.cluster.placement_change",
     "expertmesh.cluster.remap_flow",  # the live remap's steps, Ray reached through an ops object
     "expertmesh.cluster.replica_registry",
