@@ -110,8 +110,8 @@ class FleetMetrics:
             "unrestored": sum(1 for f in self.faults if f.restore_s is None),
             "restore": dist(restores),
             "covered": dist(covered),
-            "gpu_hours": {"serving": round(self.gpu_hours_serving, 2), "lost": round(self.gpu_hours_lost, 2),
-                          "idle": round(self.gpu_hours_spare, 2)},
+            "gpu_hours": {"serving": round(self.gpu_hours_serving, 3), "lost": round(self.gpu_hours_lost, 3),
+                          "idle": round(self.gpu_hours_spare, 3)},
             "policy_calls": {"planner": self.plans, "plan_restore": self.restore_plans,
                              "autoscale": self.autoscale_decisions, "segments_shedding": self.shed_segments},
         }

@@ -71,6 +71,7 @@ class FleetConfig:
     days: float = 30.0
     strategy: str = "replan"
     tokens_per_s: float = 100_000.0  # fleet decode throughput at mean traffic
+    diurnal: float = 0.3  # daily traffic swing: peak / mean - 1 (cluster/fleet_trace.py)
     mean_utilisation: float = 0.5  # mean replica load / capacity at mean traffic on the first placement
     stand_in_capacity: float = 0.1  # a stand-in replica's capacity / a GPU replica's (no GPU share left: assumed)
     cpus_per_actor: float = 8.0
@@ -157,7 +158,8 @@ class FleetSim:
         if faults is None:
             faults = (failures or FailureModel()).sample(np.random.default_rng([cfg.seed, 3]), G, self.gpn,
                                                          self.horizon)
-        self.trace = FleetTrace(shape or TraceShape(), cfg.modelled_layers, cfg.experts, seed=cfg.seed)
+        self.trace = FleetTrace(shape or TraceShape(), cfg.modelled_layers, cfg.experts, seed=cfg.seed,
+                                diurnal=cfg.diurnal)
         self.breaker = breaker or BreakerConfig()
         self.windows = {lat: breaker_window(self.breaker, cfg.call_gap_s, lat) for lat in (0.0, cfg.call_timeout_s)}
         self.active = np.arange(G) < cfg.gpus  # [G] in the fleet (may host shards)
