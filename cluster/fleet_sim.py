@@ -155,9 +155,12 @@ class FleetSim:
         self.horizon = cfg.days * 86400
         self.gpn, self.nodes = cfg.gpus_per_node, cfg.gpus // cfg.gpus_per_node + cfg.spare_nodes
         G = self.G = self.nodes * self.gpn
-        if faults is None:
-            faults = (failures or FailureModel()).sample(np.random.default_rng([cfg.seed, 3]), G, self.gpn,
-                                                         self.horizon)
+        if faults is None:  # the serving GPUs' faults depend on the seed only, not on the spares: runs compare
+            model = failures or FailureModel()
+            faults = model.sample(np.random.default_rng([cfg.seed, 3]), cfg.gpus, self.gpn, self.horizon)
+            if cfg.spare_nodes:
+                spare = model.sample(np.random.default_rng([cfg.seed, 4]), G - cfg.gpus, self.gpn, self.horizon)
+                faults = sorted(faults + [replace(f, gpu=f.gpu + cfg.gpus) for f in spare], key=lambda f: f.t_s)
         self.trace = FleetTrace(shape or TraceShape(), cfg.modelled_layers, cfg.experts, seed=cfg.seed,
                                 diurnal=cfg.diurnal)
         self.breaker = breaker or BreakerConfig()
