@@ -112,5 +112,13 @@ def from_reports(drills: Path = DRILLS, actor_kills: slice = slice(None)) -> Res
         stand_in_start_s=statistics.median(a["work_s"] for a in no_spare) if no_spare else base.stand_in_start_s,
         remap_s=statistics.median(remaps) if remaps else base.remap_s,
         load_gb_s=base.load_gb_s,
-        source=str(drills),
+        source=_relative(drills),
     )
+
+
+def _relative(path: Path) -> str:
+    """path relative to the repository when it is inside it (results stay the same on every checkout)."""
+    try:
+        return str(Path(path).resolve().relative_to(DRILLS.parents[3]))
+    except ValueError:
+        return str(path)

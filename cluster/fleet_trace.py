@@ -36,7 +36,7 @@ class TraceShape:
     @classmethod
     def from_file(cls, path: Path = RECORDED) -> TraceShape:
         with Path(path).open() as f:
-            return trace_shape(json.load(f), source=str(path))
+            return trace_shape(json.load(f), source=_relative(path))
 
 
 def trace_shape(trace: dict, source: str = "") -> TraceShape:
@@ -63,6 +63,13 @@ def trace_shape(trace: dict, source: str = "") -> TraceShape:
     var = np.maximum(seq_share.var(axis=0) - noise.mean(axis=0), 0.0)  # [L, E]
     drift = float(np.mean(np.sqrt(var[live]) / share[live]))
     return TraceShape(skew, drift, source)
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(RECORDED.parents[4]))
+    except ValueError:
+        return str(path)
 
 
 def sigma_of_cv(cv: float) -> float:

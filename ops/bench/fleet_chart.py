@@ -39,7 +39,7 @@ def write_fleet_chart(result: dict, path: str | Path) -> Path:
     b.set_yscale("log")
     b.set_ylim(bottom=1e-10)
     b.set_ylabel("fraction of routed slots")
-    b.set_title("degraded (no live replica), rerouted (dead replica in the table), shed (overload)")
+    b.set_title("where slots went: degraded, rerouted, shed")
     b.set_xticks(x, labels, fontsize=7)
     b.legend(fontsize=8)
 
