@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from expertmesh.cluster.breaker import BreakerConfig
+from expertmesh.cluster.fleet_config import FleetConfig, breaker_window
 from expertmesh.cluster.fleet_failures import (
     EXPOSURE_GPU_HOURS,
     GPUS_PER_SERVER,
@@ -20,7 +21,7 @@ from expertmesh.cluster.fleet_failures import (
 )
 from expertmesh.cluster.fleet_metrics import shard_counts
 from expertmesh.cluster.fleet_model import RestoreTimes, actor_restores, from_reports, load_report
-from expertmesh.cluster.fleet_sim import FleetConfig, FleetSim, breaker_window
+from expertmesh.cluster.fleet_sim import FleetSim
 from expertmesh.cluster.fleet_trace import FleetTrace, TraceShape, trace_shape
 
 EMBEDDED_SHARD_BYTES = 3 * 64 * 128 * 4  # the drills' embedded model: H=64, I=128, fp32
@@ -168,3 +169,13 @@ def test_config_errors_name_the_field():
         FleetConfig(strategy="hope").validate()
     with pytest.raises(ValueError, match="gpus"):
         FleetConfig(gpus=12, gpus_per_node=8).validate()
+
+
+def test_replan_with_an_in_place_restart_in_flight():
+    """A dead process restarting in place keeps its shards through a re-plan for another GPU's fault; both faults
+    end restored."""
+    times = RestoreTimes(check_interval_s=1e-9, actor_start_s=10.0, remap_s=2.0)
+    out = _hand_fleet("replan", 16, [Fault(100.0, "software", 1, 3600.0), Fault(100.5, "gpu", 2, 10_000.0)], times)
+    assert out["handled"] == {"full": 1, "remap": 1}
+    assert out["unrestored"] == 0
+    assert out["restore"]["max_s"] == pytest.approx(10.0, abs=1e-6)

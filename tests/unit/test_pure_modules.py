@@ -135,6 +135,7 @@ PURE_MODULES = (
     "expertmesh.cluster.fleet_model",  # restore times from the drill reports
     "expertmesh.cluster.fleet_trace",  # drifting routing-load traces
     "expertmesh.cluster.fleet_metrics",
+    "expertmesh.cluster.fleet_config",
     "expertmesh.cluster.fleet_sim",  # the event loop over the real policies (torch only when shedding runs)
     "expertmesh.cluster.eplb_greedy",
     "expertmesh.cluster.load_stats",
