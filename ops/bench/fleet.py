@@ -36,16 +36,28 @@ class FleetParams:
 
     @classmethod
     def from_args(cls, args) -> FleetParams:
-        def ints(text: str) -> tuple[int, ...]:
-            return tuple(int(v) for v in text.split(","))
+        def numbers(flag: str, text: str, kind: type) -> tuple:
+            try:
+                values = tuple(kind(v) for v in text.split(","))
+            except ValueError:
+                raise SystemExit(f"{flag}: expected comma-separated {kind.__name__}s, got {text!r}") from None
+            if any(v < 0 for v in values):
+                raise SystemExit(f"{flag}: must be ≥ 0, got {text!r}")
+            return values
 
         strategies = tuple(args.strategies.split(","))
         for s in strategies:
             if s not in STRATEGIES:
                 raise SystemExit(f"--strategies: {s!r} is not one of {', '.join(STRATEGIES)}")
-        return cls(gpus=args.gpus, days=args.days, strategies=strategies, spares=ints(args.spares),
-                   scales=tuple(float(v) for v in args.scales.split(",")), sim_layers=args.sim_layers,
-                   seed=args.seed, chart=args.chart)
+        params = cls(gpus=args.gpus, days=args.days, strategies=strategies,
+                     spares=numbers("--spares", args.spares, int), scales=numbers("--scales", args.scales, float),
+                     sim_layers=args.sim_layers, seed=args.seed, chart=args.chart)
+        try:  # the first run's settings, checked before any work (errors name the field)
+            FleetConfig(gpus=params.gpus, days=params.days, sim_layers=params.sim_layers).validate()
+        except ValueError as exc:
+            field, _, rest = str(exc).partition(": ")
+            raise SystemExit(f"--{field.replace('_', '-')}: {rest}") from None
+        return params
 
 
 def validation() -> dict:

@@ -179,3 +179,17 @@ def test_replan_with_an_in_place_restart_in_flight():
     assert out["handled"] == {"full": 1, "remap": 1}
     assert out["unrestored"] == 0
     assert out["restore"]["max_s"] == pytest.approx(10.0, abs=1e-6)
+
+
+def test_bench_flags_are_checked_naming_the_flag():
+    from argparse import Namespace
+
+    from expertmesh.ops.bench.fleet import FleetParams
+
+    good = dict(gpus=64, days=1.0, strategies="none,replan", spares="0,1", scales="1,10", sim_layers=4, seed=0,
+                chart=None)
+    assert FleetParams.from_args(Namespace(**good)).spares == (0, 1)
+    for flag, value, message in (("spares", "x", "--spares"), ("gpus", 12, "--gpus"),
+                                 ("strategies", "hope", "--strategies"), ("scales", "-1", "--scales")):
+        with pytest.raises(SystemExit, match=message):
+            FleetParams.from_args(Namespace(**{**good, flag: value}))
