@@ -1,5 +1,5 @@
-"""`expertmesh bench dispatch|dispatch-overhead|serve|placement|observability|chunked|offload|quant|shed|grouped-ffn`:
-benchmarks, each printing one JSON object.
+"""`expertmesh bench dispatch|dispatch-overhead|serve|placement|observability|chunked|offload|quant|shed|grouped-ffn|
+fleet`: benchmarks, each printing one JSON object.
 
 Each benchmark is one module of ops/bench/ with a parameters dataclass (`from_args` maps this command's flags onto
 it) and an entry function taking it; BENCHMARKS names them, so adding a benchmark is a module, a parser and a row.
@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "shed": Benchmark("shed", "run_shed_bench", "ShedParams"),
     "observability": Benchmark("observability", "run_observability_bench", "ObservabilityParams", verbose=False),
     "grouped-ffn": Benchmark("grouped_ffn", "run_grouped_ffn_bench", "GroupedFFNParams", verbose=False),
+    "fleet": Benchmark("fleet", "run_fleet_bench", "FleetParams"),
 }
 
 
@@ -145,6 +146,17 @@ def add_parser(sub) -> None:
     grouped.add_argument("--repeats", type=int, default=7)
     grouped.add_argument("--threads", type=int, default=1, help="torch threads (one expert actor's CPUs)")
     _output_flags(grouped)
+    fleet = bench_sub.add_parser("fleet", help="fleet simulator: DeepSeek-V3-sized deployments under published failure "
+                                 "rates, strategies none/restart/replan and spares (cluster/fleet_sim.py)")
+    fleet.add_argument("--gpus", type=int, default=512, help="serving GPUs (whole servers of 8)")
+    fleet.add_argument("--days", type=float, default=30.0, help="simulated days")
+    fleet.add_argument("--strategies", default="none,restart,replan", help="comma-separated: none,restart,replan")
+    fleet.add_argument("--spares", default="0,1", help="comma-separated spare servers (8 GPUs each)")
+    fleet.add_argument("--scales", default="1,10", help="comma-separated multiples of the published failure rates")
+    fleet.add_argument("--sim-layers", type=int, default=8, help="MoE layers simulated (of 58)")
+    fleet.add_argument("--seed", type=int, default=0)
+    fleet.add_argument("--chart", metavar="PNG", help="also draw the chart here")
+    _output_flags(fleet)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -131,6 +131,12 @@ PURE_MODULES = (
     "expertmesh.cluster.breaker",
     "expertmesh.cluster.elastic",
     "expertmesh.cluster.lost_restore",  # re-planning lost actors onto survivors without spare capacity
+    "expertmesh.cluster.fleet_failures",  # the fleet simulator: published failure rates
+    "expertmesh.cluster.fleet_model",  # restore times from the drill reports
+    "expertmesh.cluster.fleet_trace",  # drifting routing-load traces
+    "expertmesh.cluster.fleet_metrics",
+    "expertmesh.cluster.fleet_config",
+    "expertmesh.cluster.fleet_sim",  # the event loop over the real policies (torch only when shedding runs)
     "expertmesh.cluster.eplb_greedy",
     "expertmesh.cluster.load_stats",
     "expertmesh.cluster.naming",
