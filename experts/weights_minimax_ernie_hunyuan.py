@@ -12,8 +12,8 @@ on the layout, it follows what transformers writes:
 - Hunyuan: `mlp.gate.wg.weight`, shared MLP `mlp.shared_mlp.*`, `self_attn.query_layernorm` / `key_layernorm`.
 
 FP8 checkpoints (MiniMax-M2 as published, `cfg.fp8_block`) are dequantised on read (experts/fp8.py). ERNIE's and
-Hunyuan's gates stay float32 (transformers keeps them so); MiniMax-M2's gate takes the model dtype; correction biases
-stay float32.
+Hunyuan's gates stay float32 (transformers keeps them so); MiniMax-M2's gate and correction bias take the model
+dtype (the bias is held as float32 values, rounded to that dtype, as transformers' buffer is).
 """
 
 from __future__ import annotations
@@ -112,8 +112,9 @@ def load_family_dense_weights(reader, dtype: torch.dtype, progress: str | None =
         if cfg.is_moe_layer(i):
             router = _router_names(cfg, p, stacked)
             layer.router = raw[router[0][0]].to(device=device, dtype=router_dtype)  # [E, H]
-            if len(router) > 1:  # [E] (ERNIE stores [1, E])
-                layer.router_correction_bias = raw[router[1][0]].reshape(-1).to(device=device, dtype=torch.float32)
+            if len(router) > 1:  # [E] (ERNIE stores [1, E]); rounded as transformers holds it (MiniMax: model dtype)
+                bias = raw[router[1][0]].reshape(-1).to(device=device, dtype=router_dtype)
+                layer.router_correction_bias = bias.float()
             if cfg.has_shared_expert:
                 layer.shared_expert = mlp(p + _SHARED_PREFIX[cfg.family])
         else:
