@@ -24,6 +24,7 @@ from .config import MoEModelConfig
 from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, mlp_names
 from .ffn import GatedMLPWeights
 from .fp8 import read_weights
+from .reproducible import aligned
 
 FAMILIES = ("minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe")
 _SHARED_PREFIX = {"ernie4_5_moe": "mlp.shared_experts.", "hunyuan_v1_moe": "mlp.shared_mlp."}
@@ -89,7 +90,9 @@ def load_family_dense_weights(reader, dtype: torch.dtype, progress: str | None =
     cfg = reader.config
     stacked = _stacked(cfg, reader.has)
     raw = read_weights(reader, family_dense_tensor_names(cfg, stacked), cfg.fp8_block, progress=progress)
-    t = {k: v.to(device=device, dtype=dtype) for k, v in raw.items()}
+    # aligned: a tensor read in place starts at its file offset, and a few-row product's bits depend on where its
+    # weight starts (experts/reproducible.py): on a 64-byte boundary the router gives the same bits wherever it runs.
+    t = {k: aligned(v.to(device=device, dtype=dtype)) for k, v in raw.items()}
 
     def mlp(prefix: str) -> GatedMLPWeights:
         return GatedMLPWeights.from_parts(t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"],
@@ -111,7 +114,7 @@ def load_family_dense_weights(reader, dtype: torch.dtype, progress: str | None =
                              post_attention_norm=t[p + "post_attention_layernorm.weight"], attention=attention)
         if cfg.is_moe_layer(i):
             router = _router_names(cfg, p, stacked)
-            layer.router = raw[router[0][0]].to(device=device, dtype=router_dtype)  # [E, H]
+            layer.router = aligned(raw[router[0][0]].to(device=device, dtype=router_dtype))  # [E, H]
             if len(router) > 1:  # [E] (ERNIE stores [1, E]); rounded as transformers holds it (MiniMax: model dtype)
                 bias = raw[router[1][0]].reshape(-1).to(device=device, dtype=router_dtype)
                 layer.router_correction_bias = bias.float()
