@@ -17,7 +17,7 @@ from .attention_core import default_scale
 from .config import MoEModelConfig
 from .dense_weights import AttentionWeights
 from .norms import rms_norm
-from .rope import apply_rotary
+from .rope import apply_rotary, apply_rotary_interleaved
 
 
 class AttentionLayer(Protocol):
@@ -43,9 +43,11 @@ class AttentionLayer(Protocol):
 
 
 class GQAAttention:
-    """Grouped-query attention with RoPE (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, gpt-oss): optional q/k/v bias,
-    OLMoE's RMSNorm over the projected q and k (full width), Qwen3-MoE's RMSNorm over each q and k head (head_dim,
-    before RoPE), OLMoE's clip_qkv, gpt-oss's attention sinks and o_proj bias. Caches rotated keys and values."""
+    """Grouped-query attention with RoPE (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, gpt-oss, GLM-4.5, MiniMax-M2,
+    ERNIE 4.5, Hunyuan): optional q/k/v bias, OLMoE's / MiniMax-M2's RMSNorm over the projected q and k (full
+    width), Qwen3-MoE's RMSNorm over each q and k head (head_dim, before RoPE; Hunyuan's after RoPE), OLMoE's
+    clip_qkv, gpt-oss's attention sinks and o_proj bias, ERNIE's pair-interleaved RoPE. Caches rotated keys and
+    values."""
 
     def __init__(self, cfg: MoEModelConfig, w: AttentionWeights, window: int | None):
         self.w = w
@@ -53,6 +55,8 @@ class GQAAttention:
         self.eps = cfg.rms_norm_eps
         self.clip = cfg.clip_qkv
         self.qk_norm_per_head = cfg.qk_norm_per_head  # Qwen3-MoE, GLM-4.5: q_norm/k_norm weights are [D], per head
+        self.norm_after_rope = cfg.qk_norm_after_rope  # Hunyuan: that per-head norm runs on the rotated q and k
+        self.rotate = apply_rotary_interleaved if cfg.rope_pairs_interleaved else apply_rotary  # ERNIE: interleaved
         self.scale = default_scale(cfg.head_dim)
         self.window = window
         self.sinks = w.sinks  # [nh] or None
@@ -71,10 +75,12 @@ class GQAAttention:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, nh, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kvh, D]
-        if self.qk_norm_per_head:
+        if self.qk_norm_per_head and not self.norm_after_rope:
             q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
-        q = apply_rotary(q, cos, sin)  # [T, nh, D]
-        k = apply_rotary(k, cos, sin)  # [T, kvh, D]
+        q = self.rotate(q, cos, sin)  # [T, nh, D]
+        k = self.rotate(k, cos, sin)  # [T, kvh, D]
+        if self.norm_after_rope:
+            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
         return q, {"k": k, "v": v.view(-1, self.num_kv_heads, self.head_dim)}
 
     def keys_values(self, entries: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

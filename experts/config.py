@@ -14,6 +14,18 @@ from .config_deepseek import ARCHITECTURES as _DEEPSEEK_ARCHITECTURES
 from .config_deepseek import FAMILIES as _DEEPSEEK_FAMILIES
 from .config_deepseek import MODEL_TYPES as _DEEPSEEK_MODEL_TYPES
 from .config_deepseek import YarnScaling, deepseek_family_fields, rope_settings
+from .config_ernie4_5_moe import ARCHITECTURES as _ERNIE_ARCHITECTURES
+from .config_ernie4_5_moe import MODEL_TYPES as _ERNIE_MODEL_TYPES
+from .config_ernie4_5_moe import ernie4_5_moe_fields
+from .config_ernie4_5_moe import normalise as _ernie_normalise
+from .config_hunyuan_v1_moe import ARCHITECTURES as _HUNYUAN_ARCHITECTURES
+from .config_hunyuan_v1_moe import MODEL_TYPES as _HUNYUAN_MODEL_TYPES
+from .config_hunyuan_v1_moe import hunyuan_v1_moe_fields
+from .config_hunyuan_v1_moe import normalise as _hunyuan_normalise
+from .config_minimax_m2 import ARCHITECTURES as _MINIMAX_ARCHITECTURES
+from .config_minimax_m2 import MODEL_TYPES as _MINIMAX_MODEL_TYPES
+from .config_minimax_m2 import minimax_m2_fields
+from .config_minimax_m2 import normalise as _minimax_normalise
 from .errors import CheckpointError
 
 # HF architecture name -> our family name.
@@ -23,12 +35,22 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
-} | _DEEPSEEK_ARCHITECTURES
+} | _DEEPSEEK_ARCHITECTURES | _MINIMAX_ARCHITECTURES | _ERNIE_ARCHITECTURES | _HUNYUAN_ARCHITECTURES
 MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "qwen3_moe": "qwen3_moe",
-               "gpt_oss": "gpt_oss"} | _DEEPSEEK_MODEL_TYPES
+               "gpt_oss": "gpt_oss"} | _DEEPSEEK_MODEL_TYPES | _MINIMAX_MODEL_TYPES | _ERNIE_MODEL_TYPES \
+    | _HUNYUAN_MODEL_TYPES
+# Families parsed in their own module (experts/config_<family>.py): family -> (normalise, fields). normalise maps the
+# family's key names onto the common ones; fields returns the MoEModelConfig arguments beyond the common ones,
+# RoPE included (the common rope parsing is skipped for them).
+OWN_FAMILIES = {
+    "minimax_m2": (_minimax_normalise, minimax_m2_fields),
+    "ernie4_5_moe": (_ernie_normalise, ernie4_5_moe_fields),
+    "hunyuan_v1_moe": (_hunyuan_normalise, hunyuan_v1_moe_fields),
+}
+_OWN_ROPE = (*_DEEPSEEK_FAMILIES, *OWN_FAMILIES)
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 # family -> quant_method values we dequantise on load
-SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)} | {family: ("fp8",) for family in _DEEPSEEK_FAMILIES}
+SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)} | {family: ("fp8",) for family in (*_DEEPSEEK_FAMILIES, "minimax_m2")}
 
 
 @dataclass(frozen=True)
@@ -70,7 +92,8 @@ class MoEModelConfig:
     rotary_dim: int = 0  # dims of a head that RoPE rotates; 0 = head_dim (GLM: head_dim * partial_rotary_factor)
     rope_pairs_interleaved: bool = False  # DeepSeek: RoPE rotates (x0,x1),(x2,x3),.. pairs, not the two halves
     yarn: YarnScaling | None = None  # rope_type "yarn" (cos/sin scaled; MLA's softmax scale takes mscale too)
-    # "softmax" (route) | "deepseek_v2" | "sigmoid_grouped" (DeepSeek-V3, GLM-4.5) | "topk_softmax" (gpt-oss)
+    # "softmax" (route) | "deepseek_v2" | "sigmoid_grouped" (DeepSeek-V3, GLM-4.5, MiniMax-M2) | "topk_softmax"
+    # (gpt-oss) | "softmax_biased" (ERNIE 4.5)
     router_kind: str = "softmax"
     topk_method: str = "greedy"  # deepseek_v2: "greedy" | "group_limited_greedy"
     n_group: int = 1  # group-limited routing: experts split into n_group equal groups ...
@@ -80,6 +103,10 @@ class MoEModelConfig:
     shared_expert_gated: bool = True  # Qwen2-MoE's shared expert has a sigmoid gate; DeepSeek/GLM's have none
     qk_norm_per_head: bool = False  # GLM-4.5 use_qk_norm: RMSNorm over each head's q and k (head_dim weights)
     fp8_block: tuple[int, int] | None = None  # quant_method "fp8": weights stored e4m3 with per-block scale_inv
+    # ---- MiniMax-M2, ERNIE 4.5 MoE, Hunyuan-A13B (experts/config_<family>.py) ----
+    router_in_model_dtype: bool = False  # MiniMax-M2: the sigmoid router's gate runs in the model dtype, not float32
+    router_norm_min: float = 0.0  # ERNIE ("softmax_biased"): the top-k weights are divided by max(sum, this)
+    qk_norm_after_rope: bool = False  # Hunyuan: the per-head q/k RMSNorm runs after RoPE, not before
     # ---- end DeepSeek-V2/V3 and GLM-4.5 ------------------------------------------------------------------------
     # ---- Qwen3-MoE and gpt-oss (issue 13 items 2-3; they also use qk_norm_per_head, yarn, router_kind) ----
     attention_sinks: bool = False  # gpt-oss: a learned per-head extra logit in the attention softmax
@@ -96,7 +123,8 @@ class MoEModelConfig:
 
     @property
     def has_shared_expert(self) -> bool:
-        return self.family in ("qwen2_moe", *_DEEPSEEK_FAMILIES) and self.shared_expert_intermediate_size > 0
+        return (self.family in ("qwen2_moe", *_DEEPSEEK_FAMILIES, "ernie4_5_moe", "hunyuan_v1_moe")
+                and self.shared_expert_intermediate_size > 0)
 
     def expert_param_count(self) -> int:
         """Parameters of one expert FFN (gate, up, down, and gpt-oss's biases)."""
@@ -118,6 +146,8 @@ def load_model_config(model_dir: str | Path) -> MoEModelConfig:
 
 def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
     family = _family(raw, source)
+    if family in OWN_FAMILIES:
+        raw = OWN_FAMILIES[family][0](raw, source)
 
     def need(key: str, kind: type = int):
         if key not in raw or raw[key] is None:
@@ -153,8 +183,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
         head_dim=head_dim,
         top_k=need("num_experts_per_tok"),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=0.0 if family in _DEEPSEEK_FAMILIES else _rope_theta(raw, source),  # theirs: config_deepseek
-        yarn=None if family in _DEEPSEEK_FAMILIES else rope_settings(raw, source)[2],
+        rope_theta=0.0 if family in _OWN_ROPE else _rope_theta(raw, source),  # theirs: their config module
+        yarn=None if family in _OWN_ROPE else rope_settings(raw, source)[2],
         quantization=_quantization(raw, family, source),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         hidden_act=act,
@@ -230,6 +260,9 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
     elif family in _DEEPSEEK_FAMILIES:
         cfg = MoEModelConfig(**(common | deepseek_family_fields(family, raw, common, need, source)),
                              fp8_block=_fp8_block(raw, source))
+    elif family in OWN_FAMILIES:
+        fields = OWN_FAMILIES[family][1](raw, common, need, source)
+        cfg = MoEModelConfig(**(common | fields), fp8_block=_fp8_block(raw, source) if family == "minimax_m2" else None)
     else:  # olmoe
         cfg = MoEModelConfig(
             **common,

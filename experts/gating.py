@@ -187,6 +187,29 @@ def route_sigmoid_grouped(
                    rerouted_per_token=rerouted_per_token, probs=probs, selection=selection)
 
 
+def route_softmax_biased(
+    router_logits: torch.Tensor,
+    top_k: int,
+    correction_bias: torch.Tensor | None = None,
+    norm_min: float = 0.0,
+    capacity_factor: float | None = None,
+) -> Routing:
+    """ERNIE 4.5 MoE's router (transformers' Ernie4_5_MoeTopKRouter). router_logits: [T, E] (float32).
+
+    probs = softmax over all E experts; experts are *ranked* by probs + correction_bias ([E],
+    `moe_statics.e_score_correction_bias`) but *weighted* by probs alone, divided by max(sum of the chosen probs,
+    norm_min). `selection` (probs + bias) is what degraded re-routing ranks by.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    selection = probs if correction_bias is None else probs + correction_bias.float()  # [T, E]
+    experts, rerouted, dropped, rerouted_per_token = _choose(selection, top_k, capacity_factor)  # [T, k]
+    weights = _gathered(probs, experts)  # [T, k]
+    weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=norm_min)
+    weights = torch.nan_to_num(weights, nan=0.0)  # every slot dropped with norm_min 0: 0/0
+    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped,
+                   rerouted_per_token=rerouted_per_token, probs=probs, selection=selection)
+
+
 def route_for_model(
     cfg, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
     capacity_factor: float | None = None,
@@ -202,6 +225,8 @@ def route_for_model(
     if cfg.router_kind == "sigmoid_grouped":
         return route_sigmoid_grouped(router_logits, cfg.top_k, correction_bias, cfg.n_group, cfg.topk_group,
                                      cfg.norm_topk_prob, cfg.routed_scaling_factor, capacity_factor)
+    if cfg.router_kind == "softmax_biased":  # ERNIE 4.5
+        return route_softmax_biased(router_logits, cfg.top_k, correction_bias, cfg.router_norm_min, capacity_factor)
     raise ValueError(f"router_kind={cfg.router_kind!r} is not a known router")
 
 

@@ -288,8 +288,10 @@ class MoEDecoder:
     def _gate_logits(self, layer, h: torch.Tensor) -> torch.Tensor:
         """h [T, H] -> router logits [T, E] of `layer` (LayerWeights)."""
         # DeepSeek/GLM routers score in float32 (their gate weight is kept float32), as transformers does.
-        if self.cfg.router_kind in ("softmax", "topk_softmax"):
-            return F.linear(h, layer.router, layer.router_bias)  # [T, E]; gpt-oss's router has a bias
+        # The others run in the gate weight's dtype: the model's, or float32 where the loader keeps the gate so
+        # (ERNIE, Hunyuan), as transformers does.
+        if self.cfg.router_kind in ("softmax", "topk_softmax", "softmax_biased") or self.cfg.router_in_model_dtype:
+            return F.linear(h.to(layer.router.dtype), layer.router, layer.router_bias)  # [T, E]; gpt-oss: bias
         return F.linear(h.float(), layer.router.float())  # [T, E]
 
     def predict_experts(self, i: int, h: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
 
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """ERNIE 4.5's RoPE: dims (x0, x1), (x2, x3), .. rotate as pairs in place (frequency i on pair i), computed in
+    float32 and cast back, as transformers' Ernie4_5 apply_rotary_pos_emb. x: [T, n, d]; cos/sin: [T, d] in the
+    cat(freqs, freqs) layout."""
+    half = cos.shape[-1] // 2
+    c = cos[:, None, :half].repeat_interleave(2, dim=-1).float()  # [T, 1, d]: f0, f0, f1, f1, ..
+    s = sin[:, None, :half].repeat_interleave(2, dim=-1).float()
+    x32 = x.float()
+    rotated = torch.stack((-x32[..., 1::2], x32[..., 0::2]), dim=-1).flatten(-2)  # (-x1, x0, -x3, x2, ..)
+    return (x32 * c + rotated * s).to(x.dtype)
+
+
 def build_rope(cfg: MoEModelConfig, device: torch.device | str = "cpu") -> RotaryEmbedding:
     """The model's rotary embedding, from its config (families with scaled RoPE add their variant here)."""
     if cfg.rotary_dim or cfg.yarn is not None:  # DeepSeek (MLA rope part, YaRN), GLM-4.5 (partial rotary)

@@ -36,6 +36,8 @@ from .fp8 import read_weights, scale_names
 from .mxfp4 import dequantize as dequantize_mxfp4
 from .quant import quantize_mlp
 from .weights_deepseek import deepseek_dense_tensor_names, load_deepseek_dense_weights
+from .weights_minimax_ernie_hunyuan import FAMILIES as SELECTION_BIAS_FAMILIES
+from .weights_minimax_ernie_hunyuan import family_dense_tensor_names, load_family_dense_weights
 
 Shard = tuple[int, int]  # (layer, expert)
 
@@ -47,7 +49,7 @@ INTERLEAVED_FAMILIES = ("gpt_oss",)  # stacked [E, H, 2I] with alternating gate/
 def expert_tensor_names(cfg: MoEModelConfig, layer: int, expert: int) -> dict[str, tuple[str, tuple[int, int]]]:
     """role -> (on-disk name, expected shape) for one expert of one layer, per-expert layout."""
     hidden, inter = cfg.hidden_size, cfg.expert_intermediate_size
-    if cfg.family == "mixtral":
+    if cfg.family in ("mixtral", "minimax_m2"):  # MiniMax-M2 keeps Mixtral's names (published and as saved)
         prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
         names = {"gate": "w1.weight", "up": "w3.weight", "down": "w2.weight"}
     else:
@@ -253,21 +255,22 @@ def _cast_each(tensors: dict[str, torch.Tensor], dtype: torch.dtype,
 class DenseFamily(NamedTuple):
     """A family whose dense part (attention, norms, router) its own module names and loads."""
 
-    tensor_names: Callable[[MoEModelConfig], dict[str, tuple[int, ...]]]
+    tensor_names: Callable[[MoEModelConfig, bool], dict[str, tuple[int, ...]]]  # (cfg, experts stacked)
     load: Callable[..., DenseWeights]  # (reader, dtype, progress, device) -> DenseWeights
 
 
 # The family table: families not listed use the common names below. The modules listed import only dense_weights
 # from here, never this module, so there is no import cycle to break with late imports.
 DENSE_FAMILIES: dict[str, DenseFamily] = {
-    family: DenseFamily(deepseek_dense_tensor_names, load_deepseek_dense_weights) for family in DEEPSEEK_FAMILIES
-}
+    family: DenseFamily(lambda cfg, stacked: deepseek_dense_tensor_names(cfg), load_deepseek_dense_weights)
+    for family in DEEPSEEK_FAMILIES
+} | {family: DenseFamily(family_dense_tensor_names, load_family_dense_weights) for family in SELECTION_BIAS_FAMILIES}
 
 
 def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
     """Every non-expert tensor the model needs: name -> expected shape (`layout` names Mixtral's router)."""
     if (own := DENSE_FAMILIES.get(cfg.family)) is not None:
-        return own.tensor_names(cfg)
+        return own.tensor_names(cfg, layout != PER_EXPERT)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     names: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}

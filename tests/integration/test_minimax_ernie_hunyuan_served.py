@@ -1,0 +1,71 @@
+"""MiniMax-M2 (as published: block-scaled FP8, Mixtral's per-expert names), ERNIE 4.5 MoE (dense layer 0, shared
+experts, softmax router with selection bias) and Hunyuan-A13B (transformers' stacked layout, shared MLP, NTK-alpha
+RoPE) through the distributed router on one local Ray: served logits and routings == the in-process reference bit
+for bit, greedy tokens equal the reference's and `transformers`' (on the unquantised twin for MiniMax-M2's FP8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertmesh.experts.reference import load_reference_model
+from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
+from tests.tiny_checkpoints import greedy_tokens
+from tests.tiny_fam1 import VOCAB, write_fam1_checkpoint
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+# name -> (family, writer options)
+CASES = {"minimax_m2_fp8": ("minimax_m2", dict(fp8_block=(8, 8))),
+         "ernie4_5_moe": ("ernie4_5_moe", {}),
+         "hunyuan_v1_moe_fused": ("hunyuan_v1_moe", dict(fused=True))}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("served_fam1")
+    return {name: write_fam1_checkpoint(kind, root / name, seed=7, **options)
+            for name, (kind, options) in CASES.items()}
+
+
+def _sequences() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (13, 4, 9)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_distributed_equals_reference_bit_for_bit(folders, name):
+    path = folders[name]
+    reference = load_reference_model(path)
+    seqs = _sequences()
+    want = reference.forward([torch.tensor(s) for s in seqs])
+    want_routing = {layer: r.experts.clone() for layer, r in reference.last_trace.routings.items()}
+    prompt = seqs[0][:6]
+    want_tokens = greedy_tokens(reference, prompt, 8)
+    with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(path)}, "controller": {"enabled": False}})) as mesh:
+        got = mesh.score_batch(seqs)
+        routings = {layer: r.experts.clone() for layer, r in mesh.model.last_trace.routings.items()}
+        result = mesh.generate(token_ids=prompt, max_tokens=8)
+    assert sorted(routings) == list(reference.cfg.moe_layers)
+    for layer in routings:
+        assert torch.equal(routings[layer], want_routing[layer])
+    for ours, theirs in zip(got, want):
+        assert torch.equal(ours, theirs)
+    assert result.token_ids == want_tokens
+
+
+def test_greedy_tokens_equal_transformers(folders, tmp_path):
+    """transformers' greedy tokens on each served checkpoint (MiniMax-M2: its unquantised twin, whose FP8 copy the
+    mesh serves; the reference and FP8 against transformers' dequantisation are unit-tested)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = _sequences()[0][:6]
+    for name, (kind, options) in CASES.items():
+        path = folders[name]
+        if options.get("fp8_block"):
+            path = write_fam1_checkpoint(kind, tmp_path / kind, seed=7)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+        assert greedy_tokens(load_reference_model(path), prompt, 8) == expected, name
