@@ -27,6 +27,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from . import reproducible
 from .ffn import GatedMLPWeights, gated_activation, gated_mlp
 from .reproducible import MIN_ROWS
 
@@ -97,7 +98,7 @@ def grouped_gated_mlp(x: torch.Tensor, stack: LayerStack, experts: list[int], co
         per_expert = [0] * len(stack.experts)
         for e, n in zip(experts, counts):
             per_expert[stack.local[e]] = n
-        if x.device.type == "cpu" and any(0 < n < MIN_ROWS for n in per_expert):
+        if x.device.type in reproducible.CPU_KERNEL_DEVICES and any(0 < n < MIN_ROWS for n in per_expert):
             # Each group of at least MIN_ROWS rows (experts/reproducible.py): pad the short ones with zero rows.
             x, keep, per_expert = _pad_groups(x, per_expert)
         offsets = torch.tensor(per_expert, dtype=torch.int32, device=x.device).cumsum(0, dtype=torch.int32)

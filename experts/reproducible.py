@@ -27,6 +27,10 @@ import torch.nn.functional as F
 
 CPU_ALIGN = 64  # bytes: torch's CPU allocator boundary (c10 gAlignment), and a cache line
 MIN_ROWS = 4  # fewer rows than this take MKL's gemv / small-M kernels, whose bits differ for the same row
+# Device types whose products run on the CPU's MKL kernels, so get padded. The fake-CUDA double (ops/fake_cuda) adds
+# "cuda" while it is open: its "cuda" tensors compute on the CPU, and a router step on it must give the CPU router's
+# bits (on some CPUs MKL's 1-row and 4-row kernels agree and the difference hid; on others they do not).
+CPU_KERNEL_DEVICES: frozenset[str] = frozenset({"cpu"})
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -40,6 +44,6 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, computed on at least MIN_ROWS rows on the CPU. x: [T, K] -> [T, N]."""
     rows = x.shape[0]
-    if x.device.type != "cpu" or rows == 0 or rows >= MIN_ROWS:
+    if x.device.type not in CPU_KERNEL_DEVICES or rows == 0 or rows >= MIN_ROWS:
         return F.linear(x, weight, bias)
     return F.linear(torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])]), weight, bias)[:rows]  # [T, N]

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...experts import reproducible
 from . import device as dev
 from . import tensor as ft
 from .tensor import FakeCudaGenerator, check_cuda_device
@@ -108,6 +109,9 @@ def patches(fc: Any) -> list[tuple[object, str, object]]:
         "default_generators": (ft.default_generator,),
     }
     out: list[tuple[object, str, object]] = [(torch.cuda, name, value) for name, value in cuda.items()]
+    # Its "cuda" products run on the CPU's kernels: padded like the CPU's (experts/reproducible.py), so a router
+    # step on the double gives the CPU router's bits whatever this CPU's small-row kernels do.
+    out.append((reproducible, "CPU_KERNEL_DEVICES", frozenset({"cpu", "cuda"})))
     out += [(torch, "Generator", PatchedGenerator), (torch.backends.cuda, "is_built", lambda: True),
             # Module.to("cuda") must make new Parameters around the fake tensors: its default, `param.data =
             # fake`, would leave a Parameter object over a CUDA TensorImpl that no Python class dispatches for
