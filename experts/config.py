@@ -55,7 +55,7 @@ SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)} | {family: ("fp8",) for family 
 
 @dataclass(frozen=True)
 class MoEModelConfig:
-    family: str  # "mixtral" | "qwen2_moe" | "olmoe" | "qwen3_moe" | "gpt_oss"
+    family: str  # a value of MODEL_TYPES: "mixtral", "qwen2_moe", .., "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe"
     vocab_size: int
     hidden_size: int
     num_layers: int

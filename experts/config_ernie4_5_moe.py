@@ -41,7 +41,8 @@ def ernie4_5_moe_fields(raw: dict, common: dict, need, source: str) -> dict:
         raise CheckpointError(f"{source}: key 'rope_parameters' must be the default RoPE over the whole head for "
                               "ernie4_5_moe (yarn and partial_rotary_factor are not supported)")
     experts = raw.get("moe_num_experts") or need("num_experts")
-    start = int(raw.get("moe_layer_start_index", 1))
+    start = raw.get("moe_layer_start_index")
+    start = 1 if start is None else int(start)
     end = raw.get("moe_layer_end_index", -1)
     end = layers - 1 if end is None or int(end) == -1 else int(end)
     interval = raw.get("moe_layer_interval", 1)

@@ -3,8 +3,9 @@
 Each is 2-3 layers of hidden 32-48 with 4-8 experts. The options add what the published checkpoints carry: MiniMax-M2's
 block-scaled FP8 weights (`weight_scale_inv`, `quantization_config.quant_method = "fp8"`, the router gate and its
 correction bias left unquantised as published), the stacked expert layout (`fused`), and overrides of the config.
-Correction biases and norm weights are drawn at random (transformers initialises them to 0 and 1, which would hide
-a missing bias or norm); the correction biases are large enough to change which experts some tokens pick.
+Correction biases, projection biases and norm weights are drawn at random (transformers initialises them to 0 and 1,
+which would hide a missing bias or norm); the correction biases are large enough to change which experts some tokens
+pick.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def write_fam1_checkpoint(kind: str, out: Path, seed: int = 0, fused: bool = Fal
                 param.add_(torch.randn_like(param) * 0.2)
             elif name.endswith("e_score_correction_bias"):
                 param.copy_(torch.randn_like(param) * 0.3)
+            elif name.endswith("proj.bias"):  # Hunyuan's attention_bias: transformers starts them at 0
+                param.normal_(0.0, 0.3)
     model.save_pretrained(out, **({"save_original_format": False} if fused else {}))
     if fp8_block:
         _quantize_fp8(out, fp8_block)

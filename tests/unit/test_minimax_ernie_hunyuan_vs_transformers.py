@@ -307,3 +307,23 @@ def test_published_config_spellings_parse():
 def test_config_refusals_name_the_key(kind, overrides, key):
     with pytest.raises(CheckpointError, match=key):
         config_from_dict(_raw(kind, **overrides))
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("minimax_m2", dict(rope_parameters={"rope_type": "default", "rope_theta": 5e4, "partial_rotary_factor": 1.0})),
+    ("ernie4_5_moe", dict(num_hidden_layers=4, moe_layer_interval=2, moe_layer_start_index=0, moe_num_shared_experts=0,
+                          tie_word_embeddings=False)),
+    ("hunyuan_v1_moe", dict(attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+])
+def test_switch_variants_match_transformers(tmp_path, kind, overrides):
+    folder = write_fam1_checkpoint(kind, tmp_path / kind, seed=21, **overrides)
+    model, hf = load_reference_model(folder), _hf(folder)
+    if kind == "ernie4_5_moe":  # MoE on layers 1 and 3 only, no shared experts, an lm_head of its own
+        assert model.cfg.moe_layers == (1, 3) and model.w.layers[1].shared_expert is None
+        assert model.w.lm_head is not model.w.embed
+    if kind == "hunyuan_v1_moe":
+        assert model.w.layers[0].attention.o_bias.abs().sum() > 0  # drawn at random by the writer
+    ids = _ids(30, 22)
+    theirs = _hf_logits(hf, ids)
+    assert _max_diff(model.forward([ids])[0], theirs) <= TOL and theirs.std().item() > 0.05
+    assert _max_diff(_chunked(model, ids, [5, 6, 19]), theirs) <= TOL
