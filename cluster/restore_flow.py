@@ -100,7 +100,7 @@ class RestoreFlow:
         reg, started = self.reg, time.time()
         try:
             generation = reg.generations.get(name, 0) + 1
-            handle = self.ops.spawn(slot or reg.slots[name], reg.spec, generation)
+            handle = await self._spawn_when_name_free(name, slot or reg.slots[name], generation)
             info = await self.ops.ready(handle, self.config.restore_timeout_s)  # after warm-up
             if name not in reg.spec.actor_shards or name in reg.drained:
                 # A remap retired (or an operator drained) it while it was coming back: nobody routes to it.
@@ -116,6 +116,20 @@ class RestoreFlow:
             self.history.event("restore_failed", name, error=f"{type(exc).__name__}: {exc}"[:500])
         finally:
             reg.restoring.discard(name)
+
+    async def _spawn_when_name_free(self, name: str, slot: ActorSlot, generation: int):
+        """ops.spawn, tried again while Ray still holds the lost actor's name: the node watch can find an actor lost
+        before Ray has processed its death (seen in the node drill: the restore refused with ActorAlreadyExistsError
+        40 ms after the node was declared dead). Up to ping_timeout_s; a later error, or one of another kind, raises."""
+        deadline = time.monotonic() + self.config.ping_timeout_s
+        while True:
+            try:
+                return self.ops.spawn(slot, self.reg.spec, generation)
+            except Exception as exc:
+                # By name, so this module needs no Ray: ray.exceptions.ActorAlreadyExistsError.
+                if type(exc).__name__ != "ActorAlreadyExistsError" or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(0.1)
 
     async def stand_in(self, plan: RestorePlan) -> None:
         """Serve the lost shards the survivors have no room for as `plan` says: start its stand-ins, publish the

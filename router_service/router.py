@@ -91,7 +91,7 @@ class Router:
         self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport,
                                      config.failover, reviver=NameReviver(self.transport, spec.names.namespace))
         # Node loss from Ray's node table (router_service/node_watch.py): replicas on a dead node are dead at once
-        # and calls in flight to them are given up on (refs and socket transports) and retried elsewhere.
+        # and calls in flight to them are given up on (refs, socket and grpc transports) and retried elsewhere.
         self.node_watch = None
         if config.failover.node_poll_s > 0 and ray.is_initialized():
             self.node_watch = NodeWatch(self.transport.actors, config.failover.node_poll_s)

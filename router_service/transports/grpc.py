@@ -26,6 +26,7 @@ from ...experts.grpc_server import MESSAGE_OPTIONS, call_metadata
 from ...experts.transport_secret import transport_secret
 from ...protos import expert_transport_pb2_grpc as pb_grpc
 from .actor_connections import ActorConnections
+from .base import ABANDON_POLL_S, ActorNodeLost, LostActors
 
 LIVENESS_TIMEOUT_S = 5.0  # how long a liveness check through Ray may take before the actor counts as unreachable
 
@@ -67,9 +68,11 @@ class GrpcTransport(ActorConnections):
     takes_prefetch = True  # prefetch hints ride in ExpertBatch.prefetch
 
     def __init__(self, actors: dict[str, ray.actor.ActorHandle], address_timeout_s: float = 60.0,
-                 secret: str | None = None):
-        """secret: the cluster secret (None: read it from Ray's GCS, where the actors read theirs)."""
+                 secret: str | None = None, lost: LostActors | None = None):
+        """secret: the cluster secret (None: read it from Ray's GCS, where the actors read theirs). lost: actors on
+        dead nodes (router_service/node_watch.py): calls to them are given up on while waiting."""
         super().__init__(actors, address_timeout_s)
+        self.lost = lost
         self.metadata = call_metadata(secret if secret is not None else transport_secret())
         self.reconnects = 0  # channels dialled again for a new incarnation (tests check restores)
 
@@ -102,8 +105,12 @@ class GrpcTransport(ActorConnections):
                 results.append(call.error)
                 continue
             try:
-                reply = call.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                reply = self._result(call, deadline)
                 results.append(wire.decode(reply.y))
+            except ActorNodeLost as exc:
+                if self.connections.get(call.actor) is call.connection:
+                    self.connections.pop(call.actor).channel.close()
+                results.append(exc)
             except grpc.FutureTimeoutError:
                 call.future.cancel()
                 results.append(TimeoutError(f"expert call to {call.actor} did not finish within {timeout}s"))
@@ -113,6 +120,21 @@ class GrpcTransport(ActorConnections):
                 results.append(exc)
         return results
 
+    def _result(self, call: _Call, deadline: float) -> Any:
+        """The call's reply by `deadline` (grpc.FutureTimeoutError after it); with a node watch, waited for in
+        slices and given up on (ActorNodeLost, the call cancelled) once its actor is on a dead node."""
+        while True:
+            left = deadline - time.monotonic()
+            sliced = self.lost is not None and left > ABANDON_POLL_S
+            try:
+                return call.future.result(timeout=max(0.0, min(left, ABANDON_POLL_S) if sliced else left))
+            except grpc.FutureTimeoutError:
+                if not sliced:
+                    raise
+                if self.lost and call.connection.actor_id.hex() in self.lost:
+                    call.future.cancel()
+                    raise ActorNodeLost(f"{call.actor}: its node died (Ray's node table), call abandoned") from None
+
     def _failure(self, call: _Call, exc: grpc.RpcError) -> BaseException:
         code = exc.code()
         if code != grpc.StatusCode.UNAVAILABLE:
@@ -120,7 +142,10 @@ class GrpcTransport(ActorConnections):
         # The server is gone or unreachable: ask Ray whether the actor itself is.
         if self.connections.get(call.actor) is call.connection:
             self.connections.pop(call.actor).channel.close()  # dial again next time (a restore has a new port)
-        return liveness_error(self.actors[call.actor], call.actor, call.connection.address, exc.details())
+        handle = self.actors[call.actor]
+        if self.lost and handle._actor_id.hex() in self.lost:  # no need to ask Ray (up to LIVENESS_TIMEOUT_S)
+            return ActorNodeLost(f"{call.actor}: its node died (Ray's node table): {exc.details()}")
+        return liveness_error(handle, call.actor, call.connection.address, exc.details())
 
     def close(self) -> None:
         for conn in self.connections.values():

@@ -238,3 +238,29 @@ def test_a_dead_node_in_rays_table_restores_its_actors_at_once_in_one_replan_and
     assert [e["kind"] for e in history.events] == ["node_lost", "lost", "lost", "restored", "restored"]
     assert history.events[0]["actors"] == ["expert-e1-r0", "expert-e2-r0"]
     assert sum(1 for entry in ops.log if entry[0] == "spawn") == 2 and not reg.restoring and not reg.lost
+
+
+def test_a_restore_waits_while_ray_still_holds_the_lost_actors_name():
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 2.0)])
+    ops.alive.discard("expert-e1-r0")
+
+    class ActorAlreadyExistsError(ValueError):  # Ray's, by name: the dead actor's name is not released yet
+        pass
+
+    refusals = [ActorAlreadyExistsError("expert-e1-r0 is already taken")] * 2
+    spawn = ops.spawn
+
+    def slow_release(slot, spec, generation, soft=True):
+        if refusals:
+            raise refusals.pop()
+        return spawn(slot, spec, generation, soft)
+
+    ops.spawn = slow_release
+
+    async def run():
+        await flow.check_all()
+        for _ in range(5):
+            await settle()
+
+    asyncio.run(run())
+    assert kinds(history) == ["lost", "restored"] and not refusals and reg.generations["expert-e1-r0"] == 1

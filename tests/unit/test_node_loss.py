@@ -192,3 +192,33 @@ def test_controller_goes_to_the_head_by_default_and_to_a_node_without_experts_wh
     assert not choose_controller_placement("head", 0.0, [node("x")], set()).resources
     with pytest.raises(ValueError, match="controller.placement"):
         choose_controller_placement("gpu", 0.0, nodes, set())
+
+
+def test_grpc_transport_abandons_a_call_to_an_actor_on_a_dead_node():
+    import grpc
+
+    from expertmesh.router_service.transports import grpc as grpc_transport
+
+    class SilentFuture:  # never answers, as a call to a process on a dead node
+        cancelled = False
+
+        def result(self, timeout):
+            time.sleep(min(timeout, 0.01))
+            raise grpc.FutureTimeoutError()
+
+        def cancel(self):
+            self.cancelled = True
+
+    lost = LostActors()
+    transport = grpc_transport.GrpcTransport({"e1": handle("gone")}, secret="s", lost=lost)
+    channel = SimpleNamespace(closed=False)
+    channel.close = lambda: setattr(channel, "closed", True)
+    conn = grpc_transport._Connection(SimpleNamespace(hex=lambda: "gone"), "127.0.0.1:1", channel, None)
+    transport.connections["e1"] = conn
+    call = grpc_transport._Call("e1", conn, future=SilentFuture())
+    lost.add(["gone"])
+    started = time.monotonic()
+    [result] = transport.gather_settled([call], timeout=30.0)
+    assert time.monotonic() - started < 1.0
+    assert isinstance(result, ActorNodeLost) and call.future.cancelled and channel.closed
+    assert "e1" not in transport.connections
