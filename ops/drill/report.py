@@ -23,6 +23,7 @@ from .record import DrillRecord, KillRecord, PollRecord, RequestRecord
 from .resources import flatness
 
 RESTORE_TARGET_S = 15.0  # a killed expert actor is restored within this
+NODE_RESTORE_TARGET_S = 10.0  # a lost node's actors serve again within this (issue 30: node watch, one re-plan)
 ROUTER_TARGET_S = 30.0  # a killed router replica: new requests succeed within this
 P99_FACTOR = 3.0  # p99 latency during faults at most this times the baseline's
 EXPERT_KILLS = ("actor", "fraction", "node")  # chaos ticks are recorded as these kinds plus "controller"
@@ -238,6 +239,13 @@ def _targets(record: DrillRecord, policy: str | None, failed: int, mismatches: i
             "applicable": True,
         },
     }
+    node_restores = [k.get("restore_s") for k in kills if k.get("mode") == "node" and not k.get("error")]
+    if node_restores:  # node kills, alone or in a chaos tick, have their own, tighter target
+        targets["node_restored_within_10s"] = {
+            "value": max((v for v in node_restores if v is not None), default=None),
+            "met": None not in node_restores and max(node_restores) <= NODE_RESTORE_TARGET_S,
+            "applicable": True,
+        }
     if record.options["kill"] == "none":  # a soak: nothing killed, so what matters is that nothing grows
         resources = _resources(record)
         for metric, name in (("rss_bytes", "resident_memory_flat_within_5pct"),

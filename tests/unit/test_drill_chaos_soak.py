@@ -155,3 +155,16 @@ def test_chaos_and_soak_settings_are_checked():
     with pytest.raises(ValueError, match="sample_every"):
         DrillConfig(kill="none", sample_every=0).validate()
     DrillConfig(kill="none", target="127.0.0.1:1").validate()  # a soak may attach to a running server
+
+
+def test_node_kills_are_scored_against_ten_seconds():
+    data = json.loads(FIXTURE.read_text())
+    rec = DrillRecord.from_dict(copy.deepcopy(data))
+    report = build_report(rec)
+    assert "node_restored_within_10s" not in report["targets"]  # actor kills only
+    for kill in rec.kills:
+        kill.mode = "node"
+    report = build_report(rec)
+    worst = max(k["restore_s"] for k in report["kills"])
+    assert report["targets"]["node_restored_within_10s"] == {"value": worst, "met": worst <= 10.0,
+                                                             "applicable": True}
