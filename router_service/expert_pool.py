@@ -27,6 +27,8 @@ from ..cluster.table_store import clear_table
 from ..experts.devices import REFUSAL_FIELD, find_refusal
 from ..experts.errors import ConfigError
 
+NOTE_EVERY_S = 15.0  # start-up progress lines when stderr is not a terminal
+
 
 def cluster_nodes() -> list[NodeResources]:
     return [
@@ -81,10 +83,17 @@ class ExpertPool:
         deadline = time.monotonic() + self.start_timeout_s
         bar = tqdm(total=len(pending), desc="expert actors ready", unit="actor", leave=False,
                    disable=not sys.stderr.isatty())
+        started = last_note = time.monotonic()
         try:
             while pending:
+                # Without a terminal (a log file, a drill's or Serve's child) the bar is off: say how far the start is
+                # every NOTE_EVERY_S instead, so a slow start of many actors is not minutes of silence.
                 done, _ = ray.wait(list(pending), num_returns=len(pending),
-                                   timeout=max(0.0, deadline - time.monotonic()))
+                                   timeout=max(0.0, min(deadline, time.monotonic() + NOTE_EVERY_S) - time.monotonic()))
+                if bar.disable and time.monotonic() - last_note >= NOTE_EVERY_S and pending.keys() - set(done):
+                    last_note = time.monotonic()
+                    print(f"expertmesh: expert actors ready {len(self.actors) - len(pending) + len(done)}/"
+                          f"{len(self.actors)} after {last_note - started:.0f} s", file=sys.stderr, flush=True)
                 for ref in done:
                     pending.pop(ref)
                     try:
