@@ -69,7 +69,7 @@ def _samples(values_rss: list[float], values_fds: list[int] | None = None, step:
     for i, (rss, fd) in enumerate(zip(values_rss, fds)):
         roles = {role: {"procs": 0, "rss_bytes": 0, "fds": 0} for role in ROLES}
         roles["expert_actors"] = {"procs": 4, "rss_bytes": int(rss), "fds": fd}
-        roles["ray_daemons"] = {"procs": 3, "rss_bytes": 100 * 2**20, "fds": 50}
+        roles["ray_gcs"] = {"procs": 1, "rss_bytes": 100 * 2**20, "fds": 50}
         out.append({"t": 1000.0 + i * step, "roles": roles})
     return out
 
@@ -86,6 +86,20 @@ def test_flatness_ignores_the_warm_up_and_catches_a_slow_leak():
     assert not fd_leak["flat"]
     # roles that never had a process are left out of the per-role rows
     assert "rss_bytes.controller" not in report["metrics"]
+
+
+def test_roles_name_each_ray_daemon():
+    from expertmesh.ops.drill.resources import _role
+
+    assert _role("ray::ExpertActor.forward") == "expert_actors"
+    assert _role("ray::ServeReplica:expertmesh:router") == "router_replicas"
+    assert _role("/venv/lib/python3.11/site-packages/ray/core/src/ray/gcs/gcs_server --log_dir=x") == "ray_gcs"
+    assert _role("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x") \
+        == "ray_raylet"
+    assert _role("ray::DashboardAgent") == _role("python .../ray/dashboard/dashboard.py --host=x") == "ray_dashboard"
+    assert _role("ray::IDLE") == "ray_other"
+    assert _role("python -m expertmesh.ops.cli serve --port 0") == "serve_process"
+    assert _role("python -m pytest") == "other"
 
 
 def test_flatness_needs_samples():
