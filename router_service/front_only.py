@@ -16,14 +16,13 @@ It starts nothing on the cluster: it joins Ray (ray.address), takes a handle to 
 
 from __future__ import annotations
 
-import asyncio
-import signal
 import sys
 
 from ray import serve
 
 from ..cluster.naming import MeshNames
 from .config import ConfigError, MeshConfig
+from .front_ready import announce_ready, wait_for_stop_signal
 from .grpc_front import start_front
 from .http_front import start_http_front
 from .startup import connect_ray
@@ -47,20 +46,12 @@ async def front_forever(config: MeshConfig, ready_line: bool = True) -> None:
         # The name the deployed routers serve under (the HTTP front refuses other names), unless given here.
         model_name = config.model.name or await handle.served_model_name.remote()
         server, port = await start_front(handle, config.server)
-        scheme = "tls" if config.server.tls_cert else "plaintext"
+        http_port = None
         if config.server.http_port is not None:
             http_runner, http_port = await start_http_front(handle, config.server, model_name)
-            if ready_line:
-                print(f"expertmesh http on {config.server.host}:{http_port} ({'https' if scheme == 'tls' else 'http'})",
-                      flush=True)
-        if ready_line:  # the same line as `expertmesh serve`'s, so the same scripts and tests wait for it
-            print(f"expertmesh serving {model_name} on {config.server.host}:{port} ({scheme})",
-                  flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        if ready_line:  # the same lines as `expertmesh serve`'s, so the same scripts and tests wait for them
+            announce_ready(config.server, model_name, port, http_port)
+        await wait_for_stop_signal()
         print("expertmesh: shutting down the front", file=sys.stderr, flush=True)
     finally:
         if http_runner is not None:

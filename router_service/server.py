@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 from dataclasses import asdict
 
@@ -25,6 +24,7 @@ from ..experts.devices import REFUSAL_FIELD, find_refusal
 from ..experts.errors import ConfigError
 from .config import MeshConfig
 from .deployment import RouterDeployment, router_options
+from .front_ready import announce_ready, wait_for_stop_signal
 from .grpc_front import start_front
 from .http_front import start_http_front
 from .startup import MeshRuntime, start_mesh
@@ -50,24 +50,16 @@ async def serve_forever(config: MeshConfig, ready_line: bool = True) -> None:
                 raise ConfigError(REFUSAL_FIELD, line) from None
             raise
         server, port = await start_front(handle, config.server)
-        scheme = "tls" if config.server.tls_cert else "plaintext"
+        http_port = None
         if config.server.http_port is not None:
             http_runner, http_port = await start_http_front(handle, config.server, config.model.served_name)
-            if ready_line:  # before the ready line, so whoever waits for that one knows both ports
-                print(f"expertmesh http on {config.server.host}:{http_port} ({'https' if scheme == 'tls' else 'http'})",
-                      flush=True)
         if ready_line:
-            # Tests and scripts wait for this exact line.
-            print(f"expertmesh serving {config.model.served_name} on {config.server.host}:{port} ({scheme})",
-                  flush=True)
-        stop = asyncio.Event()
+            announce_ready(config.server, config.model.served_name, port, http_port)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         supervisor = (loop.create_task(_supervise_controller(runtime.spec, runtime.pool.slots, config,
                                                              runtime.reservation))
                       if config.controller.enabled else None)
-        await stop.wait()
+        await wait_for_stop_signal()
         if supervisor is not None:
             supervisor.cancel()
         print("expertmesh: shutting down", file=sys.stderr, flush=True)
