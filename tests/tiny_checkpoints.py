@@ -172,3 +172,15 @@ def greedy_tokens(model, prompt: list[int], max_tokens: int) -> list[int]:
         out.append(nxt)
         step = torch.tensor([nxt])
     return out
+
+
+@torch.no_grad()
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    """A transformers model's logits for one sequence: ids [T] -> [T, V] float32."""
+    return hf(ids[None]).logits[0].float()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| of two same-shaped tensors."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a - b).abs().max().item()

@@ -24,6 +24,7 @@ from expertmesh.experts.weights import (
     expert_shard_names,
     load_dense_weights,
 )
+from tests.tiny_checkpoints import hf_logits, max_diff
 from tests.tiny_deepseek import KINDS, VOCAB, write_deepseek_checkpoint
 
 TOL = 1e-4
@@ -39,16 +40,6 @@ def _hf(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
-    return hf(ids[None]).logits[0].float()
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
 
 
 def _incremental(model, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
@@ -89,8 +80,8 @@ def test_batched_sequences_match_transformers(models, kind, layout):
     ids0, ids1 = _ids(7, 1), _ids(13, 2)
     out = model.forward([ids0, ids1])
     for ids, ours in zip((ids0, ids1), out):
-        theirs = _hf_logits(hf, ids)
-        assert _max_diff(ours, theirs) <= TOL
+        theirs = hf_logits(hf, ids)
+        assert max_diff(ours, theirs) <= TOL
         assert theirs.std().item() > 0.05
 
 
@@ -100,15 +91,15 @@ def test_incremental_and_batched_decode_equal_full_forward(models, kind, layout)
     model, _ = models[(kind, layout)]
     ids = _ids(15, 3)
     full = model.forward([ids])[0]
-    assert _max_diff(_incremental(model, ids, [4, 5, 10, 11]), full) <= 1e-5
-    assert _max_diff(_incremental(model, ids, list(range(1, 15))), full) <= 1e-5
+    assert max_diff(_incremental(model, ids, [4, 5, 10, 11]), full) <= 1e-5
+    assert max_diff(_incremental(model, ids, list(range(1, 15))), full) <= 1e-5
     a, b = _ids(9, 4), _ids(5, 5)
     ca, cb = model.new_cache(), model.new_cache()
     model.forward([a[:6]], [ca])
     model.forward([b[:4]], [cb])
     step = model.forward([a[6:7], b[4:5]], [ca, cb])  # two decoding sequences with different histories
-    assert _max_diff(step[0], model.forward([a[:7]])[0][6:]) <= 1e-5
-    assert _max_diff(step[1], model.forward([b])[0][4:]) <= 1e-5
+    assert max_diff(step[0], model.forward([a[:7]])[0][6:]) <= 1e-5
+    assert max_diff(step[1], model.forward([b])[0][4:]) <= 1e-5
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -131,9 +122,9 @@ def test_switch_variants_match_transformers(tmp_path, kind, overrides):
     folder = write_deepseek_checkpoint(kind, tmp_path / kind, seed=21, **overrides)
     model, hf = load_reference_model(folder), _hf(folder)
     ids = _ids(14, 22)
-    theirs = _hf_logits(hf, ids)
-    assert _max_diff(model.forward([ids])[0], theirs) <= TOL and theirs.std().item() > 0.05
-    assert _max_diff(_incremental(model, ids, [5, 6, 9]), theirs) <= TOL
+    theirs = hf_logits(hf, ids)
+    assert max_diff(model.forward([ids])[0], theirs) <= TOL and theirs.std().item() > 0.05
+    assert max_diff(_incremental(model, ids, [5, 6, 9]), theirs) <= TOL
 
 
 def test_fixture_configs_and_what_they_exercise(models):
@@ -200,7 +191,7 @@ def test_overlap_and_capacity_work_with_the_deepseek_routers(folders, kind):
     plain, overlapped = load_reference_model(path), load_reference_model(path, overlap=True)
     seqs = [_ids(7, 1), _ids(5, 2)]
     for a, b in zip(plain.forward(seqs), overlapped.forward(seqs)):
-        assert _max_diff(a, b) <= 1e-5
+        assert max_diff(a, b) <= 1e-5
     capped = load_reference_model(path, capacity_factor=0.5)
     capped.forward([_ids(24, 3)])
     cfg = capped.cfg
@@ -276,7 +267,7 @@ def test_fp8_checkpoint_equals_transformers_dequantised_model(tmp_path, kind, bl
     assert not torch.equal(ours, _hf(plain).state_dict()[name])  # FP8 did change the weights
     model = load_reference_model(fp8)
     ids = _ids(12, 12)
-    assert _max_diff(model.forward([ids])[0], _hf_logits(hf, ids)) <= TOL
+    assert max_diff(model.forward([ids])[0], hf_logits(hf, ids)) <= TOL
     with torch.no_grad():
         expected = hf.generate(ids[None, :5], attention_mask=torch.ones(1, 5, dtype=torch.long), max_new_tokens=6,
                                do_sample=False)[0].tolist()

@@ -20,7 +20,7 @@ from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.gating import route_for_model, route_sigmoid_grouped, route_softmax_biased
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.weights import check_checkpoint, load_dense_weights
-from tests.tiny_checkpoints import greedy_tokens
+from tests.tiny_checkpoints import greedy_tokens, hf_logits, max_diff
 from tests.tiny_fam1 import KINDS, VOCAB, hf_config, write_fam1_checkpoint
 
 TOL = 1e-4
@@ -35,16 +35,6 @@ def _hf(folder: Path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-
-@torch.no_grad()
-def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
-    return hf(ids[None]).logits[0].float()
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
 
 
 def _chunked(model, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
@@ -75,8 +65,8 @@ def test_batched_sequences_match_transformers(models, kind, layout):
     ids0, ids1 = _ids(9, 1), _ids(40, 2)
     out = model.forward([ids0, ids1])
     for ids, ours in zip((ids0, ids1), out):
-        theirs = _hf_logits(hf, ids)
-        assert _max_diff(ours, theirs) <= TOL
+        theirs = hf_logits(hf, ids)
+        assert max_diff(ours, theirs) <= TOL
         assert theirs.std().item() > 0.05
 
 
@@ -85,15 +75,15 @@ def test_chunked_prefill_and_batched_decode_equal_whole_prompt(models, kind):
     model, _ = models[(kind, "per_expert")]
     ids = _ids(33, 3)
     full = model.forward([ids])[0]
-    assert _max_diff(_chunked(model, ids, [7, 8, 20, 32]), full) <= 1e-5
-    assert _max_diff(_chunked(model, ids, list(range(1, 33))), full) <= 1e-5
+    assert max_diff(_chunked(model, ids, [7, 8, 20, 32]), full) <= 1e-5
+    assert max_diff(_chunked(model, ids, list(range(1, 33))), full) <= 1e-5
     a, b = _ids(9, 4), _ids(5, 5)
     ca, cb = model.new_cache(), model.new_cache()
     model.forward([a[:6]], [ca])
     model.forward([b[:4]], [cb])
     step = model.forward([a[6:7], b[4:5]], [ca, cb])  # two decoding sequences with different histories
-    assert _max_diff(step[0], model.forward([a[:7]])[0][6:]) <= 1e-5
-    assert _max_diff(step[1], model.forward([b])[0][4:]) <= 1e-5
+    assert max_diff(step[0], model.forward([a[:7]])[0][6:]) <= 1e-5
+    assert max_diff(step[1], model.forward([b])[0][4:]) <= 1e-5
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -119,7 +109,7 @@ def test_bf16_reference_is_close_to_transformers_bf16(folders, kind):
                                    max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
     got = ours.forward([ids])[0]
     scale = want.abs().max().item()
-    assert _max_diff(got, want) <= 0.05 * max(scale, 1.0)
+    assert max_diff(got, want) <= 0.05 * max(scale, 1.0)
     assert greedy_tokens(ours, prompt, 8) == expected
     # routers as transformers holds them in bf16: ERNIE's and Hunyuan's gates float32, MiniMax's in the model dtype
     router = ours.w.layers[1].router
@@ -184,7 +174,7 @@ def test_ernie_router_matches_transformers():
     assert torch.equal(ours.experts.sort(-1).values, order.values)
     theirs = torch.gather(weights, 1, order.indices)
     mine = torch.gather(ours.weights, 1, ours.experts.sort(-1).indices)
-    assert _max_diff(mine, theirs) <= 1e-6
+    assert max_diff(mine, theirs) <= 1e-6
     assert bool((ours.weights.sum(-1) < 0.999).any())  # norm_min 0.9 bit: some rows sum below 1
 
 
@@ -203,7 +193,7 @@ def test_minimax_router_matches_transformers():
     theirs_sorted = experts.sort(-1)
     assert torch.equal(ours.experts.sort(-1).values, theirs_sorted.values)
     mine = torch.gather(ours.weights, 1, ours.experts.sort(-1).indices)
-    assert _max_diff(mine, torch.gather(weights, 1, theirs_sorted.indices)) <= 1e-6
+    assert max_diff(mine, torch.gather(weights, 1, theirs_sorted.indices)) <= 1e-6
 
 
 def test_softmax_biased_capacity_and_dropped_slots():
@@ -253,7 +243,7 @@ def test_minimax_fp8_checkpoint_equals_transformers_dequantised_model(tmp_path, 
     assert torch.equal(dense.layers[1].attention.q, dequantised["model.layers.1.self_attn.q_proj.weight"])
     model = load_reference_model(fp8)
     ids = _ids(20, 12)
-    assert _max_diff(model.forward([ids])[0], _hf_logits(hf, ids)) <= TOL
+    assert max_diff(model.forward([ids])[0], hf_logits(hf, ids)) <= TOL
     with torch.no_grad():
         expected = hf.generate(ids[None], attention_mask=torch.ones(1, 20, dtype=torch.long), max_new_tokens=6,
                                do_sample=False)[0, 20:].tolist()
@@ -324,6 +314,6 @@ def test_switch_variants_match_transformers(tmp_path, kind, overrides):
     if kind == "hunyuan_v1_moe":
         assert model.w.layers[0].attention.o_bias.abs().sum() > 0  # drawn at random by the writer
     ids = _ids(30, 22)
-    theirs = _hf_logits(hf, ids)
-    assert _max_diff(model.forward([ids])[0], theirs) <= TOL and theirs.std().item() > 0.05
-    assert _max_diff(_chunked(model, ids, [5, 6, 19]), theirs) <= TOL
+    theirs = hf_logits(hf, ids)
+    assert max_diff(model.forward([ids])[0], theirs) <= TOL and theirs.std().item() > 0.05
+    assert max_diff(_chunked(model, ids, [5, 6, 19]), theirs) <= TOL

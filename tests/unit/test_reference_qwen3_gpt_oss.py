@@ -19,7 +19,7 @@ from expertmesh.experts.config import config_from_dict
 from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.rope import RotaryEmbedding
-from tests.tiny_checkpoints import VOCAB, write_hf_checkpoint, write_mxfp4_gpt_oss
+from tests.tiny_checkpoints import VOCAB, hf_logits, write_hf_checkpoint, write_mxfp4_gpt_oss
 
 TOL = 1e-4
 # name -> (family, write kwargs); "_fused" = transformers' stacked layout (save_original_format=False)
@@ -60,11 +60,6 @@ def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-@torch.no_grad()
-def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
-    return hf(ids[None]).logits[0].float()
-
-
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()
@@ -83,7 +78,7 @@ def test_logits_match_transformers(models, name):
     model, hf = models[name]
     a, b = _ids(13, 1), _ids(6, 2)  # 13 > the gpt-oss window (4)
     for ids, ours in zip((a, b), model.forward([a, b])):
-        theirs = _hf_logits(hf, ids)
+        theirs = hf_logits(hf, ids)
         assert _diff(ours, theirs) <= TOL
         assert theirs.std().item() > 0.05
 
@@ -92,7 +87,7 @@ def test_logits_match_transformers(models, name):
 def test_incremental_and_batched_decode_match_transformers(models, name):
     model, hf = models[name]
     ids = _ids(12, 3)
-    theirs = _hf_logits(hf, ids)
+    theirs = hf_logits(hf, ids)
     assert _diff(_incremental(model, ids, [3, 7, 8]), theirs) <= TOL
     assert _diff(_incremental(model, ids, list(range(1, 12))), theirs) <= TOL  # token by token, past the window
     other = _ids(9, 4)
@@ -100,7 +95,7 @@ def test_incremental_and_batched_decode_match_transformers(models, name):
     model.forward([ids[:8], other[:2]], [ca, cb])
     step = model.forward([ids[8:9], other[2:3]], [ca, cb])  # a batched decode step over histories 9 and 3
     assert _diff(step[0], theirs[8:9]) <= TOL
-    assert _diff(step[1], _hf_logits(hf, other[:3])[2:3]) <= TOL
+    assert _diff(step[1], hf_logits(hf, other[:3])[2:3]) <= TOL
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -203,7 +198,7 @@ def test_qwen3_moe_variants_match_transformers(tmp_path, overrides):
     else:
         assert model.cfg.moe_layers == (1, 3) and not model.cfg.norm_topk_prob
     ids = _ids(11, 8)
-    theirs = _hf_logits(hf, ids)
+    theirs = hf_logits(hf, ids)
     assert _diff(model.forward([ids])[0], theirs) <= TOL
     assert _diff(_incremental(model, ids, list(range(1, 11))), theirs) <= TOL
 

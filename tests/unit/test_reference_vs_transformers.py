@@ -17,7 +17,7 @@ from expertmesh.experts.config import config_from_dict, load_model_config
 from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.modeling import MoEDecoder
 from expertmesh.experts.reference import load_reference_model
-from tests.tiny_checkpoints import VOCAB, write_hf_checkpoint
+from tests.tiny_checkpoints import VOCAB, hf_logits, max_diff, write_hf_checkpoint
 
 NAMES = ("mixtral", "qwen2_moe", "olmoe", "mixtral_sharded", "direct")
 TOL = 1e-4
@@ -31,16 +31,6 @@ def _hf(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-@torch.no_grad()
-def _hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
-    return hf(ids[None]).logits[0].float()
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return (a - b).abs().max().item()
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +77,8 @@ def test_batched_sequences_of_different_lengths_match_hf(models, name):
     assert [o.shape for o in out] == [(7, VOCAB), (12, VOCAB)]
     assert all(o.dtype == torch.float32 for o in out)
     for ids, ours in zip((ids0, ids1), out):
-        theirs = _hf_logits(hf, ids)
-        assert _max_diff(ours, theirs) <= TOL
+        theirs = hf_logits(hf, ids)
+        assert max_diff(ours, theirs) <= TOL
         assert theirs.std().item() > 0.05  # logits carry signal well above the tolerance
 
 
@@ -97,8 +87,8 @@ def test_incremental_decoding_equals_full_forward(models, name):
     model, _ = models[name]
     ids = _ids(15, 3)
     full = model.forward([ids])[0]
-    assert _max_diff(_incremental(model, ids, [4, 5, 10, 11]), full) <= 1e-5
-    assert _max_diff(_incremental(model, ids, list(range(1, 15))), full) <= 1e-5  # token by token
+    assert max_diff(_incremental(model, ids, [4, 5, 10, 11]), full) <= 1e-5
+    assert max_diff(_incremental(model, ids, list(range(1, 15))), full) <= 1e-5  # token by token
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
@@ -110,8 +100,8 @@ def test_batched_decode_with_caches_of_different_lengths(models, name):
     model.forward([b[:2]], [cb])
     step = model.forward([a[6:], b[2:]], [ca, cb])  # 3 new tokens each, at positions 6.. and 2..
     assert (ca.length, cb.length) == (9, 5)
-    assert _max_diff(step[0], model.forward([a])[0][6:]) <= 1e-5
-    assert _max_diff(step[1], model.forward([b])[0][2:]) <= 1e-5
+    assert max_diff(step[0], model.forward([a])[0][6:]) <= 1e-5
+    assert max_diff(step[1], model.forward([b])[0][2:]) <= 1e-5
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -158,19 +148,19 @@ def test_sliding_window_mixtral_matches_hf(extra_dir):
     assert model.cfg.sliding_window == 8 and model.cfg.sliding_layers == (0, 1)
     ids = _ids(20, 8)
     full = model.forward([ids])[0]
-    theirs = _hf_logits(hf, ids)
-    assert _max_diff(full, theirs) <= TOL
+    theirs = hf_logits(hf, ids)
+    assert max_diff(full, theirs) <= TOL
     # decoding past the window, in chunks and token by token
-    assert _max_diff(_incremental(model, ids, [3, 9, 10, 17]), theirs) <= TOL
-    assert _max_diff(_incremental(model, ids, list(range(1, 20))), theirs) <= TOL
+    assert max_diff(_incremental(model, ids, [3, 9, 10, 17]), theirs) <= TOL
+    assert max_diff(_incremental(model, ids, list(range(1, 20))), theirs) <= TOL
     with torch.no_grad():
         expected = hf.generate(ids[None, :6], attention_mask=torch.ones(1, 6, dtype=torch.long), max_new_tokens=10,
                                do_sample=False)[0].tolist()
     assert _greedy(model, ids[:6], 10) == expected
     # the window matters: without it the positions past the window differ, those inside do not
     unwindowed = _with_config(model, sliding_window=None, sliding_layers=()).forward([ids])[0]
-    assert _max_diff(unwindowed[:8], full[:8]) <= 1e-6
-    assert _max_diff(unwindowed[8:], full[8:]) > 1e-2
+    assert max_diff(unwindowed[:8], full[:8]) <= 1e-6
+    assert max_diff(unwindowed[8:], full[8:]) > 1e-2
 
 
 def _with_config(model: MoEDecoder, **changes) -> MoEDecoder:
@@ -187,9 +177,9 @@ def test_sliding_window_qwen2_moe_layer_types_match_hf(extra_dir):
     assert expected_layers  # this transformers marks at least one layer sliding
     assert model.cfg.sliding_layers == expected_layers and model.cfg.sliding_window == 4
     ids = _ids(14, 9)
-    theirs = _hf_logits(hf, ids)
-    assert _max_diff(model.forward([ids])[0], theirs) <= TOL
-    assert _max_diff(_incremental(model, ids, [5, 6, 11]), theirs) <= TOL
+    theirs = hf_logits(hf, ids)
+    assert max_diff(model.forward([ids])[0], theirs) <= TOL
+    assert max_diff(_incremental(model, ids, [5, 6, 11]), theirs) <= TOL
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
@@ -199,7 +189,7 @@ def test_tied_embeddings_match_hf(extra_dir, family):
     assert model.cfg.tie_word_embeddings
     assert model.w.lm_head is model.w.embed
     ids = _ids(11, 10)
-    assert _max_diff(model.forward([ids])[0], _hf_logits(hf, ids)) <= TOL
+    assert max_diff(model.forward([ids])[0], hf_logits(hf, ids)) <= TOL
 
 
 def test_qwen2_moe_decoder_sparse_step_matches_hf(extra_dir):
@@ -208,7 +198,7 @@ def test_qwen2_moe_decoder_sparse_step_matches_hf(extra_dir):
     model, hf = load_reference_model(folder), _hf(folder)
     assert model.cfg.moe_layers == (1, 3) and not model.cfg.norm_topk_prob
     ids = _ids(9, 11)
-    assert _max_diff(model.forward([ids])[0], _hf_logits(hf, ids)) <= TOL
+    assert max_diff(model.forward([ids])[0], hf_logits(hf, ids)) <= TOL
 
 
 def test_olmoe_clip_qkv_matches_hf(extra_dir):
@@ -216,10 +206,10 @@ def test_olmoe_clip_qkv_matches_hf(extra_dir):
     model, hf = load_reference_model(folder), _hf(folder)
     assert model.cfg.clip_qkv == 0.3
     ids = _ids(10, 12)
-    theirs = _hf_logits(hf, ids)
-    assert _max_diff(model.forward([ids])[0], theirs) <= TOL
+    theirs = hf_logits(hf, ids)
+    assert max_diff(model.forward([ids])[0], theirs) <= TOL
     unclipped = _with_config(model, clip_qkv=None)  # the clip is active on this input
-    assert _max_diff(unclipped.forward([ids])[0], theirs) > 1e-3
+    assert max_diff(unclipped.forward([ids])[0], theirs) > 1e-3
 
 
 # ---------------------------------------------------------------- config parsing
