@@ -77,6 +77,7 @@ class RemoteExperts:
         self.round_seconds = 0.0  # wall time spent in expert rounds since creation (benchmarks read it)
         self.profile = StageClock()  # per-stage seconds (router_service/step_profile.py); the router shares one
         self.retried_calls = 0
+        self.node_lost_actors = 0  # actors the node watch handed over as dead before a call to them failed
         self.degraded_slots = 0
         self.shed_slots = 0  # slots moved off an overloaded shard (overload shedding)
         # Overload shedding: the policy (created at the first round, when E is known) and each layer's last decision.
@@ -177,6 +178,7 @@ class RemoteExperts:
             if self.node_watch is not None:
                 lost = self.node_watch.take_lost()
                 if lost:
+                    self.node_lost_actors += len(lost)
                     self.health.nodes_lost(lost)
             self.health.revive()
             deadline = self.clock() + self.failover.wait_timeout_s

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import ray
 
 from ..cluster.controller import start_controller
-from ..cluster.naming import DEFAULT_MESH_ID, NAMESPACE, MeshNames
+from ..cluster.naming import DEFAULT_MESH_ID, NAMESPACE, MeshNames, is_expert_actor_name
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.router_gpus import NO_RESERVATION, RouterReservation, expert_nodes
 from ..cluster.table_store import read_table
@@ -174,13 +174,17 @@ def start_mesh(config: MeshConfig, detached: bool = False, reuse: bool = False,
 
 
 def stop_remapped_actors(mesh_id: str = DEFAULT_MESH_ID) -> None:
-    """Stop the expert actors a live remap of mesh `mesh_id` started (the pool stops the ones it started itself)."""
+    """Stop the expert actors a live remap or a restore of mesh `mesh_id` started (the pool stops the ones it started
+    itself): those in the mesh's table, and every other expert actor in the mesh's namespace, because a remap the
+    stopped controller was in the middle of has started its new actors before the table names them."""
     names = MeshNames.of(mesh_id)
     try:
         record = read_table(mesh_id)
+        running = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == names.namespace and is_expert_actor_name(a["name"])]
     except Exception:  # no table store (Ray going down): nothing a remap could have added is reachable anyway
         return
-    for name in (record or {}).get("actor_shards", {}):
+    for name in sorted(set((record or {}).get("actor_shards", {})) | set(running)):
         try:
             ray.kill(ray.get_actor(name, namespace=names.namespace), no_restart=True)
         except ValueError:

@@ -86,7 +86,10 @@ def test_node_lost_output_unchanged_and_replicas_restored_elsewhere(gpu_cluster,
         cluster.remove_node(victim)
         after = mesh.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS)
         assert after.token_ids == expected
-        assert mesh.backend.retried_calls > 0 and mesh.backend.degraded_slots == 0
+        # Either a call to a lost actor failed and its rows were re-sent, or (on a loaded machine, when Ray takes
+        # longer to remove the node than the router's 0.5 s node poll) the node watch marked them dead first.
+        assert mesh.backend.retried_calls + mesh.backend.node_lost_actors > 0
+        assert mesh.backend.degraded_slots == 0
 
         started = time.monotonic()
 
