@@ -73,6 +73,7 @@ class _Drill:
         self.ppl_ids = ppl_ids
         self.verbose = verbose
         self.rng = random.Random(config.seed)
+        self.last_shards: list[list[str]] | None = None  # actors per (layer, expert) shard, from the last poll
         self.event_keys: set[tuple] = set()  # (time, kind, actor): each event once, over controller lives
         self.stop_load = asyncio.Event()
         self.stop_side = asyncio.Event()
@@ -148,6 +149,7 @@ class _Drill:
                 self.rec.events.append({"t": ev.time, "kind": ev.kind, "actor": ev.actor,
                                         "detail": json.loads(ev.detail_json or "{}")})
         self.rec.policy = state.no_replica_policy or self.rec.policy
+        self.last_shards = [list(shard.replicas) for shard in state.shards]  # chaos's disruption budget
         return poll
 
     async def _poller(self) -> None:
@@ -341,7 +343,8 @@ class _Drill:
         poll = last_good_poll(self.rec.polls)
         actors_on = {a: n for a, n in (poll.nodes if poll else {}).items() if a in live}
         workers = [w.node_id for w in self.cluster.worker_nodes]
-        plan = plan_chaos_tick(index, actors_on, workers, self.removed_nodes, self.o.fraction, self.rng)
+        plan = plan_chaos_tick(index, actors_on, workers, self.removed_nodes, self.o.fraction, self.rng,
+                               shards=self.last_shards)
         kills = []
         if plan.node is not None:
             kill = self._blank_kill(index, "node")

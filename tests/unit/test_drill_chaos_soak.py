@@ -63,6 +63,32 @@ def test_chaos_plan_is_reproducible_from_the_seed():
     assert one == two
 
 
+SHARDS = [[f"expert-e{i}-r0", f"expert-e{i}-r1"] for i in range(8)]  # one shard per expert, two replicas
+SPREAD = {f"expert-e{i}-r{r}": f"node{(i + r) % 4}" for i in range(8) for r in range(2)}  # replicas apart
+
+
+def test_chaos_budget_never_takes_every_live_replica_of_a_shard():
+    for seed in range(50):
+        plan = plan_chaos_tick(0, SPREAD, WORKERS, set(), fraction=0.5, rng=random.Random(seed), shards=SHARDS)
+        gone = set(plan.actors) | {a for a, n in SPREAD.items() if n == plan.node}
+        assert plan.node is not None
+        assert all(set(shard) - gone for shard in SHARDS), (seed, plan)
+        # Eight actors were asked for; each shard can give one, and the node already took some shards' one.
+        assert len(gone) == 8, (seed, plan)
+
+
+def test_chaos_budget_counts_replicas_already_dead_and_skips_the_node_when_it_would_empty_a_shard():
+    live = {a: n for a, n in SPREAD.items() if not a.endswith("-r1")}  # every shard down to one live replica
+    plan = plan_chaos_tick(0, live, WORKERS, set(), fraction=0.5, rng=random.Random(0), shards=SHARDS)
+    assert plan.node is None and plan.actors == [] and plan.controller
+    # Without the budget the same tick takes the node and half the actors.
+    free = plan_chaos_tick(0, live, WORKERS, set(), fraction=0.5, rng=random.Random(0))
+    assert free.node is not None and free.actors
+    # Replicas of one expert on one node: that node can never go under the budget.
+    together = plan_chaos_tick(0, ACTORS, WORKERS, set(), fraction=0.5, rng=random.Random(0), shards=SHARDS)
+    assert together.node is None and len(together.actors) == 8
+
+
 def _samples(values_rss: list[float], values_fds: list[int] | None = None, step: float = 10.0) -> list[dict]:
     fds = values_fds or [100] * len(values_rss)
     out = []
