@@ -55,3 +55,15 @@ def test_quantised_experts_load_smaller_and_move_logits_a_bounded_amount(folders
     delta = max((g - w).abs().max().item() for g, w in zip(got, want))
     print(f"max |Δlogit| {name} {mode}: {delta:.4g} (logits up to {max(w.abs().max().item() for w in want):.3g})")
     assert 0 < delta <= BOUND[mode]
+
+
+def test_int8_experts_keep_the_embedded_models_held_out_perplexity_within_one_percent():
+    """The INT8 bound of the quantisation issue, on the embedded model in process (bench offload reports the same
+    figure through actors, offloaded: tests/integration/test_bench_offload.py)."""
+    from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
+    from expertmesh.ops.perplexity import held_out_perplexity
+
+    ppl = {q: held_out_perplexity(load_reference_model(EMBEDDED_MODEL_DIR, torch.float32, quant=q), tokens=512,
+                                  window=128)["perplexity"] for q in ("none", "int8")}
+    assert ppl["int8"] != ppl["none"]  # the quantised experts did run
+    assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01, ppl
