@@ -19,6 +19,10 @@ from tests.clusters import init_local_ray
 # counts and per-actor assertions name; on the 2-CPU test Rays the default (auto) would pick one actor per node.
 # A test of the default layout passes --expert-layout itself.
 PER_EXPERT = ("--expert-layout", "per-expert")
+# What a user gets by default on a small CPU Ray (auto: one actor per node hosting every expert): a module that names
+# no actor passes it, and its server starts one actor process instead of eight (CI time on 2 cores) and serves each
+# step with one call a layer instead of up to eight.
+ONE_ACTOR = ("--expert-layout", "auto")
 
 
 def start_server(*args: str, timeout: float = 300) -> ServerProcess:

@@ -12,7 +12,7 @@ import sys
 import yaml
 
 from expertmesh.ops.cli import main
-from tests.served import start_server
+from tests.served import ONE_ACTOR, start_server
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -28,7 +28,7 @@ def test_serve_takes_a_config_file_and_flags_override_it(checkpoints, tmp_path, 
         "controller": {"restore": False},
         "router": {"batcher": {"max_active": 4}},
     }))
-    server = start_server("--config", str(config), "--model-name", "from-flag")
+    server = start_server(*ONE_ACTOR, "--config", str(config), "--model-name", "from-flag")
     try:
         assert main(["status", "--target", server.target, "--json"]) == 0
         state = json.loads(capsys.readouterr().out)

@@ -13,13 +13,13 @@ from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
 from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
-from tests.served import self_signed_cert, start_server
+from tests.served import ONE_ACTOR, self_signed_cert, start_server
 
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory):
     cert, key = self_signed_cert(tmp_path_factory.mktemp("tls"))
-    server = start_server("--tls-cert", str(cert), "--tls-key", str(key), "--router-replicas", "2",
+    server = start_server(*ONE_ACTOR, "--tls-cert", str(cert), "--tls-key", str(key), "--router-replicas", "2",
                           "--max-active", "1", "--max-waiting", "1")
     yield server, cert
     assert server.stop() == 0, server.log()

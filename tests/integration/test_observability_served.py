@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from expertmesh.experts.telemetry import build_tracer, carrier_of
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
-from tests.served import start_server
+from tests.served import ONE_ACTOR, start_server
 from tests.tiny_checkpoints import write_direct_mixtral
 
 PROMPT = [5, 17, 29, 41, 53]
@@ -29,7 +29,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("served_obs")
     model = write_direct_mixtral(root / "model", seed=5)
     spans = root / "spans.jsonl"
-    server = start_server("--model", str(model), "--trace", "file", "--trace-file", str(spans))
+    server = start_server(*ONE_ACTOR, "--model", str(model), "--trace", "file", "--trace-file", str(spans))
     server.spans = spans
     yield server
     assert server.stop() == 0, server.log()

@@ -32,7 +32,7 @@ from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
 from expertmesh.router_service.batching import GenerationRequest
 from expertmesh.router_service.sampling import SamplingParams, adjust_logits, sample_next
-from tests.served import server_on_own_ray
+from tests.served import ONE_ACTOR, server_on_own_ray
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra (pip install -e '.[test]')")
 
@@ -43,7 +43,7 @@ PROMPT = "The river"  # its greedy continuation repeats tokens, so every penalty
 
 @pytest.fixture(scope="module")
 def served():
-    with server_on_own_ray("--http-port", "0") as server:
+    with server_on_own_ray("--http-port", "0", *ONE_ACTOR) as server:
         yield server
 
 

@@ -54,37 +54,46 @@ def peers(n: int) -> list:
     return handles
 
 
-def test_gloo_moves_a_bf16_tensor_between_two_actors_bit_for_bit():
-    sender, receiver = peers(2)
+@pytest.fixture(scope="module")
+def group_of_two():
+    """(sender, receiver, outsider): a GLOO group of the first two, shared by the tests that only read from it (each
+    peer is a process importing torch: minutes of CI on 2 cores if every test started its own)."""
+    sender, receiver, outsider = peers(3)
     group = create_collective_group([sender, receiver], backend="gloo")
-    try:
-        for seed, rows in ((0, 17), (1, 1), (2, 64)):
-            got = ray.get(receiver.bits.remote(sender.make.remote(seed, rows, 32)), timeout=60)
-            assert torch.equal(got, expected(seed, rows, 32))
-    finally:
-        destroy_collective_group(group)
-        for handle in (sender, receiver):
-            ray.kill(handle)
+    yield sender, receiver, outsider
+    destroy_collective_group(group)
+    for handle in (sender, receiver, outsider):
+        ray.kill(handle)
 
 
-def test_the_driver_can_neither_fetch_a_gloo_object_nor_join_a_group():
+def test_gloo_moves_a_bf16_tensor_between_two_actors_bit_for_bit(group_of_two):
+    sender, receiver, _ = group_of_two
+    for seed, rows in ((0, 17), (1, 1), (2, 64)):
+        got = ray.get(receiver.bits.remote(sender.make.remote(seed, rows, 32)), timeout=60)
+        assert torch.equal(got, expected(seed, rows, 32))
+
+
+def test_the_driver_can_neither_fetch_a_gloo_object_nor_join_a_group(group_of_two):
     """rdt_manager.py:612-616 refuses ray.get on a two-sided transport's object (the object-store detour,
     `_use_object_store=True`, is the `refs` transport's path again); util/collective/collective.py:165,761-769
     refuses a collective group outside an actor. An embedded or Python-API router runs in the driver."""
-    sender, receiver = peers(2)
-    group = create_collective_group([sender, receiver], backend="gloo")
-    try:
-        ref = sender.make.remote(0, 4, 8)
-        with pytest.raises(ValueError, match="two-sided transport"):
-            ray.get(ref, timeout=60)
-        via_store = ray.get(ref, timeout=60, _use_object_store=True)
-        assert torch.equal(via_store.view(torch.int16), expected(0, 4, 8))
-        with pytest.raises(RuntimeError, match="inside a Ray actor or task"):
-            ray.util.collective.init_collective_group(2, 0, backend="gloo", group_name="driver-joins")
-    finally:
-        destroy_collective_group(group)
-        for handle in (sender, receiver):
-            ray.kill(handle)
+    sender, _, _ = group_of_two
+    ref = sender.make.remote(0, 4, 8)
+    with pytest.raises(ValueError, match="two-sided transport"):
+        ray.get(ref, timeout=60)
+    via_store = ray.get(ref, timeout=60, _use_object_store=True)
+    assert torch.equal(via_store.view(torch.int16), expected(0, 4, 8))
+    with pytest.raises(RuntimeError, match="inside a Ray actor or task"):
+        ray.util.collective.init_collective_group(2, 0, backend="gloo", group_name="driver-joins")
+
+
+def test_an_actor_joins_at_most_one_group_per_backend(group_of_two):
+    """experimental/collective/collective.py:118-124: so a router cannot hold one group per expert actor, and an
+    expert actor cannot be in one group per router replica (collective_tensor_transport.py:96-102 also refuses a
+    pair found in two groups)."""
+    sender, _, outsider = group_of_two
+    with pytest.raises(RuntimeError, match="at most one group per backend"):
+        create_collective_group([sender, outsider], backend="gloo")
 
 
 def test_a_dead_sender_gets_its_healthy_receiver_killed_and_the_group_destroyed():
@@ -127,19 +136,4 @@ def test_a_dead_sender_gets_its_healthy_receiver_killed_and_the_group_destroyed(
     finally:
         destroy_collective_group(group)
         for handle in (spare, fresh):
-            ray.kill(handle)
-
-
-def test_an_actor_joins_at_most_one_group_per_backend():
-    """experimental/collective/collective.py:118-124: so a router cannot hold one group per expert actor, and an
-    expert actor cannot be in one group per router replica (collective_tensor_transport.py:96-102 also refuses a
-    pair found in two groups)."""
-    a, b, c = peers(3)
-    group = create_collective_group([a, b], backend="gloo")
-    try:
-        with pytest.raises(RuntimeError, match="at most one group per backend"):
-            create_collective_group([a, c], backend="gloo")
-    finally:
-        destroy_collective_group(group)
-        for handle in (a, b, c):
             ray.kill(handle)
