@@ -21,9 +21,11 @@ FAKE_GPU_FLAGS = ("--gpu-without-cuda", "cpu")  # the same for `expertmesh serve
 
 
 @contextmanager
-def cluster_with_gpus(*gpus_per_node: int, cpus_per_node: int = 2) -> Iterator[Cluster]:
-    """A CPU-only head (2 CPUs) and one worker per entry of gpus_per_node; shut down, driver detached, after."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+def cluster_with_gpus(*gpus_per_node: int, cpus_per_node: int = 2, dashboard: bool = False) -> Iterator[Cluster]:
+    """A CPU-only head (2 CPUs) and one worker per entry of gpus_per_node; shut down, driver detached, after.
+    dashboard: start Ray's dashboard (its state API, `ray.util.state`, needs it); off, a process less to start."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0,
+                                                            "include_dashboard": dashboard})
     for gpus in gpus_per_node:
         cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus)
     cluster.wait_for_nodes()

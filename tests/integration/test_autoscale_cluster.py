@@ -36,7 +36,7 @@ from tests.traffic import (
 
 @pytest.fixture(scope="module")
 def small_cluster():
-    with cluster_with_gpus(2) as cluster:
+    with cluster_with_gpus(2, dashboard=True) as cluster:
         yield cluster
 
 

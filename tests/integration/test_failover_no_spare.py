@@ -35,7 +35,7 @@ MOVE_BACK_S = 120
 @pytest.fixture
 def full_cluster():
     """Head without GPUs + two workers of 2 CPUs and 1 (declared) GPU: the pool below takes every share of both."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=2, num_gpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace=NAMESPACE)

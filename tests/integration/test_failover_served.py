@@ -51,7 +51,7 @@ def actor_info(name: str, timeout: float = 5) -> dict:
 @pytest.fixture
 def gpu_cluster():
     """Head without GPUs + two workers declaring 2 GPUs each (no real GPU needed); only for the test using it."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace=NAMESPACE)

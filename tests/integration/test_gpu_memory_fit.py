@@ -27,7 +27,7 @@ GPU_GB = (RUNTIME_RESERVE_BYTES + 50_000) / 0.9 / GIB
 @pytest.fixture(scope="module")
 def gpu_cluster():
     """One Cluster for the module (the last test adds a node to it, so it runs last)."""
-    with cluster_with_gpus(2) as cluster:
+    with cluster_with_gpus(2, dashboard=True) as cluster:
         yield cluster
 
 

@@ -14,7 +14,7 @@ from tests.clusters import FAKE_GPUS
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
     workers = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)

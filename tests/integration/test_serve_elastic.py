@@ -32,7 +32,7 @@ from tests.traffic import MAX_TOKENS, code_prompts
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False})
     for _ in range(2):
         cluster.add_node(num_cpus=2, num_gpus=1)
     cluster.wait_for_nodes()
