@@ -67,9 +67,8 @@ def _rope(raw: dict, source: str) -> tuple[float, Llama3Scaling | None]:
     except KeyError as exc:
         raise CheckpointError(f"{source}: key 'rope_parameters.{exc.args[0]}' is required for rope_type "
                               "'llama3'") from exc
-    if scaling.high_freq_factor <= scaling.low_freq_factor:
-        raise CheckpointError(f"{source}: key 'rope_parameters.high_freq_factor'={scaling.high_freq_factor} must "
-                              f"exceed low_freq_factor={scaling.low_freq_factor}")
+    # high_freq_factor == low_freq_factor (Llama 4 Scout publishes 1.0 and 1.0) leaves no band to interpolate: every
+    # wavelength is either kept or divided by factor, as in transformers (its 0/0 lands only where it is not used).
     return theta, scaling
 
 

@@ -188,6 +188,23 @@ def test_sigmoid_input_router_capacity_and_dropped_slots():
     assert full.dropped == 8 and float(full.weights.sum()) == 4 and float(full.input_scales[4:].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("params", [
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    {"factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+])  # the fixture's; Llama 4 Scout's as published (high == low: no band between kept and divided)
+def test_llama3_inv_freq_matches_transformers(params):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from expertmesh.experts.config_llama4 import Llama3Scaling
+    from expertmesh.experts.rope import llama3_inv_freq
+
+    for head_dim, theta in ((8, 10000.0), (128, 500000.0)):
+        cfg = hf_text_config(head_dim=head_dim, rope_parameters={"rope_type": "llama3", "rope_theta": theta} | params)
+        want, scaling = ROPE_INIT_FUNCTIONS["llama3"](cfg)
+        got = llama3_inv_freq(head_dim, theta, Llama3Scaling(**params))
+        assert scaling == 1.0 and torch.equal(got, want) and bool(got.isfinite().all())
+
+
 def test_chunk_mask_is_the_chunked_causal_mask():
     mask = prefill_mask(5, 6, None, chunk=4)  # queries at 6..10 over keys 0..10
     want = torch.tensor([[k <= q and k // 4 == q // 4 for k in range(11)] for q in range(6, 11)])
