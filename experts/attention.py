@@ -99,6 +99,10 @@ def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> Att
         from .mla_attention import MLAAttention
 
         return MLAAttention(cfg, w)
+    if cfg.family == "mimo_v2_flash":  # per-kind KV heads and RoPE base, narrower scaled values, sinks on SWA
+        from .attention_mimo import MiMoAttention
+
+        return MiMoAttention(cfg, w, layer)
     if cfg.family == "llama4":  # chunked RoPE layers, NoPE layers with temperature, q/k L2 norm
         from .attention_llama4 import Llama4Attention
 

@@ -26,6 +26,10 @@ from .config_llama4 import ARCHITECTURES as _LLAMA4_ARCHITECTURES
 from .config_llama4 import MODEL_TYPES as _LLAMA4_MODEL_TYPES
 from .config_llama4 import Llama3Scaling, llama4_fields
 from .config_llama4 import normalise as _llama4_normalise
+from .config_mimo_v2_flash import ARCHITECTURES as _MIMO_ARCHITECTURES
+from .config_mimo_v2_flash import MODEL_TYPES as _MIMO_MODEL_TYPES
+from .config_mimo_v2_flash import mimo_v2_flash_fields
+from .config_mimo_v2_flash import normalise as _mimo_normalise
 from .config_minimax_m2 import ARCHITECTURES as _MINIMAX_ARCHITECTURES
 from .config_minimax_m2 import MODEL_TYPES as _MINIMAX_MODEL_TYPES
 from .config_minimax_m2 import minimax_m2_fields
@@ -40,10 +44,10 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
 } | _DEEPSEEK_ARCHITECTURES | _MINIMAX_ARCHITECTURES | _ERNIE_ARCHITECTURES | _HUNYUAN_ARCHITECTURES \
-    | _LLAMA4_ARCHITECTURES
+    | _LLAMA4_ARCHITECTURES | _MIMO_ARCHITECTURES
 MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "qwen3_moe": "qwen3_moe",
                "gpt_oss": "gpt_oss"} | _DEEPSEEK_MODEL_TYPES | _MINIMAX_MODEL_TYPES | _ERNIE_MODEL_TYPES \
-    | _HUNYUAN_MODEL_TYPES | _LLAMA4_MODEL_TYPES
+    | _HUNYUAN_MODEL_TYPES | _LLAMA4_MODEL_TYPES | _MIMO_MODEL_TYPES
 # Families parsed in their own module (experts/config_<family>.py): family -> (normalise, fields). normalise maps the
 # family's key names onto the common ones; fields returns the MoEModelConfig arguments beyond the common ones,
 # RoPE included (the common rope parsing is skipped for them).
@@ -52,6 +56,7 @@ OWN_FAMILIES = {
     "ernie4_5_moe": (_ernie_normalise, ernie4_5_moe_fields),
     "hunyuan_v1_moe": (_hunyuan_normalise, hunyuan_v1_moe_fields),
     "llama4": (_llama4_normalise, llama4_fields),
+    "mimo_v2_flash": (_mimo_normalise, mimo_v2_flash_fields),
 }
 _OWN_ROPE = (*_DEEPSEEK_FAMILIES, *OWN_FAMILIES)
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
@@ -94,7 +99,7 @@ class MoEModelConfig:
     kv_lora_rank: int = 0  # MLA: width of the compressed key/value latent
     qk_nope_head_dim: int = 0  # MLA: per-head query/key dims without RoPE
     qk_rope_head_dim: int = 0  # MLA: per-head query/key dims with RoPE (the key part is shared by all heads)
-    v_head_dim: int = 0  # MLA
+    v_head_dim: int = 0  # MLA; MiMo-V2-Flash (GQA whose values are narrower than q/k)
     rotary_dim: int = 0  # dims of a head that RoPE rotates; 0 = head_dim (GLM: head_dim * partial_rotary_factor)
     rope_pairs_interleaved: bool = False  # DeepSeek: RoPE rotates (x0,x1),(x2,x3),.. pairs, not the two halves
     yarn: YarnScaling | None = None  # rope_type "yarn" (cos/sin scaled; MLA's softmax scale takes mscale too)
@@ -121,6 +126,10 @@ class MoEModelConfig:
     qk_l2_norm: bool = False  # a weightless RMS norm of q and k after RoPE, on RoPE layers
     attn_temperature: tuple[float, float] | None = None  # NoPE layers' query scale: (floor_scale, attn_scale)
     llama3_rope: Llama3Scaling | None = None  # rope_type "llama3"
+    # ---- MiMo-V2-Flash (experts/config_mimo_v2_flash.py; also v_head_dim, rotary_dim, sliding_*, sinks) ----
+    sliding_rope_theta: float | None = None  # the sliding layers' RoPE base (None: rope_theta)
+    sliding_kv_heads: int = 0  # the sliding layers' KV heads (0: num_kv_heads); the full layers have num_kv_heads
+    attention_value_scale: float = 1.0  # values are multiplied by this before they are cached
     # ---- end DeepSeek-V2/V3 and GLM-4.5 ------------------------------------------------------------------------
     # ---- Qwen3-MoE and gpt-oss (issue 13 items 2-3; they also use qk_norm_per_head, yarn, router_kind) ----
     attention_sinks: bool = False  # gpt-oss: a learned per-head extra logit in the attention softmax
@@ -134,6 +143,10 @@ class MoEModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def kv_heads(self, layer: int) -> int:
+        """The KV heads of GQA layer `layer` (MiMo-V2-Flash's sliding layers have more than its full ones)."""
+        return self.sliding_kv_heads if self.sliding_kv_heads and layer in self.sliding_layers else self.num_kv_heads
 
     @property
     def has_shared_expert(self) -> bool:

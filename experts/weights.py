@@ -40,6 +40,8 @@ from .quant import quantize_mlp
 from .weights_deepseek import deepseek_dense_tensor_names, load_deepseek_dense_weights
 from .weights_llama4 import FAMILIES as LLAMA4_FAMILIES
 from .weights_llama4 import llama4_dense_tensor_names, llama4_expert_prefix, load_llama4_dense_weights
+from .weights_mimo_v2_flash import FAMILIES as MIMO_FAMILIES
+from .weights_mimo_v2_flash import load_mimo_dense_weights, mimo_dense_tensor_names
 from .weights_minimax_ernie_hunyuan import FAMILIES as SELECTION_BIAS_FAMILIES
 from .weights_minimax_ernie_hunyuan import family_dense_tensor_names, load_family_dense_weights
 
@@ -279,7 +281,8 @@ DENSE_FAMILIES: dict[str, DenseFamily] = {
     family: DenseFamily(lambda cfg, stacked: deepseek_dense_tensor_names(cfg), load_deepseek_dense_weights)
     for family in DEEPSEEK_FAMILIES
 } | {family: DenseFamily(family_dense_tensor_names, load_family_dense_weights) for family in SELECTION_BIAS_FAMILIES} \
-    | {family: DenseFamily(llama4_dense_tensor_names, load_llama4_dense_weights) for family in LLAMA4_FAMILIES}
+    | {family: DenseFamily(llama4_dense_tensor_names, load_llama4_dense_weights) for family in LLAMA4_FAMILIES} \
+    | {family: DenseFamily(mimo_dense_tensor_names, load_mimo_dense_weights) for family in MIMO_FAMILIES}
 
 
 def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
