@@ -99,6 +99,15 @@ def test_chunked_prefill_and_batched_decode_equal_whole_prompt(models, kind):
     assert max_diff(two[0], model.forward([a])[0]) <= 1e-5 and max_diff(two[1], model.forward([b])[0]) <= 1e-5
 
 
+def test_overlap_schedule_equals_the_plain_one(folders, models):
+    """Two micro-batches taking turns (the shared expert sees the unscaled state, the experts the scaled one)."""
+    model, _ = models["scout"]
+    overlapped = load_reference_model(folders["scout"], overlap=True)
+    seqs = [_ids(13, 10), _ids(11, 11)]
+    for got, want in zip(overlapped.forward(seqs), model.forward(seqs)):
+        assert max_diff(got, want) <= 1e-6
+
+
 @pytest.mark.parametrize("kind", ["scout", "wrapper"])
 def test_bf16_reference_is_close_to_transformers_bf16(folders, kind):
     folder = folders[kind]
