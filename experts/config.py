@@ -61,7 +61,8 @@ OWN_FAMILIES = {
 _OWN_ROPE = (*_DEEPSEEK_FAMILIES, *OWN_FAMILIES)
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 # family -> quant_method values we dequantise on load
-SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)} | {family: ("fp8",) for family in (*_DEEPSEEK_FAMILIES, "minimax_m2")}
+SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)} | {family: ("fp8",)
+                                                     for family in (*_DEEPSEEK_FAMILIES, "minimax_m2", "mimo_v2_flash")}
 
 
 @dataclass(frozen=True)
@@ -289,7 +290,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
                              fp8_block=_fp8_block(raw, source))
     elif family in OWN_FAMILIES:
         fields = OWN_FAMILIES[family][1](raw, common, need, source)
-        cfg = MoEModelConfig(**(common | fields), fp8_block=_fp8_block(raw, source) if family == "minimax_m2" else None)
+        fp8 = family in ("minimax_m2", "mimo_v2_flash")
+        cfg = MoEModelConfig(**(common | fields), fp8_block=_fp8_block(raw, source) if fp8 else None)
     else:  # olmoe
         cfg = MoEModelConfig(
             **common,

@@ -9,6 +9,7 @@ by `attention_value_scale` before they are cached. `mlp_layer_types` marks each 
 is DeepSeek-V3's (sigmoid scores, a selection-only correction bias, `n_group` / `topk_group`, renormalised,
 × `routed_scaling_factor`; gate and bias float32), no shared expert. The MTP layers (`model.mtp.*`) are not read.
 
+Block-scaled FP8 files (`quantization_config.quant_method: fp8`) are dequantised on load, as DeepSeek's are.
 Refused, naming the key: RoPE types other than default, per-type `partial_rotary_factor`s that differ, layer types
 other than full / sliding attention, mlp types other than dense / sparse.
 """

@@ -5,8 +5,9 @@ Per layer: `self_attn.{q,k,v,o}_proj` (q/k/v biases with attention_bias; k/v row
 `mlp.{gate,up,down}_proj` or an MoE layer's `mlp.gate.weight` [E, H] and `mlp.gate.e_score_correction_bias` [E] (both
 float32, as transformers keeps them). Routed experts use the common names (experts/weights.py: per-expert
 `mlp.experts.E.*_proj` or stacked `mlp.experts.gate_up_proj`). The MTP layers (`model.mtp.*`) are never named.
-The sinks are `attention_sink_bias` in the published (original-format) files and `sinks`, transformers' own name,
-in files saved with the stacked experts (`save_original_format=False`).
+FP8 block-scaled files (`quantization_config.quant_method: fp8`) are dequantised on read (experts/fp8.py),
+per-expert experts only. The sinks are `attention_sink_bias` in the published (original-format) files and `sinks`,
+transformers' own name, in files saved with the stacked experts (`save_original_format=False`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from .config import MoEModelConfig
 from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, mlp_names
 from .ffn import GatedMLPWeights
+from .fp8 import read_weights
 from .reproducible import aligned
 
 FAMILIES = ("mimo_v2_flash",)
@@ -58,7 +60,7 @@ def load_mimo_dense_weights(reader, dtype: torch.dtype, progress: str | None = N
     cfg = reader.config
     stacked = bool(cfg.moe_layers) and reader.has(f"model.layers.{cfg.moe_layers[0]}.mlp.experts.gate_up_proj")
     names = mimo_dense_tensor_names(cfg, stacked)
-    raw = reader.read_many(names, progress=progress)
+    raw = read_weights(reader, names, cfg.fp8_block, progress=progress)  # FP8 files: dequantised (float32)
     kept_fp32 = {k for k in names if ".mlp.gate." in k}
     # aligned: a few-row product's bits depend on where its weight starts (experts/reproducible.py)
     t = {k: aligned(raw.pop(k).to(device=device, dtype=torch.float32 if k in kept_fp32 else dtype))

@@ -49,3 +49,27 @@ def write_mimo_checkpoint(out: Path, seed: int = 0, fused: bool = False, **overr
                 param.normal_(0.0, 0.3)
     model.save_pretrained(out, **({"save_original_format": False} if fused else {}))
     return out
+
+
+def quantize_fp8(out: Path, block: tuple[int, int]) -> Path:
+    """Rewrite a per-expert checkpoint in `out` as block-scaled FP8: every 2-D linear weight but the router gate,
+    embeddings and lm_head becomes e4m3 + `weight_scale_inv` (the DeepSeek / MiniMax format), with its
+    quantization_config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from expertmesh.experts.fp8 import quantize
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in list(tensors):
+        t = tensors[name]
+        if (t.dim() == 2 and name.endswith("proj.weight") and name not in ("lm_head.weight",)):
+            tensors[name], tensors[name + "_scale_inv"] = quantize(t, block)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -23,7 +23,7 @@ from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.modeling import MoEDecoder
 from expertmesh.experts.reference import load_reference_model
 from tests.tiny_checkpoints import greedy_tokens, hf_logits, max_diff
-from tests.tiny_mimo_v2_flash import VOCAB, WINDOW, hf_config, write_mimo_checkpoint
+from tests.tiny_mimo_v2_flash import VOCAB, WINDOW, hf_config, quantize_fp8, write_mimo_checkpoint
 
 TOL = 1e-4
 LAYOUTS = ("per_expert", "fused")
@@ -145,6 +145,38 @@ def test_each_quirk_changes_the_logits(models, change):
         assert max_diff(other.forward([ids])[0], hf_logits(hf, ids)) > 100 * TOL
 
 
+def test_fp8_checkpoint_equals_transformers_on_its_dequantised_weights(tmp_path):
+    """Block-scaled FP8 files (block 4 x 4: the tiny dims are multiples): the reference equals `transformers` run on
+    the same weights dequantised by `transformers`' own Fp8Dequantize, written back as a plain checkpoint."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    fp8 = quantize_fp8(write_mimo_checkpoint(tmp_path / "fp8", seed=12), (4, 4))
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    assert tensors["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # the router is not converted
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    dequantised = {name: Fp8Dequantize(None)._dequantize_one(t, tensors[name + "_scale_inv"], torch.float32)
+                   if name + "_scale_inv" in tensors else t
+                   for name, t in tensors.items() if not name.endswith("_scale_inv")}
+    save_file(dequantised, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(config))
+    model = load_reference_model(fp8)
+    assert model.cfg.fp8_block == (4, 4) and model.cfg.quantization == "fp8"
+    hf = _hf(plain)
+    ids = _ids(18, 13)
+    with torch.no_grad():
+        assert max_diff(model.forward([ids])[0], hf_logits(hf, ids)) <= TOL
+        expected = hf.generate(ids[None], attention_mask=torch.ones(1, 18, dtype=torch.long), max_new_tokens=6,
+                               do_sample=False)[0, 18:].tolist()
+    assert greedy_tokens(model, ids.tolist(), 6) == expected
+
+
 # ---------------------------------------------------------------- memory and config
 
 
@@ -206,7 +238,7 @@ def test_published_spellings_parse():
     (dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]), "mlp_layer_types"),
     (dict(n_group=3), "n_group"),
     (dict(sliding_window=0), "sliding_window"),
-    (dict(quantization_config={"quant_method": "fp8"}), "quant_method"),
+    (dict(quantization_config={"quant_method": "awq"}), "quant_method"),
 ])
 def test_config_refusals_name_the_key(overrides, key):
     with pytest.raises(CheckpointError, match=key):
