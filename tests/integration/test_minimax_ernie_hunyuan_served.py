@@ -1,7 +1,8 @@
 """MiniMax-M2 (as published: block-scaled FP8, Mixtral's per-expert names), ERNIE 4.5 MoE (dense layer 0, shared
 experts, softmax router with selection bias) and Hunyuan-A13B (transformers' stacked layout, shared MLP, NTK-alpha
 RoPE) and Llama 4 (the multimodal wrapper's text part under `language_model.`: chunked attention, NoPE layers with
-temperature, the router score scaling the expert input) through the distributed router on one local Ray: served
+temperature, the router score scaling the expert input) and MiMo-V2-Flash (KV heads that differ by layer, sinks on
+the sliding layers, grouped sigmoid router) through the distributed router on one local Ray: served
 logits and routings == the in-process reference bit for bit, greedy tokens equal the reference's and `transformers`'
 (on the unquantised twin for MiniMax-M2's FP8)."""
 
@@ -15,6 +16,7 @@ from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.tiny_checkpoints import greedy_tokens
 from tests.tiny_fam1 import VOCAB, write_fam1_checkpoint
 from tests.tiny_llama4 import load_hf, write_llama4_checkpoint
+from tests.tiny_mimo_v2_flash import write_mimo_checkpoint
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -22,12 +24,15 @@ pytestmark = pytest.mark.usefixtures("local_ray")
 CASES = {"minimax_m2_fp8": ("minimax_m2", dict(fp8_block=(8, 8))),
          "ernie4_5_moe": ("ernie4_5_moe", {}),
          "hunyuan_v1_moe_fused": ("hunyuan_v1_moe", dict(fused=True)),
-         "llama4_wrapper": ("llama4", dict(wrapper=True))}
+         "llama4_wrapper": ("llama4", dict(wrapper=True)),
+         "mimo_v2_flash": ("mimo_v2_flash", dict(n_routed_experts=4))}  # 4 actors: 2 groups of 2, one chosen
 
 
 def _write(kind: str, out, **options):
     if kind == "llama4":  # scout-like: chunk 8, so the 13-token sequence and the generation cross a chunk
         return write_llama4_checkpoint(out, seed=7, **options)
+    if kind == "mimo_v2_flash":  # window 5: every sequence but the 4-token one outgrows it
+        return write_mimo_checkpoint(out, seed=7, **options)
     return write_fam1_checkpoint(kind, out, seed=7, **options)
 
 
