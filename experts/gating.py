@@ -351,7 +351,7 @@ def move_slots(routing: Routing, move: torch.Tensor, available: torch.Tensor, re
     counters[key] = moved if counters[key] is None else counters[key] + moved
     return Routing(experts=experts, weights=weights, rerouted=routing.rerouted,
                    dropped=int((experts == DROPPED).sum()), rerouted_per_token=routing.rerouted_per_token,
-                   probs=routing.probs, selection=routing.selection, **counters)
+                   probs=routing.probs, selection=routing.selection, input_scales=routing.input_scales, **counters)
 
 
 def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,6 +214,17 @@ def test_llama3_inv_freq_matches_transformers(params):
         assert scaling == 1.0 and torch.equal(got, want) and bool(got.isfinite().all())
 
 
+def test_sigmoid_input_routing_degrades_with_weight_one():
+    """A slot moved off a lost expert keeps combine weight 1 (its input was scaled by the routed score already)."""
+    from expertmesh.experts.gating import degrade
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    routing = route_sigmoid_input(logits, 1)
+    moved = degrade(routing, torch.tensor([False, True, True, True]))
+    assert moved.experts[:, 0].tolist() == [1, 1] and moved.degraded == 1
+    assert torch.equal(moved.weights, torch.ones(2, 1)) and torch.equal(moved.input_scales, routing.input_scales)
+
+
 def test_chunk_mask_is_the_chunked_causal_mask():
     mask = prefill_mask(5, 6, None, chunk=4)  # queries at 6..10 over keys 0..10
     want = torch.tensor([[k <= q and k // 4 == q // 4 for k in range(11)] for q in range(6, 11)])
