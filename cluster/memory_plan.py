@@ -75,13 +75,13 @@ def model_memory(cfg: MoEModelConfig, dtype: str) -> ModelMemory:
 
 
 def kv_bytes_per_token(cfg: MoEModelConfig, dtype: str) -> int:
-    """What one token stores in the KV cache over all layers: keys and values (GQA), or MLA's latent + rope key."""
+    """What one token stores in the KV cache over all layers: keys and values (GQA; MiMo-V2-Flash: per layer its own
+    KV heads, values v_head_dim wide), or MLA's latent + rope key."""
     size = DTYPE_BYTES[dtype]
     if cfg.attention_kind == "mla":
-        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    else:
-        per_layer = 2 * cfg.num_kv_heads * cfg.head_dim
-    return cfg.num_layers * per_layer * size
+        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
+    v_dim = cfg.v_head_dim or cfg.head_dim
+    return sum(cfg.kv_heads(i) * (cfg.head_dim + v_dim) for i in range(cfg.num_layers)) * size
 
 
 def slots_per_gpu(gpu_bytes: int, shard_bytes: int, layers: int, utilization: float = 0.9,

@@ -25,12 +25,14 @@ class AttentionLayer(Protocol):
     num_kv_heads: int  # heads of k/v as the core sees them (GQA: kvh; MLA expanded: nh)
     scale: float  # softmax scale
     window: int | None  # sliding window (keys with q_pos - k_pos < window), None = all
+    chunk: int | None  # attention chunk (keys with k_pos // chunk == q_pos // chunk; Llama 4), None = all
     sinks: torch.Tensor | None  # [nh] per-head extra softmax logit, None = none
     cache_spec: dict[str, tuple[int, ...]]  # what one token stores in the KV cache: name -> per-token shape
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """h [T, H], cos/sin [T, R] -> (q [T, nh, Dqk], {name: [T, *shape]} to append to the cache)."""
+        """h [T, H], cos/sin [T, R] -> (q [T, nh, Dqk], {name: [T, *shape]} to append to the cache). A layer that
+        sets `wants_positions` (Llama 4) also takes the tokens' positions [T] int64 as a fourth argument."""
         ...
 
     def keys_values(self, entries: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +61,7 @@ class GQAAttention:
         self.rotate = apply_rotary_interleaved if cfg.rope_pairs_interleaved else apply_rotary  # ERNIE: interleaved
         self.scale = default_scale(cfg.head_dim)
         self.window = window
+        self.chunk = None
         self.sinks = w.sinks  # [nh] or None
         self.cache_spec = {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
 
@@ -96,5 +99,13 @@ def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> Att
         from .mla_attention import MLAAttention
 
         return MLAAttention(cfg, w)
+    if cfg.family == "mimo_v2_flash":  # per-kind KV heads and RoPE base, narrower scaled values, sinks on SWA
+        from .attention_mimo import MiMoAttention
+
+        return MiMoAttention(cfg, w, layer)
+    if cfg.family == "llama4":  # chunked RoPE layers, NoPE layers with temperature, q/k L2 norm
+        from .attention_llama4 import Llama4Attention
+
+        return Llama4Attention(cfg, w, layer)
     window = cfg.sliding_window if layer in cfg.sliding_layers else None
     return GQAAttention(cfg, w, window)

@@ -1,5 +1,6 @@
 """The attention math over cached history: scaled dot-product attention with causal masking, an optional sliding
-window and optional attention sinks, for a prefilling sequence or a batch of decoding ones.
+window or attention chunk (Llama 4: a query sees only the keys of its own `chunk`-token block) and optional attention
+sinks, for a prefilling sequence or a batch of decoding ones.
 
 Attention *layers* (experts/attention.py, per family) decide what q, k and v are; this module only attends.
 Without sinks it calls `F.scaled_dot_product_attention` (fused kernels where eligible). With sinks (gpt-oss: a
@@ -48,10 +49,11 @@ def attend_prefill(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [nh]
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of one sequence's S new tokens at positions start..start+S-1 -> [S, nh*Dv]."""
     num_new = q.shape[0]
-    mask = prefill_mask(num_new, start, window, q.device)
+    mask = prefill_mask(num_new, start, window, q.device, chunk)
     out = _sdpa(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # [nh, S, Dqk], [kvh, L, Dqk], [kvh, L, Dv]
         mask, mask is None and start == 0 and num_new > 1, scale, sinks,
@@ -67,12 +69,15 @@ def attend_decode(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,  # [nh]
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """One attention call for B sequences that each add a single token -> [B, nh*Dv]. Padding is masked out."""
     positions = torch.arange(k.shape[1], device=q.device)[None, :]  # [1, L]
     mask = positions < lengths[:, None]  # [B, L]: a real position
     if window is not None:
         mask &= (lengths[:, None] - 1 - positions) < window  # within the window of the query at length-1
+    if chunk is not None:
+        mask &= positions // chunk == (lengths[:, None] - 1) // chunk  # in the chunk of the query at length-1
     out = _sdpa(
         q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),  # [B, nh, 1, Dqk], [B, kvh, L, Dqk], [B, kvh, L, Dv]
         mask[:, None, None, :], False, scale, sinks,
@@ -80,16 +85,18 @@ def attend_decode(
     return out.reshape(q.shape[0], -1)
 
 
-def prefill_mask(num_new: int, start: int, window: int | None, device: torch.device | str = "cpu"
-                 ) -> torch.Tensor | None:
+def prefill_mask(num_new: int, start: int, window: int | None, device: torch.device | str = "cpu",
+                 chunk: int | None = None) -> torch.Tensor | None:
     """Boolean [S, start+S] mask (True = attend), or None when plain causal (or no) masking is exact."""
-    if window is None and (start == 0 or num_new == 1):
+    if window is None and chunk is None and (start == 0 or num_new == 1):
         return None  # is_causal covers a fresh prefill; a single new token attends to everything before it
     q_pos = torch.arange(start, start + num_new, device=device)[:, None]
     k_pos = torch.arange(start + num_new, device=device)[None, :]
     mask = k_pos <= q_pos
     if window is not None:
         mask &= (q_pos - k_pos) < window
+    if chunk is not None:
+        mask &= k_pos // chunk == q_pos // chunk
     return mask
 
 
@@ -112,7 +119,7 @@ class StepLayout:
     prefill_tokens: torch.Tensor  # [T_p] their tokens in [T]
     prefill_table: torch.Tensor | None  # [Bp, nb] when a row has history; None: keys are the new tokens
     prefill_kv_len: torch.Tensor  # [Bp] keys each row attends (start + S_i)
-    _masks: dict = field(default_factory=dict)  # (group, window) -> mask, built once per step
+    _masks: dict = field(default_factory=dict)  # (group, window, chunk, ..) -> mask, built once per step
 
     @classmethod
     def build(cls, lengths: list[int], starts: list[int], caches: list[KVCache] | None,
@@ -150,21 +157,23 @@ class StepLayout:
             prefill_kv_len=tensor_on([starts[i] + lengths[i] for i in prefill], torch.int64, device),
         )
 
-    # ---- masks (True = attend), cached per window value ----------------------------------------------------
+    # ---- masks (True = attend), cached per window and chunk value ------------------------------------------
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        key = ("decode", window)
+    def decode_mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor:
+        key = ("decode", window, chunk)
         if key not in self._masks:
             kv_len = self.decode_kv_len  # [Bd]; the query sits at position kv_len - 1
             k_pos = torch.arange(self.decode_table.shape[1] * self.pool.block_size, device=kv_len.device)  # [L]
             mask = k_pos[None, :] < kv_len[:, None]  # [Bd, L]
             if window is not None:
                 mask &= (kv_len[:, None] - 1 - k_pos[None, :]) < window
+            if chunk is not None:  # the query's own chunk only
+                mask &= k_pos[None, :] // chunk == (kv_len[:, None] - 1) // chunk
             self._masks[key] = mask[:, None, None, :]  # [Bd, 1, 1, L]
         return self._masks[key]
 
-    def prefill_mask(self, window: int | None, num_keys: int) -> torch.Tensor:
-        key = ("prefill", window, num_keys)
+    def prefill_mask(self, window: int | None, num_keys: int, chunk: int | None = None) -> torch.Tensor:
+        key = ("prefill", window, num_keys, chunk)
         if key not in self._masks:
             device = self.prefill_valid.device
             starts = tensor_on([self.starts[i] for i in self.prefill_rows], torch.int64, device)
@@ -177,21 +186,25 @@ class StepLayout:
             mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] < self.prefill_kv_len[:, None, None])
             if window is not None:
                 mask &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
+            if chunk is not None:
+                mask &= k_pos[:, None, :] // chunk == q_pos[:, :, None] // chunk
             mask &= self.prefill_valid[:, :, None]
             mask[:, :, 0] |= ~self.prefill_valid  # a padded query attends key 0 only: never an all-masked row
             self._masks[key] = mask[:, None]  # [Bp, 1, S, L]
         return self._masks[key]
 
-    def plain_causal(self, window: int | None, sinks: torch.Tensor | None) -> bool:
-        """One fresh prefill row, no window, no sinks: SDPA's is_causal, no mask."""
-        return (len(self.prefill_rows) == 1 and self.prefill_table is None and window is None and sinks is None)
+    def plain_causal(self, window: int | None, sinks: torch.Tensor | None, chunk: int | None = None) -> bool:
+        """One fresh prefill row, no window, no chunk, no sinks: SDPA's is_causal, no mask."""
+        return (len(self.prefill_rows) == 1 and self.prefill_table is None and window is None and sinks is None
+                and chunk is None)
 
 
 def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, torch.Tensor],
            keys_values: KeysValues, scale: float, window: int | None,
-           sinks: torch.Tensor | None) -> torch.Tensor:
+           sinks: torch.Tensor | None, chunk: int | None = None) -> torch.Tensor:
     """One layer's attention for the step. q: [T, nh, Dqk]; entries: the new tokens' cache entries
-    ({name: [T, *shape]}), written to the pool first. Returns o [T, nh * Dv] in token order."""
+    ({name: [T, *shape]}), written to the pool first. chunk: attend within `chunk`-token blocks of positions.
+    Returns o [T, nh * Dv] in token order."""
     if layout.pool is not None:
         layout.pool.write(layer, layout.slots, entries)
     t, nh = q.shape[0], q.shape[1]
@@ -200,7 +213,7 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
     if layout.decode_rows:
         k, v = keys_values(layout.pool.gather(layer, layout.decode_table, "decode"))  # [Bd, L, kvh, D]
         qd = q[layout.decode_index][:, :, None, :]  # [Bd, nh, 1, D]
-        o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), layout.decode_mask(window), False, scale, sinks)
+        o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), layout.decode_mask(window, chunk), False, scale, sinks)
         parts.append((layout.decode_index, o[:, :, 0, :]))  # [Bd, nh, Dv]
     if layout.prefill_rows:
         qp = q[layout.prefill_index].transpose(1, 2)  # [Bp, nh, S, D]
@@ -210,10 +223,10 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
         else:
             k, v = keys_values(layout.pool.gather(layer, layout.prefill_table, "prefill"))  # [Bp, L, kvh, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [Bp, kvh, L, D]
-        if layout.plain_causal(window, sinks):
+        if layout.plain_causal(window, sinks, chunk):
             o = _sdpa(qp, k, v, None, True, scale, None)  # [1, nh, S, Dv]
         else:
-            o = _sdpa(qp, k, v, layout.prefill_mask(window, k.shape[2]), False, scale, sinks)  # [Bp, nh, S, Dv]
+            o = _sdpa(qp, k, v, layout.prefill_mask(window, k.shape[2], chunk), False, scale, sinks)  # [Bp, nh, S, Dv]
         o = o.transpose(1, 2).flatten(0, 1).index_select(0, layout.prefill_flat)  # [T_p, nh, Dv] real queries
         parts.append((layout.prefill_tokens, o))
     if len(parts) == 1:

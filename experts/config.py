@@ -22,6 +22,14 @@ from .config_hunyuan_v1_moe import ARCHITECTURES as _HUNYUAN_ARCHITECTURES
 from .config_hunyuan_v1_moe import MODEL_TYPES as _HUNYUAN_MODEL_TYPES
 from .config_hunyuan_v1_moe import hunyuan_v1_moe_fields
 from .config_hunyuan_v1_moe import normalise as _hunyuan_normalise
+from .config_llama4 import ARCHITECTURES as _LLAMA4_ARCHITECTURES
+from .config_llama4 import MODEL_TYPES as _LLAMA4_MODEL_TYPES
+from .config_llama4 import Llama3Scaling, llama4_fields
+from .config_llama4 import normalise as _llama4_normalise
+from .config_mimo_v2_flash import ARCHITECTURES as _MIMO_ARCHITECTURES
+from .config_mimo_v2_flash import MODEL_TYPES as _MIMO_MODEL_TYPES
+from .config_mimo_v2_flash import mimo_v2_flash_fields
+from .config_mimo_v2_flash import normalise as _mimo_normalise
 from .config_minimax_m2 import ARCHITECTURES as _MINIMAX_ARCHITECTURES
 from .config_minimax_m2 import MODEL_TYPES as _MINIMAX_MODEL_TYPES
 from .config_minimax_m2 import minimax_m2_fields
@@ -35,10 +43,11 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
-} | _DEEPSEEK_ARCHITECTURES | _MINIMAX_ARCHITECTURES | _ERNIE_ARCHITECTURES | _HUNYUAN_ARCHITECTURES
+} | _DEEPSEEK_ARCHITECTURES | _MINIMAX_ARCHITECTURES | _ERNIE_ARCHITECTURES | _HUNYUAN_ARCHITECTURES \
+    | _LLAMA4_ARCHITECTURES | _MIMO_ARCHITECTURES
 MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "qwen3_moe": "qwen3_moe",
                "gpt_oss": "gpt_oss"} | _DEEPSEEK_MODEL_TYPES | _MINIMAX_MODEL_TYPES | _ERNIE_MODEL_TYPES \
-    | _HUNYUAN_MODEL_TYPES
+    | _HUNYUAN_MODEL_TYPES | _LLAMA4_MODEL_TYPES | _MIMO_MODEL_TYPES
 # Families parsed in their own module (experts/config_<family>.py): family -> (normalise, fields). normalise maps the
 # family's key names onto the common ones; fields returns the MoEModelConfig arguments beyond the common ones,
 # RoPE included (the common rope parsing is skipped for them).
@@ -46,16 +55,19 @@ OWN_FAMILIES = {
     "minimax_m2": (_minimax_normalise, minimax_m2_fields),
     "ernie4_5_moe": (_ernie_normalise, ernie4_5_moe_fields),
     "hunyuan_v1_moe": (_hunyuan_normalise, hunyuan_v1_moe_fields),
+    "llama4": (_llama4_normalise, llama4_fields),
+    "mimo_v2_flash": (_mimo_normalise, mimo_v2_flash_fields),
 }
 _OWN_ROPE = (*_DEEPSEEK_FAMILIES, *OWN_FAMILIES)
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
 # family -> quant_method values we dequantise on load
-SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)} | {family: ("fp8",) for family in (*_DEEPSEEK_FAMILIES, "minimax_m2")}
+SUPPORTED_QUANTIZATION = {"gpt_oss": ("mxfp4",)} | {family: ("fp8",)
+                                                     for family in (*_DEEPSEEK_FAMILIES, "minimax_m2", "mimo_v2_flash")}
 
 
 @dataclass(frozen=True)
 class MoEModelConfig:
-    family: str  # a value of MODEL_TYPES: "mixtral", "qwen2_moe", .., "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe"
+    family: str  # a value of MODEL_TYPES: "mixtral", "qwen2_moe", .., "ernie4_5_moe", "hunyuan_v1_moe", "llama4"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -88,12 +100,12 @@ class MoEModelConfig:
     kv_lora_rank: int = 0  # MLA: width of the compressed key/value latent
     qk_nope_head_dim: int = 0  # MLA: per-head query/key dims without RoPE
     qk_rope_head_dim: int = 0  # MLA: per-head query/key dims with RoPE (the key part is shared by all heads)
-    v_head_dim: int = 0  # MLA
+    v_head_dim: int = 0  # MLA; MiMo-V2-Flash (GQA whose values are narrower than q/k)
     rotary_dim: int = 0  # dims of a head that RoPE rotates; 0 = head_dim (GLM: head_dim * partial_rotary_factor)
     rope_pairs_interleaved: bool = False  # DeepSeek: RoPE rotates (x0,x1),(x2,x3),.. pairs, not the two halves
     yarn: YarnScaling | None = None  # rope_type "yarn" (cos/sin scaled; MLA's softmax scale takes mscale too)
     # "softmax" (route) | "deepseek_v2" | "sigmoid_grouped" (DeepSeek-V3, GLM-4.5, MiniMax-M2) | "topk_softmax"
-    # (gpt-oss) | "softmax_biased" (ERNIE 4.5)
+    # (gpt-oss) | "softmax_biased" (ERNIE 4.5) | "sigmoid_input" (Llama 4)
     router_kind: str = "softmax"
     topk_method: str = "greedy"  # deepseek_v2: "greedy" | "group_limited_greedy"
     n_group: int = 1  # group-limited routing: experts split into n_group equal groups ...
@@ -107,6 +119,18 @@ class MoEModelConfig:
     router_in_model_dtype: bool = False  # MiniMax-M2: the sigmoid router's gate runs in the model dtype, not float32
     router_norm_min: float = 0.0  # ERNIE ("softmax_biased"): the top-k weights are divided by max(sum, this)
     qk_norm_after_rope: bool = False  # Hunyuan: the per-head q/k RMSNorm runs after RoPE, not before
+    # ---- Llama 4 (experts/config_llama4.py; router_kind "sigmoid_input": the score scales the expert input) ----
+    weight_prefix: str = ""  # before every tensor name: "language_model." in the multimodal wrapper checkpoint
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (Llama 4's global layers)
+    chunked_layers: tuple[int, ...] = ()  # layers whose queries see only the keys of their own chunk ...
+    attention_chunk_size: int | None = None  # ... of this many tokens (positions c*size .. (c+1)*size - 1)
+    qk_l2_norm: bool = False  # a weightless RMS norm of q and k after RoPE, on RoPE layers
+    attn_temperature: tuple[float, float] | None = None  # NoPE layers' query scale: (floor_scale, attn_scale)
+    llama3_rope: Llama3Scaling | None = None  # rope_type "llama3"
+    # ---- MiMo-V2-Flash (experts/config_mimo_v2_flash.py; also v_head_dim, rotary_dim, sliding_*, sinks) ----
+    sliding_rope_theta: float | None = None  # the sliding layers' RoPE base (None: rope_theta)
+    sliding_kv_heads: int = 0  # the sliding layers' KV heads (0: num_kv_heads); the full layers have num_kv_heads
+    attention_value_scale: float = 1.0  # values are multiplied by this before they are cached
     # ---- end DeepSeek-V2/V3 and GLM-4.5 ------------------------------------------------------------------------
     # ---- Qwen3-MoE and gpt-oss (issue 13 items 2-3; they also use qk_norm_per_head, yarn, router_kind) ----
     attention_sinks: bool = False  # gpt-oss: a learned per-head extra logit in the attention softmax
@@ -121,9 +145,13 @@ class MoEModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
+    def kv_heads(self, layer: int) -> int:
+        """The KV heads of GQA layer `layer` (MiMo-V2-Flash's sliding layers have more than its full ones)."""
+        return self.sliding_kv_heads if self.sliding_kv_heads and layer in self.sliding_layers else self.num_kv_heads
+
     @property
     def has_shared_expert(self) -> bool:
-        return (self.family in ("qwen2_moe", *_DEEPSEEK_FAMILIES, "ernie4_5_moe", "hunyuan_v1_moe")
+        return (self.family in ("qwen2_moe", *_DEEPSEEK_FAMILIES, "ernie4_5_moe", "hunyuan_v1_moe", "llama4")
                 and self.shared_expert_intermediate_size > 0)
 
     def expert_param_count(self) -> int:
@@ -262,7 +290,8 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
                              fp8_block=_fp8_block(raw, source))
     elif family in OWN_FAMILIES:
         fields = OWN_FAMILIES[family][1](raw, common, need, source)
-        cfg = MoEModelConfig(**(common | fields), fp8_block=_fp8_block(raw, source) if family == "minimax_m2" else None)
+        fp8 = family in ("minimax_m2", "mimo_v2_flash")
+        cfg = MoEModelConfig(**(common | fields), fp8_block=_fp8_block(raw, source) if fp8 else None)
     else:  # olmoe
         cfg = MoEModelConfig(
             **common,

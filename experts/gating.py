@@ -1,10 +1,11 @@
 """Top-k gating: softmax over the router logits, top-k with deterministic tie-breaking, optional renormalisation,
 and an optional per-expert capacity that moves overflow to each token's next-best expert with room.
 
-Four routers, one `Routing`: `route` (softmax; Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE), `route_topk_softmax` (gpt-oss:
+Several routers, one `Routing`: `route` (softmax; Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE), `route_topk_softmax` (gpt-oss:
 top-k on the logits, softmax over the k), `route_deepseek_v2` (softmax, greedy or group-limited top-k, scaled
 weights) and `route_sigmoid_grouped` (DeepSeek-V3, GLM-4.5: sigmoid scores, a correction bias that only ranks,
-group-limited top-k, optional renormalisation, scaled weights). `route_for_model` picks one
+group-limited top-k, optional renormalisation, scaled weights), `route_softmax_biased` (ERNIE 4.5) and
+`route_sigmoid_input` (Llama 4: the sigmoid score scales the expert's input). `route_for_model` picks one
 from the model config. Every router fills `Routing.probs` with a distribution over the E experts (softmax, or the
 sigmoid scores normalised to sum 1) so that load statistics (routing entropy) and `degrade` work with each.
 
@@ -34,6 +35,9 @@ class Routing:
     # bias, experts outside the token's chosen groups at -inf); None = probs. `degrade` ranks replacements by it.
     selection: torch.Tensor | None = None
     shed_per_token: torch.Tensor | None = None  # [T] int64 slots moved off an overloaded expert (shedding)
+    # [T, k] float32 Llama 4 (`route_sigmoid_input`): each slot's score multiplies the expert's *input*, and its
+    # combine weight is 1; the decoder scales the hidden states before the expert round. None = no input scale.
+    input_scales: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -210,6 +214,27 @@ def route_softmax_biased(
                    rerouted_per_token=rerouted_per_token, probs=probs, selection=selection)
 
 
+def route_sigmoid_input(
+    router_logits: torch.Tensor, top_k: int = 1, capacity_factor: float | None = None
+) -> Routing:
+    """Llama 4's router (transformers' Llama4Router + Llama4TextMoe). router_logits: [T, E] in the model dtype.
+
+    Experts: the top-k of the logits (ties: lower id). Score: sigmoid of the chosen logit in float32, rounded to the
+    logits' dtype as transformers holds it; it scales the expert's *input* (`input_scales`), and the expert's output
+    is added with weight 1 (`weights`; 0 for a dropped slot). `probs`: the sigmoid scores over all E normalised to
+    sum 1 (load statistics, degraded re-routing, which ranks by them, the same order as the logits).
+    """
+    logits = router_logits.float()  # [T, E]
+    experts, rerouted, dropped, rerouted_per_token = _choose(logits, top_k, capacity_factor)  # [T, k]
+    scores = torch.sigmoid(logits)  # [T, E]
+    chosen = torch.sigmoid(_gathered(logits, experts)).to(router_logits.dtype).float()  # [T, k]
+    chosen = torch.where(experts == DROPPED, torch.zeros_like(chosen), chosen)
+    weights = (experts != DROPPED).float()  # [T, k]
+    probs = scores / scores.sum(dim=-1, keepdim=True)  # [T, E]
+    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped,
+                   rerouted_per_token=rerouted_per_token, probs=probs, input_scales=chosen)
+
+
 def route_for_model(
     cfg, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
     capacity_factor: float | None = None,
@@ -227,6 +252,8 @@ def route_for_model(
                                      cfg.norm_topk_prob, cfg.routed_scaling_factor, capacity_factor)
     if cfg.router_kind == "softmax_biased":  # ERNIE 4.5
         return route_softmax_biased(router_logits, cfg.top_k, correction_bias, cfg.router_norm_min, capacity_factor)
+    if cfg.router_kind == "sigmoid_input":  # Llama 4
+        return route_sigmoid_input(router_logits, cfg.top_k, capacity_factor)
     raise ValueError(f"router_kind={cfg.router_kind!r} is not a known router")
 
 
@@ -324,7 +351,7 @@ def move_slots(routing: Routing, move: torch.Tensor, available: torch.Tensor, re
     counters[key] = moved if counters[key] is None else counters[key] + moved
     return Routing(experts=experts, weights=weights, rerouted=routing.rerouted,
                    dropped=int((experts == DROPPED).sum()), rerouted_per_token=routing.rerouted_per_token,
-                   probs=routing.probs, selection=routing.selection, **counters)
+                   probs=routing.probs, selection=routing.selection, input_scales=routing.input_scales, **counters)
 
 
 def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,4 +406,5 @@ def concat_routings(parts: list[Routing]) -> Routing:
         degraded_per_token=cat_or_zeros("degraded_per_token"),  # [T]
         shed_per_token=cat_or_zeros("shed_per_token"),  # [T]
         selection=cat_or_none("selection"),  # [T, E]
+        input_scales=cat_or_none("input_scales"),  # [T, k]
     )

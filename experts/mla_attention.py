@@ -45,6 +45,7 @@ class MLAAttention:
     """One MLA layer. num_kv_heads = num_heads: the core sees the expanded per-head keys and values."""
 
     window = None
+    chunk = None
     sinks = None
 
     def __init__(self, cfg: MoEModelConfig, w: MLAWeights):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -70,6 +70,7 @@ class _Group:
     x: torch.Tensor  # [T_g, H] residual stream
     cos: torch.Tensor  # [T_g, R] rotary tables of the group's positions
     sin: torch.Tensor  # [T_g, R]
+    positions: torch.Tensor  # [T_g] int64 (Llama 4's NoPE layers scale their queries by position)
     lengths: list[int]
     starts: list[int]
     caches: list[KVCache] | None  # None: a cacheless forward (each sequence is a whole prompt)
@@ -86,8 +87,9 @@ class _Group:
     def part(self, first: int, last: int) -> _Group:
         """Sequences first..last-1 of this group."""
         lo, hi = sum(self.lengths[:first]), sum(self.lengths[:last])
-        return _Group(self.x[lo:hi], self.cos[lo:hi], self.sin[lo:hi], self.lengths[first:last],
-                      self.starts[first:last], None if self.caches is None else self.caches[first:last])
+        return _Group(self.x[lo:hi], self.cos[lo:hi], self.sin[lo:hi], self.positions[lo:hi],
+                      self.lengths[first:last], self.starts[first:last],
+                      None if self.caches is None else self.caches[first:last])
 
 
 class MoEDecoder:
@@ -164,7 +166,7 @@ class MoEDecoder:
         cos, sin = self.rope.tables(positions, self.dtype)  # [T, R] each
 
         x = F.embedding(ids, self.w.embed)  # [T, H]
-        step = _Group(x, cos, sin, lengths, starts, caches)
+        step = _Group(x, cos, sin, positions, lengths, starts, caches)
         begin, end = getattr(self.experts, "begin_step", None), getattr(self.experts, "end_step", None)
         if begin is not None:
             begin()
@@ -236,7 +238,7 @@ class MoEDecoder:
             if routed is None:
                 continue
             h, routing = routed
-            mlp = self.experts.run(i, h, routing)  # [T, H]
+            mlp = self.experts.run(i, *self._expert_input(h, routing))  # [T, H]
             # The backend may have served a different routing (degraded around a lost expert): trace that one.
             trace.routings[i] = self.experts.effective_routing(i, routing)
             g.x = g.x + self._with_shared(layer, h, mlp)
@@ -254,7 +256,7 @@ class MoEDecoder:
                 routed = self._dense(i, layer, g)
                 if routed is not None:
                     h, routing = routed
-                    g.pending = (i, h, routing, self.experts.submit(i, h, routing))
+                    g.pending = (i, h, routing, self.experts.submit(i, *self._expert_input(h, routing)))
         for n, g in enumerate(groups):
             if g.pending is not None:
                 self._collect(g, n, parts)
@@ -285,12 +287,21 @@ class MoEDecoder:
             self.profile.since("model.gating", gating)
         return h, routing
 
+    @staticmethod
+    def _expert_input(h: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
+        """What the expert round takes: h [T, H] and the routing, or (Llama 4) h scaled by each token's router score
+        (top-1: [T, 1]) in the model dtype, as transformers scales it, and the routing without that scale."""
+        if routing.input_scales is None:
+            return h, routing
+        return h * routing.input_scales.to(h.dtype), replace(routing, input_scales=None)  # [T, H]
+
     def _gate_logits(self, layer, h: torch.Tensor) -> torch.Tensor:
         """h [T, H] -> router logits [T, E] of `layer` (LayerWeights)."""
         # DeepSeek/GLM routers score in float32 (their gate weight is kept float32), as transformers does.
         # The others run in the gate weight's dtype: the model's, or float32 where the loader keeps the gate so
         # (ERNIE, Hunyuan), as transformers does.
-        if self.cfg.router_kind in ("softmax", "topk_softmax", "softmax_biased") or self.cfg.router_in_model_dtype:
+        in_gate_dtype = ("softmax", "topk_softmax", "softmax_biased", "sigmoid_input")  # the last: Llama 4
+        if self.cfg.router_kind in in_gate_dtype or self.cfg.router_in_model_dtype:
             return F.linear(h.to(layer.router.dtype), layer.router, layer.router_bias)  # [T, E]; gpt-oss: bias
         return F.linear(h.float(), layer.router.float())  # [T, E]
 
@@ -318,8 +329,12 @@ class MoEDecoder:
         """Layer `layer`'s attention for group g: project, write the new tokens to the paged cache, attend (decode
         rows in one call, prefill rows in another; attention_core.attend). h: [T_g, H]."""
         attn = self.attention[layer]
-        q, new = attn.project(h, g.cos, g.sin)  # [T_g, nh, Dqk], {name: [T_g, *shape]}
-        out = attend(g.layout, layer, q, new, attn.keys_values, attn.scale, attn.window, attn.sinks)  # [T_g, nh*Dv]
+        if getattr(attn, "wants_positions", False):  # Llama 4: a query scale by position on its NoPE layers
+            q, new = attn.project(h, g.cos, g.sin, g.positions)
+        else:
+            q, new = attn.project(h, g.cos, g.sin)  # [T_g, nh, Dqk], {name: [T_g, *shape]}
+        out = attend(g.layout, layer, q, new, attn.keys_values, attn.scale, attn.window, attn.sinks,
+                     attn.chunk)  # [T_g, nh*Dv]
         return attn.output(out)  # [T_g, H]
 
 

@@ -7,17 +7,23 @@ One `RotaryEmbedding` per model; every layer applies the same tables. `rotary_di
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .config import MoEModelConfig
+from .config import Llama3Scaling, MoEModelConfig
 
 
 class RotaryEmbedding:
     """cos/sin tables in Hugging Face's layout: emb = cat(freqs, freqs) over the rotary dims."""
 
     def __init__(self, rotary_dim: int, theta: float, inv_freq: torch.Tensor | None = None,
-                 attention_scaling: float = 1.0, device: torch.device | str = "cpu"):
+                 attention_scaling: float = 1.0, device: torch.device | str = "cpu",
+                 float32_tables: bool = False):
+        """float32_tables: tables() returns float32 whatever the model dtype (Llama 4 rotates in float32 with
+        float32 cos/sin, as transformers' complex form does)."""
         self.rotary_dim = rotary_dim
+        self.float32_tables = float32_tables
         if inv_freq is None:
             inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
         self.inv_freq = inv_freq.to(device)  # [R/2]
@@ -35,6 +41,8 @@ class RotaryEmbedding:
         cos, sin = emb.cos(), emb.sin()
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        if self.float32_tables:
+            return cos, sin
         return cos.to(dtype), sin.to(dtype)
 
 
@@ -65,8 +73,25 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return (x32 * c + rotated * s).to(x.dtype)
 
 
+def llama3_inv_freq(dim: int, theta: float, scaling: Llama3Scaling) -> torch.Tensor:
+    """rope_type "llama3" (transformers' _compute_llama3_parameters, the same float32 steps): long wavelengths
+    divided by `factor`, short ones kept, the band between interpolated. -> inv_freq [dim/2] float32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # [dim/2]
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def build_rope(cfg: MoEModelConfig, device: torch.device | str = "cpu") -> RotaryEmbedding:
     """The model's rotary embedding, from its config (families with scaled RoPE add their variant here)."""
+    if cfg.family == "llama4":
+        inv_freq = None if cfg.llama3_rope is None else llama3_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.llama3_rope)
+        return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, inv_freq, device=device, float32_tables=True)
     if cfg.rotary_dim or cfg.yarn is not None:  # DeepSeek (MLA rope part, YaRN), GLM-4.5 (partial rotary)
         from .rope_yarn import yarn_inv_freq
 

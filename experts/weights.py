@@ -12,6 +12,8 @@ use. Routed experts come in one of these on-disk layouts, detected from the chec
   files is saved again, with `save_pretrained(save_original_format=False)`, and by recent Qwen releases;
 - fused_interleaved (gpt-oss): `gate_up_proj` [E, H, 2I] whose columns alternate gate, up; `down_proj` [E, I, H];
   `gate_up_proj_bias` [E, 2I], `down_proj_bias` [E, H];
+- fused_in_out (Llama 4, its only layout): `feed_forward.experts.gate_up_proj` [E, H, 2I] in x @ W form (gate
+  columns, then up columns) and `down_proj` [E, I, H], under `cfg.weight_prefix` (experts/weights_llama4.py);
 - mxfp4 (gpt-oss as published): `*_blocks` u8 / `*_scales` u8 instead of `gate_up_proj` and `down_proj`, dequantised
   on load (experts/mxfp4.py); biases as fused_interleaved.
 
@@ -36,13 +38,18 @@ from .fp8 import read_weights, scale_names
 from .mxfp4 import dequantize as dequantize_mxfp4
 from .quant import quantize_mlp
 from .weights_deepseek import deepseek_dense_tensor_names, load_deepseek_dense_weights
+from .weights_llama4 import FAMILIES as LLAMA4_FAMILIES
+from .weights_llama4 import llama4_dense_tensor_names, llama4_expert_prefix, load_llama4_dense_weights
+from .weights_mimo_v2_flash import FAMILIES as MIMO_FAMILIES
+from .weights_mimo_v2_flash import load_mimo_dense_weights, mimo_dense_tensor_names
 from .weights_minimax_ernie_hunyuan import FAMILIES as SELECTION_BIAS_FAMILIES
 from .weights_minimax_ernie_hunyuan import family_dense_tensor_names, load_family_dense_weights
 
 Shard = tuple[int, int]  # (layer, expert)
 
 PER_EXPERT, FUSED, FUSED_INTERLEAVED, MXFP4 = "per_expert", "fused", "fused_interleaved", "mxfp4"
-EXPERT_LAYOUTS = (PER_EXPERT, FUSED, FUSED_INTERLEAVED, MXFP4)
+FUSED_IN_OUT = "fused_in_out"
+EXPERT_LAYOUTS = (PER_EXPERT, FUSED, FUSED_INTERLEAVED, MXFP4, FUSED_IN_OUT)
 INTERLEAVED_FAMILIES = ("gpt_oss",)  # stacked [E, H, 2I] with alternating gate/up columns, biases; never per-expert
 
 
@@ -53,24 +60,29 @@ def expert_tensor_names(cfg: MoEModelConfig, layer: int, expert: int) -> dict[st
         prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
         names = {"gate": "w1.weight", "up": "w3.weight", "down": "w2.weight"}
     else:
-        prefix = f"{fused_expert_prefix(layer)}{expert}."
+        prefix = f"{fused_expert_prefix(layer, cfg)}{expert}."
         names = {"gate": "gate_proj.weight", "up": "up_proj.weight", "down": "down_proj.weight"}
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     return {role: (prefix + name, shapes[role]) for role, name in names.items()}
 
 
-def fused_expert_prefix(layer: int) -> str:
-    """Where transformers 5 keeps a layer's stacked experts (every family, Mixtral included)."""
+def fused_expert_prefix(layer: int, cfg: MoEModelConfig | None = None) -> str:
+    """Where transformers 5 keeps a layer's stacked experts (every family, Mixtral included; Llama 4 its own)."""
+    if cfg is not None and cfg.family in LLAMA4_FAMILIES:
+        return llama4_expert_prefix(cfg, layer)
     return f"model.layers.{layer}.mlp.experts."
 
 
 def fused_tensor_names(cfg: MoEModelConfig, layer: int, layout: str) -> dict[str, tuple[int, ...]]:
     """role -> (on-disk name, full stacked shape) of one layer's experts in a stacked layout."""
     e, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
-    base = fused_expert_prefix(layer)
+    base = fused_expert_prefix(layer, cfg)
     if layout == FUSED:
         return {"gate_up": (base + "gate_up_proj", (e, 2 * inter, hidden)),
                 "down": (base + "down_proj", (e, hidden, inter))}
+    if layout == FUSED_IN_OUT:
+        return {"gate_up": (base + "gate_up_proj", (e, hidden, 2 * inter)),
+                "down": (base + "down_proj", (e, inter, hidden))}
     biases = {"gate_up_bias": (base + "gate_up_proj_bias", (e, 2 * inter)),
               "down_bias": (base + "down_proj_bias", (e, hidden))}
     if layout == FUSED_INTERLEAVED:
@@ -91,7 +103,9 @@ def expert_layout(cfg: MoEModelConfig, has) -> str:
     """The layout of the routed experts, from the tensor names (`has(name) -> bool`) of the first MoE layer."""
     if not cfg.moe_layers:
         return PER_EXPERT
-    base = fused_expert_prefix(cfg.moe_layers[0])
+    if cfg.family in LLAMA4_FAMILIES:
+        return FUSED_IN_OUT  # the only layout transformers writes for it (a missing tensor is reported by name)
+    base = fused_expert_prefix(cfg.moe_layers[0], cfg)
     if has(base + "gate_up_proj_blocks"):
         return MXFP4
     if cfg.family in INTERLEAVED_FAMILIES:
@@ -229,6 +243,8 @@ def _expert_from_rows(
     """One expert's rows of the stacked tensors -> GatedMLPWeights ([2I, H] gate rows then up rows, [H, I])."""
     if layout == FUSED:
         return GatedMLPWeights(gate_up=t["gate_up"].contiguous(), down=t["down"].contiguous())
+    if layout == FUSED_IN_OUT:  # x @ W form [H, 2I] (gate columns, then up) and [I, H]: F.linear's [out, in]
+        return GatedMLPWeights(gate_up=t["gate_up"].t().contiguous(), down=t["down"].t().contiguous())
     if layout == MXFP4:
         gate_up = dequantize_mxfp4(t["gate_up_blocks"], t["gate_up_scales"], dtype)  # [2I, H], rows alternate gate, up
         down = dequantize_mxfp4(t["down_blocks"], t["down_scales"], dtype)  # [H, I]
@@ -264,7 +280,9 @@ class DenseFamily(NamedTuple):
 DENSE_FAMILIES: dict[str, DenseFamily] = {
     family: DenseFamily(lambda cfg, stacked: deepseek_dense_tensor_names(cfg), load_deepseek_dense_weights)
     for family in DEEPSEEK_FAMILIES
-} | {family: DenseFamily(family_dense_tensor_names, load_family_dense_weights) for family in SELECTION_BIAS_FAMILIES}
+} | {family: DenseFamily(family_dense_tensor_names, load_family_dense_weights) for family in SELECTION_BIAS_FAMILIES} \
+    | {family: DenseFamily(llama4_dense_tensor_names, load_llama4_dense_weights) for family in LLAMA4_FAMILIES} \
+    | {family: DenseFamily(mimo_dense_tensor_names, load_mimo_dense_weights) for family in MIMO_FAMILIES}
 
 
 def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:

@@ -37,7 +37,7 @@ from tests.router_step import (  # noqa: E402
 )
 
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2_grouped", "glm4_moe", "many_experts",
-            "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe")
+            "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "llama4", "mimo_v2_flash")
 
 
 def write_checkpoint(family: str, out: Path) -> Path:
@@ -45,11 +45,17 @@ def write_checkpoint(family: str, out: Path) -> Path:
     from tests.tiny_deepseek import write_deepseek_checkpoint
     from tests.tiny_fam1 import KINDS as FAM1_KINDS
     from tests.tiny_fam1 import write_fam1_checkpoint
+    from tests.tiny_llama4 import write_llama4_checkpoint
+    from tests.tiny_mimo_v2_flash import write_mimo_checkpoint
 
     if family.startswith("deepseek") or family == "glm4_moe":
         return write_deepseek_checkpoint(family, out)
     if family in FAM1_KINDS:  # MiniMax-M2, ERNIE 4.5 MoE, Hunyuan-A13B
         return write_fam1_checkpoint(family, out)
+    if family == "llama4":  # chunked attention (chunk 8), NoPE layers with temperature, input-scaled top-1
+        return write_llama4_checkpoint(out)
+    if family == "mimo_v2_flash":  # per-layer KV shapes, sinks on sliding layers, per-kind RoPE, grouped router
+        return write_mimo_checkpoint(out)
     if family == "many_experts":  # 128 experts, top-8: > 16 pieces per layer, the rank-pass combine
         return write_hf_checkpoint("qwen3_moe", out, num_experts=128, num_experts_per_tok=8)
     return write_hf_checkpoint(family, out)

@@ -1,7 +1,10 @@
 """MiniMax-M2 (as published: block-scaled FP8, Mixtral's per-expert names), ERNIE 4.5 MoE (dense layer 0, shared
 experts, softmax router with selection bias) and Hunyuan-A13B (transformers' stacked layout, shared MLP, NTK-alpha
-RoPE) through the distributed router on one local Ray: served logits and routings == the in-process reference bit
-for bit, greedy tokens equal the reference's and `transformers`' (on the unquantised twin for MiniMax-M2's FP8)."""
+RoPE) and Llama 4 (the multimodal wrapper's text part under `language_model.`: chunked attention, NoPE layers with
+temperature, the router score scaling the expert input) and MiMo-V2-Flash (KV heads that differ by layer, sinks on
+the sliding layers, grouped sigmoid router) through the distributed router on one local Ray: served
+logits and routings == the in-process reference bit for bit, greedy tokens equal the reference's and `transformers`'
+(on the unquantised twin for MiniMax-M2's FP8)."""
 
 from __future__ import annotations
 
@@ -12,20 +15,31 @@ from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.tiny_checkpoints import greedy_tokens
 from tests.tiny_fam1 import VOCAB, write_fam1_checkpoint
+from tests.tiny_llama4 import load_hf, write_llama4_checkpoint
+from tests.tiny_mimo_v2_flash import write_mimo_checkpoint
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
 # name -> (family, writer options)
 CASES = {"minimax_m2_fp8": ("minimax_m2", dict(fp8_block=(8, 8))),
          "ernie4_5_moe": ("ernie4_5_moe", {}),
-         "hunyuan_v1_moe_fused": ("hunyuan_v1_moe", dict(fused=True))}
+         "hunyuan_v1_moe_fused": ("hunyuan_v1_moe", dict(fused=True)),
+         "llama4_wrapper": ("llama4", dict(wrapper=True)),
+         "mimo_v2_flash": ("mimo_v2_flash", dict(n_routed_experts=4))}  # 4 actors: 2 groups of 2, one chosen
+
+
+def _write(kind: str, out, **options):
+    if kind == "llama4":  # scout-like: chunk 8, so the 13-token sequence and the generation cross a chunk
+        return write_llama4_checkpoint(out, seed=7, **options)
+    if kind == "mimo_v2_flash":  # window 5: every sequence but the 4-token one outgrows it
+        return write_mimo_checkpoint(out, seed=7, **options)
+    return write_fam1_checkpoint(kind, out, seed=7, **options)
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("served_fam1")
-    return {name: write_fam1_checkpoint(kind, root / name, seed=7, **options)
-            for name, (kind, options) in CASES.items()}
+    return {name: _write(kind, root / name, **options) for name, (kind, options) in CASES.items()}
 
 
 def _sequences() -> list[list[int]]:
@@ -64,7 +78,10 @@ def test_greedy_tokens_equal_transformers(folders, tmp_path):
         path = folders[name]
         if options.get("fp8_block"):
             path = write_fam1_checkpoint(kind, tmp_path / kind, seed=7)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if kind == "llama4":  # the wrapper's text model (its own generate needs the image path)
+            hf = load_hf(path).language_model
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():
             expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                    pad_token_id=0)[0, len(prompt):].tolist()

@@ -37,7 +37,7 @@ class CatOracle:
         self.history: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         self.names: list[str] = []  # the sequences of the current step, in order
 
-    def __call__(self, layout, layer, q, entries, keys_values, scale, window, sinks):
+    def __call__(self, layout, layer, q, entries, keys_values, scale, window, sinks, chunk=None):
         outs, offset = [], 0
         for name, n, start in zip(self.names, layout.lengths, layout.starts):
             held = self.history.get((name, layer))
@@ -46,7 +46,7 @@ class CatOracle:
             assert next(iter(held.values())).shape[0] == start + n
             self.history[(name, layer)] = held
             k, v = keys_values(held)  # [L, kvh, D]
-            outs.append(attend_prefill(q[offset:offset + n], k, v, start, scale, window, sinks))
+            outs.append(attend_prefill(q[offset:offset + n], k, v, start, scale, window, sinks, chunk))
             offset += n
         return torch.cat(outs)
 
@@ -74,7 +74,15 @@ SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("which", ["mixtral", "windowed"])
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory):
+    """Llama 4: chunked attention (chunk 8) on its RoPE layers, position-scaled queries on its NoPE layers."""
+    from tests.tiny_llama4 import write_llama4_checkpoint
+
+    return load_reference_model(write_llama4_checkpoint(tmp_path_factory.mktemp("paged") / "llama4"))
+
+
+@pytest.mark.parametrize("which", ["mixtral", "windowed", "chunked"])
 def test_paged_steps_equal_the_concatenated_cache_oracle(which, request, monkeypatch):
     """Prefill, decode, mixed steps and chunks, through block tables: the same logits as the cat-grown cache with
     one attention call per sequence (and the sliding window masks the same keys)."""
@@ -100,6 +108,8 @@ def test_paged_steps_equal_the_concatenated_cache_oracle(which, request, monkeyp
     assert fed == {"a": 11, "b": 17, "c": 14}
     if which == "windowed":
         assert model.cfg.sliding_layers and max(fed.values()) > model.cfg.sliding_window  # the window did bite
+    if which == "chunked":
+        assert model.cfg.chunked_layers and max(fed.values()) > 2 * model.cfg.attention_chunk_size  # 3 chunks
 
 
 class _OracleLayout:
