@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict
 
@@ -40,6 +41,7 @@ from .dispatch import NoReplicaError
 from .error_log import ClientErrorLog, quiet_serve_request_logs
 from .errors import RequestError, check_token_ids
 from .expert_pool import connect_actors
+from .grammar_mask import grammar_tokenizer
 from .proto_mapping import ApiError
 from .router import Router
 from .startup import start_mesh
@@ -142,6 +144,16 @@ class RouterDeployment:
         except (OSError, ValueError) as exc:  # an unreadable tokenizer_config.json must not stop the server
             log.warning("no chat template: cannot read tokenizer_config.json (%s)", exc)
             self.chat_template = None
+        self._grammar_tokenizer = None  # llguidance's tokenizer, built on the first structured-output request
+        self._grammar_lock = threading.Lock()
+
+    def _llg_tokenizer(self):
+        """llguidance's view of the model's tokenizer (~1 s to build, so once, on first use, off the event loop)."""
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = grammar_tokenizer(self.router.tokenizer.to_str(), self.cfg.vocab_size,
+                                                            self.cfg.eos_token_id)
+            return self._grammar_tokenizer
 
     def _authorize(self, grpc_context) -> None:
         token = self.config.server.auth_token
@@ -203,7 +215,8 @@ class RouterDeployment:
         span = self.router.observer.start_request(None, rpc="OpenAIGenerate")
         try:
             plan = await asyncio.to_thread(
-                openai_requests.plan, job, self.cfg, self.router.encode, self._encode_rendered, self.chat_template)
+                openai_requests.plan, job, self.cfg, self.router.encode, self._encode_rendered, self.chat_template,
+                self._llg_tokenizer if self.router.tokenizer is not None else None)
             events = openai_generation.job_events(
                 job, plan, stream=lambda request: self.batcher.stream(request, span=span),
                 score=lambda ids: self.batcher.run_exclusive(lambda: self.router.score_batch(ids)),

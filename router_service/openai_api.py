@@ -6,8 +6,9 @@ Supported (docs/serving/openai-http.md lists every field): /v1/completions and /
 max_tokens / max_completion_tokens, temperature, top_p, top_k, seed, stop (strings), stop_token_ids, ignore_eos,
 min_tokens, n, best_of (completions), presence / frequency / repetition penalties, logit_bias, logprobs /
 top_logprobs, echo with prompt logprobs (completions; max_tokens = 0 allowed with it), a batch of prompts
-(completions), stream + stream_options (include_usage, continuous_usage_stats). Fields that would change the output
-and that expertmesh does not implement (suffix, tools, response_format other than text) are refused with a 400
+(completions), stream + stream_options (include_usage, continuous_usage_stats), structured output (response_format
+json_object / json_schema and vLLM's structured_outputs / guided_* regex, choice, grammar: structured_output.py).
+Fields that would change the output and that expertmesh does not implement (suffix, tools) are refused with a 400
 naming them, never silently ignored.
 expertmesh's routing summary rides in an `expertmesh` field that standard clients ignore.
 """
@@ -18,6 +19,9 @@ import json
 import math
 import re
 from dataclasses import dataclass
+
+from . import structured_output
+from .structured_output import Constraint
 
 # gRPC status code names (router_service/proto_mapping.py ApiError.code) -> HTTP status.
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
@@ -101,6 +105,7 @@ class OpenAIJob:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    constraint: Constraint | None = None  # structured output: the grammar every choice's tokens must follow
     # Failover only (router_service/openai_continuation.py): set by the HTTP front when it re-sends the job to a live
     # router replica, never from a client's body. Per choice index, the token ids the client already has; the
     # choices whose echo, and whose final event, it already has.
@@ -209,6 +214,7 @@ def _common(body: dict, served_model: str) -> dict:
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, low_open=True),
         "logit_bias": _logit_bias(body), "stop_token_ids": _token_ids(body, "stop_token_ids"),
         "ignore_eos": _bool(body, "ignore_eos"), "min_tokens": _optional_int(body, "min_tokens", 0) or 0,
+        "constraint": structured_output.parse(body),
     }
 
 
@@ -298,10 +304,6 @@ def parse_chat(body: dict, served_model: str) -> OpenAIJob:
     for name in ("tools", "functions"):
         if body.get(name):
             raise invalid(name, "tool calling is not supported")
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict)
-                                        or response_format.get("type") != "text"):
-        raise invalid("response_format", "only {\"type\": \"text\"} is supported")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "required: a non-empty list of {role, content}")

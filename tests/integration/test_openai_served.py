@@ -244,8 +244,9 @@ BAD = [  # (endpoint, fields, HTTP status, param)
     ("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9999}, 400,
      "max_completion_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "bogus"}}}},
+     400, "response_format"),
 ]
 
 
