@@ -28,6 +28,8 @@ async def job_events(job: OpenAIJob, plan: openai_requests.Plan,
     """stream(request): the batcher's events of one sequence (closing it cancels the sequence); score(prompts):
     each prompt's logits [S, V] (echo with logprobs); decode(ids): text or None (no tokenizer)."""
     echoed, finished = set(job.echoed), set(job.finished)
+    if job.tools is not None:  # the front parses calls in the syntax of this model's template
+        yield {"tools": {"index": 0, "family": plan.tool_family}}
     if job.echo and len(echoed) < job.num_choices:
         scored = [None] * len(plan.prompt_ids)
         if job.top_logprobs is not None:  # every prompt of the batch in one forward, between steps

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..experts.config import MoEModelConfig
+from . import tool_calls
 from .batching import DoneEvent, GenerationRequest, TokenEvent
 from .chat_template import ChatTemplate
 from .errors import RequestError, check_budget, check_token_ids
@@ -32,6 +33,7 @@ class Plan:
     prompt_ids: list[list[int]]
     prompt_texts: list[str | None]
     requests: list[GenerationRequest]
+    tool_family: str | None = None  # chat with tools: the syntax the model writes calls in (tool_calls.py)
 
 
 def plan(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]],
@@ -45,12 +47,19 @@ def plan(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]]
         if chat_template is None:
             raise RequestError("messages", "this model's checkpoint has no chat template (tokenizer_config.json "
                                            "chat_template); use /v1/completions with a prompt")
-        text = chat_template.render(list(job.messages), add_generation_prompt=True)
+        tool_family = None
+        if job.tools is not None:
+            tool_family = tool_calls.family_of(chat_template.source)
+            if job.tools.forced and tool_family != "hermes":
+                raise RequestError("tool_choice", f"required / named is enforced for the hermes tool-call syntax "
+                                                  f"only; this model's chat template writes {tool_family} (use auto)")
+        text = chat_template.render(list(job.messages), add_generation_prompt=True,
+                                    tools=list(job.tools.tools) if job.tools is not None else None)
         _check_size(text, cfg.max_position_embeddings, "messages")
         prompts, texts = [encode_rendered(text)], [None]
         fields = ["messages"]
     else:
-        prompts, texts, fields = [], [], []
+        prompts, texts, fields, tool_family = [], [], [], None
         for i, prompt in enumerate(job.prompts):
             field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
@@ -81,7 +90,7 @@ def plan(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]]
                 top_logprobs=top, min_tokens=job.min_tokens, grammar=grammar))
     if job.resumed:
         requests = _resumed(job, requests, cfg.vocab_size)
-    return Plan(prompt_ids=prompts, prompt_texts=texts, requests=requests)
+    return Plan(prompt_ids=prompts, prompt_texts=texts, requests=requests, tool_family=tool_family)
 
 
 def _resumed(job: OpenAIJob, requests: list[GenerationRequest], vocab_size: int) -> list[GenerationRequest]:

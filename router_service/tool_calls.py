@@ -1,0 +1,381 @@
+"""Tool calls in chat: the request's `tools` / `tool_choice` validated, the model's tool-call syntax recognised from
+its chat template, generated text parsed into OpenAI `tool_calls`, and the grammar that forces a call when
+`tool_choice` is "required" or names a function. Pure (llguidance for the grammar, no torch, no Ray): the HTTP front
+parses and validates here; the router renders `tools` through the chat template and constrains with the grammar;
+the front parses the generated text (router_service/openai_responses.py).
+
+Families, recognised by what their published chat templates write (docs/serving/openai-http.md):
+  hermes    Qwen2.5 / Qwen3 / Hermes:  <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+  deepseek  DeepSeek-V3 / R1 / V3.1:   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+                                       \n```json\n{...}\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+                                       (V3.1: NAME<｜tool▁sep｜>{...} without the fence)
+  glm45     GLM-4.5 / 4.6:             <tool_call>NAME\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n</tool_call>
+  harmony   gpt-oss:                   <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
+A template that writes none of these (the embedded demo model's) gets the hermes syntax: its calls are then only
+what a forced `tool_choice` produces.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from llguidance import LLMatcher
+
+from .structured_output import JSON_OPTIONS, Constraint, check, lark_literal
+
+_NAME = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")  # OpenAI's function-name rule (plus ".", which MCP names use)
+FAMILIES = ("hermes", "deepseek", "glm45", "harmony")
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's validated tools: the OpenAI tool objects, and the choice ("auto", "none", "required", or
+    "named" with `name`)."""
+
+    tools: tuple[dict, ...]
+    choice: str = "auto"
+    name: str | None = None
+
+    @property
+    def functions(self) -> list[dict]:
+        return [t["function"] for t in self.tools]
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in ("required", "named")
+
+
+def _invalid(param: str, message: str):
+    from .openai_api import invalid  # late: openai_api imports this module
+
+    return invalid(param, message)
+
+
+def parse_tools(body: dict) -> ToolRequest | None:
+    """`tools` and `tool_choice` of a chat body -> ToolRequest, or None when no tool may be called. OpenAIError (400
+    naming the field) when malformed."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise _invalid("functions", "the deprecated functions / function_call are not supported; use tools")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise _invalid("tool_choice", "needs tools")
+        return None
+    if not isinstance(tools, list):
+        raise _invalid("tools", "must be a list of {\"type\": \"function\", \"function\": {name, parameters}}")
+    clean, names = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise _invalid(where, "must be {\"type\": \"function\", \"function\": {...}} (only function tools)")
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _invalid(f"{where}.function.name", "must be 1-64 letters, digits, _, - or .")
+        if name in names:
+            raise _invalid(f"{where}.function.name", f"{name!r} is given twice")
+        names.add(name)
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise _invalid(f"{where}.function.parameters", "must be a JSON schema object")
+        description = fn.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _invalid(f"{where}.function.description", "must be a string")
+        clean.append({"type": "function", "function": {
+            "name": name, **({"description": description} if description is not None else {}),
+            "parameters": params}})
+    if choice is None or choice == "auto":
+        request = ToolRequest(tuple(clean), "auto")
+    elif choice == "none":
+        return None
+    elif choice == "required":
+        request = ToolRequest(tuple(clean), "required")
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise _invalid("tool_choice", f"names function {json.dumps(name)[:64]}, which is not in tools")
+        request = ToolRequest(tuple(clean), "named", name)
+    else:
+        raise _invalid("tool_choice", "must be none, auto, required or {\"type\": \"function\", \"function\": "
+                                      "{\"name\": ...}}")
+    return request
+
+
+def family_of(template_source: str | None) -> str:
+    """Which tool-call syntax a chat template writes (module docstring); hermes when it writes none."""
+    source = template_source or ""
+    if "<|channel|>" in source or "to=functions." in source:
+        return "harmony"
+    if "tool▁call▁begin" in source or "tool▁calls▁begin" in source:
+        return "deepseek"
+    if "<arg_key>" in source:
+        return "glm45"
+    return "hermes"
+
+
+# ---- the forcing grammar ---------------------------------------------------------------------------------------
+
+def forced_grammar(request: ToolRequest) -> Constraint:
+    """The grammar that makes the model call a tool, in the hermes syntax: one call of the named function, or of
+    any of the tools ("required"), its arguments following the function's parameters schema. (The other families'
+    call syntax is made of special tokens, which the grammar would have to name as tokens: not built yet, so the
+    router refuses required / named for them, naming tool_choice.) A schema llguidance cannot compile: 400 naming
+    tools."""
+    functions = [f for f in request.functions if request.choice != "named" or f["name"] == request.name]
+    alternatives = []
+    for fn in functions:
+        alternatives.append({"type": "object", "properties": {
+            "name": {"const": fn["name"]}, "arguments": fn["parameters"]},
+            "required": ["name", "arguments"], "additionalProperties": False})
+    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    schema = schema | {"x-guidance": JSON_OPTIONS}
+    lark = f"start: {lark_literal('<tool_call>' + chr(10))} call {lark_literal(chr(10) + '</tool_call>')}\n" \
+           f"call: %json {json.dumps(schema)}\n"
+    grammar = LLMatcher.grammar_from_lark(lark)
+    check("tools", grammar)
+    return Constraint(kind="tool_call", param="tools", grammar=grammar)
+
+
+# ---- parsing generated text ------------------------------------------------------------------------------------
+
+@dataclass
+class Parsed:
+    """Generated text split into what the user reads and the calls: (name, arguments as a JSON string)."""
+
+    content: str
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _arguments(value) -> str | None:
+    """Arguments as OpenAI sends them: a JSON string of an object (a string that holds JSON is kept as is)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dict):
+        return None
+    return json.dumps(value, ensure_ascii=False)
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+def parse_hermes(text: str) -> Parsed:
+    """Qwen / Hermes: each <tool_call>{"name", "arguments"}</tool_call> (the last may lack its closing tag when the
+    model stopped at end-of-sequence). A block that is not a call stays in the content."""
+    content, calls, at = [], [], 0
+    for match in _HERMES.finditer(text):
+        call = _json_call(match.group(1))
+        if call is None:
+            continue
+        content.append(text[at:match.start()])
+        calls.append(call)
+        at = match.end()
+    content.append(text[at:])
+    return Parsed("".join(content).strip() if calls else text, calls)
+
+
+def _json_call(body: str) -> tuple[str, str] | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = _arguments(obj.get("arguments", obj.get("parameters", {})))
+    return None if args is None else (obj["name"], args)
+
+
+_DS_BEGIN = "<｜tool▁calls▁begin｜>"
+_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(?:(?P<type>\w+)<｜tool▁sep｜>(?P<name>[^\n<]+)\n```(?:json)?\n"
+                      r"(?P<args>.*?)\n```|(?P<name31>[^<]+?)<｜tool▁sep｜>(?P<args31>.*?))<｜tool▁call▁end｜>", re.S)
+
+
+def parse_deepseek(text: str) -> Parsed:
+    """DeepSeek-V3 / R1 (function<｜tool▁sep｜>NAME, arguments in a ```json fence) and V3.1
+    (NAME<｜tool▁sep｜>{...}); the content is the text before the calls."""
+    at = text.find(_DS_BEGIN)
+    if at == -1:
+        return Parsed(text)
+    calls = []
+    for match in _DS_CALL.finditer(text, at):
+        name = match.group("name") or match.group("name31")
+        args = _arguments(match.group("args") if match.group("args") is not None else match.group("args31"))
+        if name and args is not None:
+            calls.append((name.strip(), args))
+    if not calls:
+        return Parsed(text)
+    return Parsed(text[:at].strip(), calls)
+
+
+_GLM_CALL = re.compile(r"<tool_call>\s*(?P<name>[^\n<]+?)\s*(?P<body>(?:<arg_key>.*?)?)\s*</tool_call>", re.S)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def parse_glm45(text: str, tools: tuple[dict, ...] = ()) -> Parsed:
+    """GLM-4.5: <tool_call>NAME then <arg_key>/<arg_value> pairs. A value is a string unless the function's schema
+    types that parameter otherwise (then it is read as JSON, as GLM's template writes non-strings with tojson)."""
+    types = {t["function"]["name"]: t["function"].get("parameters", {}).get("properties", {}) for t in tools}
+    content, calls, at = [], [], 0
+    for match in _GLM_CALL.finditer(text):
+        name = match.group("name").strip()
+        props = types.get(name, {})
+        args = {}
+        for key, raw in _GLM_ARG.findall(match.group("body")):
+            key = key.strip()
+            declared = props.get(key, {}).get("type") if isinstance(props.get(key), dict) else None
+            value = raw
+            if declared != "string":
+                try:
+                    value = json.loads(raw)
+                except ValueError:
+                    value = raw
+            args[key] = value
+        content.append(text[at:match.start()])
+        calls.append((name, json.dumps(args, ensure_ascii=False)))
+        at = match.end()
+    content.append(text[at:])
+    return Parsed("".join(content).strip() if calls else text, calls)
+
+
+_HARMONY_MESSAGE = re.compile(r"(?:<\|start\|>)?(?P<header>(?:(?!<\|message\|>|<\|start\|>).)*)<\|message\|>"
+                              r"(?P<body>.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|$)", re.S)
+_RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_\-.]+)")
+_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+
+def parse_harmony(text: str) -> Parsed:
+    """gpt-oss harmony: messages `[<|start|>assistant]<|channel|>C[ to=functions.NAME][ <|constrain|>json]<|message|>
+    BODY<|end|>|<|call|>|<|return|>`. A message to functions.NAME is a call (BODY: its JSON arguments); the final
+    channel is the content; analysis (reasoning) is not returned. Text without any harmony header is content."""
+    messages = list(_HARMONY_MESSAGE.finditer(text))
+    if not messages:
+        return Parsed(text)
+    content, calls = [], []
+    for match in messages:
+        header = match.group("header")
+        recipient = _RECIPIENT.search(header)
+        if recipient:
+            args = _arguments(match.group("body").strip())
+            if args is not None:
+                calls.append((recipient.group(1), args))
+            continue
+        channel = _CHANNEL.search(header)
+        if channel is None or channel.group(1) == "final":
+            content.append(match.group("body"))
+    return Parsed("".join(content).strip(), calls)
+
+
+def parse(text: str, family: str, tools: tuple[dict, ...] = ()) -> Parsed:
+    if family == "hermes":
+        return parse_hermes(text)
+    if family == "deepseek":
+        return parse_deepseek(text)
+    if family == "glm45":
+        return parse_glm45(text, tools)
+    if family == "harmony":
+        return parse_harmony(text)
+    raise ValueError(f"unknown tool-call family {family!r}")
+
+
+# Where calls may begin; harmony's whole output is headed messages, so it is parsed from the first character.
+START_MARKERS = {"hermes": "<tool_call>", "deepseek": _DS_BEGIN, "glm45": "<tool_call>", "harmony": ""}
+
+
+def call_id() -> str:
+    """An id for one call, as OpenAI's look (call_ + 24 random characters)."""
+    return "call_" + secrets.token_hex(12)
+
+
+def tool_call_dicts(calls: list[tuple[str, str]], first_index: int = 0, stream: bool = False) -> list[dict]:
+    """OpenAI's tool_calls entries (streamed deltas carry their index)."""
+    out = []
+    for k, (name, args) in enumerate(calls):
+        entry = {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+        out.append({"index": first_index + k} | entry if stream else entry)
+    return out
+
+
+class ToolStream:
+    """One streamed choice's text split into content deltas and tool-call deltas as it grows. Content is released
+    up to the first tool-call start marker (holding back a tail that could be the start of one); from the marker on
+    the text is held and parsed, and each call is sent whole once complete (one delta carrying id, name and the
+    arguments, which the openai client accumulates like OpenAI's fragments)."""
+
+    def __init__(self, family: str, tools: tuple[dict, ...] = ()):
+        self.family, self.tools = family, tools
+        self.marker = START_MARKERS[family]
+        self.text = ""
+        self.sent = 0  # characters of text released as content
+        self.calls_sent = 0
+        self.in_calls = False
+
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        """The content to send now and the tool-call deltas completed by `piece`."""
+        self.text += piece
+        if self.family == "harmony":
+            return self._harmony_content(), self._new_calls(final=False)
+        if not self.in_calls:
+            at = self.text.find(self.marker, self.sent)
+            if at == -1:
+                safe = len(self.text) - _prefix_tail(self.text, self.marker)
+                out = self.text[self.sent:safe] if safe > self.sent else ""
+                self.sent = max(self.sent, safe)
+                return out, []
+            out = self.text[self.sent:at]
+            self.sent = at
+            self.in_calls = True
+            return out, self._new_calls(final=False)
+        return "", self._new_calls(final=False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """At the end: the calls not sent yet, and the content not sent yet (the held text when it held no call;
+        after calls, what the whole text's parse has beyond the content already sent)."""
+        calls = self._new_calls(final=True)
+        if self.family == "harmony":
+            self.text += "<|end|>"  # closes a final message cut short
+            return self._harmony_content(), calls
+        if self.calls_sent == 0:  # no call after all: the held text is content
+            rest = self.text[self.sent:]
+            self.sent = len(self.text)
+            return rest, calls
+        sent = self.text[:self.sent].strip()
+        content = parse(self.text, self.family, self.tools).content
+        return (content[len(sent):] if content.startswith(sent) else ""), calls
+
+    def _harmony_content(self) -> str:
+        """harmony: the final channel's text so far, less a tail that may be the start of a header token."""
+        text = self.text
+        cut = text.rfind("<|")
+        if cut != -1 and "|>" not in text[cut:]:
+            text = text[:cut]
+        content = parse_harmony(text).content if "<|message|>" in text else ""
+        out = content[self.sent:] if len(content) > self.sent else ""
+        self.sent = max(self.sent, len(content))
+        return out
+
+    @property
+    def called(self) -> bool:
+        return self.calls_sent > 0
+
+    def _new_calls(self, final: bool) -> list[dict]:
+        parsed = parse(self.text, self.family, self.tools).calls
+        # A call the parser reads from an unclosed block (hermes at end of text) may still grow: wait unless final.
+        if not final and self.family == "hermes" and not self.text.rstrip().endswith("</tool_call>"):
+            parsed = parsed[:self.text.count("</tool_call>")]
+        new = parsed[self.calls_sent:]
+        self.calls_sent += len(new)
+        return tool_call_dicts(new, self.calls_sent - len(new), stream=True)
+
+
+def _prefix_tail(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
