@@ -162,29 +162,41 @@ def _arguments(value) -> str | None:
     return json.dumps(value, ensure_ascii=False)
 
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+_DECODER = json.JSONDecoder()
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
 
 def parse_hermes(text: str) -> Parsed:
-    """Qwen / Hermes: each <tool_call>{"name", "arguments"}</tool_call> (the last may lack its closing tag when the
-    model stopped at end-of-sequence). A block that is not a call stays in the content."""
-    content, calls, at = [], [], 0
-    for match in _HERMES.finditer(text):
-        call = _json_call(match.group(1))
-        if call is None:
+    """Qwen / Hermes: each <tool_call>{"name", "arguments"}</tool_call>. The closing tag may be missing or cut (the
+    model stopped at end-of-sequence or max_tokens right after the JSON). A block that is not a call stays in the
+    content."""
+    content, calls, at, search = [], [], 0, 0
+    while (start := text.find(_HERMES_OPEN, search)) != -1:
+        body = start + len(_HERMES_OPEN)
+        while body < len(text) and text[body].isspace():
+            body += 1
+        try:
+            obj, end = _DECODER.raw_decode(text, body)
+        except ValueError:
+            search = body
             continue
-        content.append(text[at:match.start()])
+        call = _json_call(obj)
+        if call is None:
+            search = end
+            continue
+        rest = text[end:].lstrip()
+        if rest.startswith(_HERMES_CLOSE):
+            end = len(text) - len(rest) + len(_HERMES_CLOSE)
+        elif _HERMES_CLOSE.startswith(rest.rstrip()):  # cut inside the closing tag: it ends the text
+            end = len(text)
+        content.append(text[at:start])
         calls.append(call)
-        at = match.end()
+        at = search = end
     content.append(text[at:])
     return Parsed("".join(content).strip() if calls else text, calls)
 
 
-def _json_call(body: str) -> tuple[str, str] | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+def _json_call(obj) -> tuple[str, str] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = _arguments(obj.get("arguments", obj.get("parameters", {})))

@@ -135,6 +135,9 @@ def test_hermes_keeps_the_text_around_calls_and_takes_an_unclosed_last_call():
     text = 'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}'  # stopped at eos
     parsed = tool_calls.parse_hermes(text)
     assert parsed.content == "Let me check." and parsed.calls == [("get_time", '{"zone": "UTC"}')]
+    cut = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool'  # max_tokens inside the tag
+    assert tool_calls.parse_hermes(cut).calls == [("get_time", '{"zone": "UTC"}')]
+    assert tool_calls.parse_hermes(cut).content == ""
     broken = "<tool_call>\n{not json}\n</tool_call>"
     assert tool_calls.parse_hermes(broken).calls == [] and tool_calls.parse_hermes(broken).content == broken
 
