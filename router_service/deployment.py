@@ -32,7 +32,7 @@ from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
-from . import health, openai_generation, openai_requests, proto_mapping
+from . import health, openai_generation, openai_requests, proto_mapping, tool_calls
 from .admin_auth import admin_denial
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
 from .chat_template import load_chat_template
@@ -221,9 +221,14 @@ class RouterDeployment:
                 job, plan, stream=lambda request: self.batcher.stream(request, span=span),
                 score=lambda ids: self.batcher.run_exclusive(lambda: self.router.score_batch(ids)),
                 decode=self.router.decode, token_text=self._token_text)
+            special = None
+            if plan.tool_family in tool_calls.SPECIAL_FAMILIES and self.router.tokenizer is not None:
+                tokenizer = self.router.tokenizer
+                special = tool_calls.SpecialText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                                                 self.cfg.eos_token_id, job.resumed)
             async with contextlib.aclosing(events) as events:
                 async for event in events:
-                    yield event
+                    yield event if special is None else special.rewrite(event)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

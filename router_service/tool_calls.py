@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llguidance import LLMatcher
@@ -383,6 +384,43 @@ class ToolStream:
         new = parsed[self.calls_sent:]
         self.calls_sent += len(new)
         return tool_call_dicts(new, self.calls_sent - len(new), stream=True)
+
+
+# Families whose call markers are special tokens in their tokenizers (gpt-oss's harmony headers certainly): their
+# text is decoded with special tokens kept, or the parser would never see the markers.
+SPECIAL_FAMILIES = ("harmony", "deepseek", "glm45")
+
+
+class SpecialText:
+    """Rewrites the text of a tools job's token events as decoded with special tokens kept (the batcher's text
+    skips them). Per choice, the text is the decode of all its ids so far, less end-of-sequence, emitted as it grows
+    (held back while it ends in half a character). Stop strings still end the generation but are not cut from this
+    text. resumed: per choice index, the ids its client already has (a job re-sent after failover)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], eos_token_id: int | None,
+                 resumed: tuple[tuple[int, ...], ...] = ()):
+        self.decode, self.eos = decode, eos_token_id
+        self.ids = {i: list(ids) for i, ids in enumerate(resumed)}
+        self.emitted = {i: self._text(ids) for i, ids in self.ids.items()}
+
+    def _text(self, ids: list[int]) -> str:
+        return self.decode([t for t in ids if t != self.eos]) if ids else ""
+
+    def rewrite(self, event: dict) -> dict:
+        kind, body = next(iter(event.items()))
+        if kind not in ("token", "done"):
+            return event
+        index = body.get("index", 0)
+        ids = self.ids.setdefault(index, [])
+        emitted = self.emitted.setdefault(index, "")
+        if kind == "token":
+            ids.extend(body["ids"])
+            full = self._text(ids)
+            if full.endswith("\ufffd") or not full.startswith(emitted):
+                return {"token": body | {"text": ""}}
+            self.emitted[index] = full
+            return {"token": body | {"text": full[len(emitted):]}}
+        return event
 
 
 def _prefix_tail(text: str, marker: str) -> int:

@@ -261,3 +261,19 @@ def test_tools_reach_the_template_and_forced_choice_is_refused_for_special_token
     with pytest.raises(RequestError) as info:
         openai_requests.plan(forced, cfg, encode, capture, template("gpt_oss"), lambda: None)
     assert info.value.field == "tool_choice"
+
+
+def test_special_families_see_special_tokens_in_their_text_and_never_eos():
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)  # its <|pad|> (id 2) is a special token the batcher's text skips
+    words = tokenizer.encode("Hello there").ids
+    ids = [words[0], 2, *words[1:], 1]  # ... <|pad|> ... then eos (id 1)
+    special = tool_calls.SpecialText(lambda t: tokenizer.decode(t, skip_special_tokens=False), eos_token_id=1)
+    out = "".join(special.rewrite({"token": {"index": 0, "ids": [t], "text": tokenizer.decode([t])}})["token"]["text"]
+                  for t in ids)
+    assert "<|pad|>" in out and "<|eos|>" not in out
+    assert out.replace("<|pad|>", "") == tokenizer.decode(ids)
+    assert special.rewrite({"done": {"index": 0}}) == {"done": {"index": 0}}
+    # A job re-sent after failover continues after the text its client has.
+    resumed = tool_calls.SpecialText(lambda t: tokenizer.decode(t, skip_special_tokens=False), 1, ((words[0], 2),))
+    rest = resumed.rewrite({"token": {"index": 0, "ids": words[1:], "text": ""}})["token"]["text"]
+    assert out.startswith(tokenizer.decode([words[0], 2], skip_special_tokens=False)) and out.endswith(rest)
