@@ -236,3 +236,15 @@ def test_json_object_gives_an_object_and_stops_there(model, tokenizer, llg):
     grammar = TokenGrammar(llg, structured_output.compile_constraint("p", "json_object", True).grammar)
     ((_, text, reason),) = _run(model, tokenizer, [_request(tokenizer, "The data", grammar, 40, 1.0, seed=3)])
     assert reason == "stop" and isinstance(json.loads(text), dict), text
+
+
+def test_a_constrained_sequence_resumed_after_failover_continues_as_the_uninterrupted_one(model, tokenizer, llg):
+    # The batcher replays the resumed tokens into the matcher (batching._resume), so the masks after the resume
+    # are the uninterrupted run's and the seeded draws pick the same tokens.
+    grammar = TokenGrammar(llg, structured_output.compile_constraint("p", "json", SCHEMA).grammar)
+    request = _request(tokenizer, "The data", grammar, 60, temperature=1.0, seed=5)
+    ((ids, text, reason),) = _run(model, tokenizer, [request])
+    assert reason == "stop" and len(ids) > 6
+    resumed = GenerationRequest(**{**request.__dict__, "resumed_ids": tuple(ids[:6])})
+    ((rest, _, rest_reason),) = _run(model, tokenizer, [resumed])
+    assert rest == ids[6:] and rest_reason == "stop"
