@@ -277,3 +277,34 @@ def test_special_families_see_special_tokens_in_their_text_and_never_eos():
     resumed = tool_calls.SpecialText(lambda t: tokenizer.decode(t, skip_special_tokens=False), 1, ((words[0], 2),))
     rest = resumed.rewrite({"token": {"index": 0, "ids": words[1:], "text": ""}})["token"]["text"]
     assert out.startswith(tokenizer.decode([words[0], 2], skip_special_tokens=False)) and out.endswith(rest)
+
+
+def test_the_tools_event_comes_only_with_the_first_event_so_a_refused_request_fails_first():
+    from expertmesh.router_service import openai_generation
+    from expertmesh.router_service.batching import DoneEvent, QueueFullError
+
+    tokenizer, cfg = load_tokenizer(EMBEDDED_MODEL_DIR), _config()
+    job = parse_chat(chat(tools=TOOLS), MODEL)
+    plan = openai_requests.plan(job, cfg, lambda t: tokenizer.encode(t).ids,
+                                lambda t: tokenizer.encode(t, add_special_tokens=False).ids,
+                                load_chat_template(EMBEDDED_MODEL_DIR))
+
+    async def refused(request):
+        raise QueueFullError("full")
+        yield  # an async generator, as the batcher's stream
+
+    async def one_token(request):
+        yield DoneEvent("eos", len(request.prompt_ids), 1, {})
+
+    async def first_of(stream):
+        events = openai_generation.job_events(job, plan, stream, score=None, decode=tokenizer.decode,
+                                              token_text=lambda t: "")
+        try:
+            return [await anext(events), await anext(events)]
+        finally:
+            await events.aclose()
+
+    with pytest.raises(QueueFullError):
+        asyncio.run(first_of(refused))
+    tools_event, done = asyncio.run(first_of(one_token))
+    assert tools_event == {"tools": {"index": 0, "family": "hermes"}} and "done" in done
