@@ -147,6 +147,12 @@ class RouterDeployment:
         self._grammar_tokenizer = None  # llguidance's tokenizer, built on the first structured-output request
         self._grammar_lock = threading.Lock()
 
+    def _special_tokens(self) -> dict[str, int]:
+        """The tokenizer's special tokens, text -> id (a forced tool call names its markers by id)."""
+        if self.router.tokenizer is None:
+            return {}
+        return {t.content: i for i, t in self.router.tokenizer.get_added_tokens_decoder().items() if t.special}
+
     def _llg_tokenizer(self):
         """llguidance's view of the model's tokenizer (~1 s to build, so once, on first use, off the event loop)."""
         with self._grammar_lock:
@@ -216,7 +222,7 @@ class RouterDeployment:
         try:
             plan = await asyncio.to_thread(
                 openai_requests.plan, job, self.cfg, self.router.encode, self._encode_rendered, self.chat_template,
-                self._llg_tokenizer if self.router.tokenizer is not None else None)
+                self._llg_tokenizer if self.router.tokenizer is not None else None, self._special_tokens)
             events = openai_generation.job_events(
                 job, plan, stream=lambda request: self.batcher.stream(request, span=span),
                 score=lambda ids: self.batcher.run_exclusive(lambda: self.router.score_batch(ids)),

@@ -20,7 +20,7 @@ from .batching import DoneEvent, GenerationRequest, TokenEvent
 from .chat_template import ChatTemplate
 from .errors import RequestError, check_budget, check_token_ids
 from .grammar_mask import TokenGrammar
-from .openai_api import OpenAIJob
+from .openai_api import OpenAIError, OpenAIJob
 from .proto_mapping import PROMPT_BYTES_PER_TOKEN
 from .sampling import SamplingParams
 
@@ -38,11 +38,13 @@ class Plan:
 
 def plan(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]],
          encode_rendered: Callable[[str], list[int]], chat_template: ChatTemplate | None,
-         grammar_tokenizer: Callable[[], object] | None = None) -> Plan:
+         grammar_tokenizer: Callable[[], object] | None = None,
+         special_tokens: Callable[[], dict[str, int]] | None = None) -> Plan:
     """encode: a completion prompt's text -> ids (as gRPC Generate tokenizes it); encode_rendered: a rendered chat
     prompt -> ids without the tokenizer adding special tokens (the template wrote them, as transformers does);
     grammar_tokenizer(): llguidance's tokenizer of the model (grammar_mask.grammar_tokenizer), asked for only when
-    the job has an output constraint (None: the checkpoint has no tokenizer, constraints are refused)."""
+    the job has an output constraint (None: the checkpoint has no tokenizer, constraints are refused);
+    special_tokens(): the tokenizer's special tokens (text -> id), for a forced tool call's grammar."""
     if job.kind == "chat":
         if chat_template is None:
             raise RequestError("messages", "this model's checkpoint has no chat template (tokenizer_config.json "
@@ -50,9 +52,12 @@ def plan(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]]
         tool_family = None
         if job.tools is not None:
             tool_family = tool_calls.family_of(chat_template.source)
-            if job.tools.forced and tool_family != "hermes":
-                raise RequestError("tool_choice", f"required / named is enforced for the hermes tool-call syntax "
-                                                  f"only; this model's chat template writes {tool_family} (use auto)")
+            if job.tools.forced:  # the call in this model's syntax, its markers as this tokenizer has them
+                specials = special_tokens() if special_tokens is not None else {}
+                try:
+                    job = replace(job, constraint=tool_calls.forced_grammar(job.tools, tool_family, specials))
+                except OpenAIError as exc:
+                    raise RequestError("tools", exc.message.split(": ", 1)[-1]) from None
         text = chat_template.render(list(job.messages), add_generation_prompt=True,
                                     tools=list(job.tools.tools) if job.tools is not None else None)
         _check_size(text, cfg.max_position_embeddings, "messages")

@@ -120,25 +120,77 @@ def family_of(template_source: str | None) -> str:
 
 # ---- the forcing grammar ---------------------------------------------------------------------------------------
 
-def forced_grammar(request: ToolRequest) -> Constraint:
-    """The grammar that makes the model call a tool, in the hermes syntax: one call of the named function, or of
-    any of the tools ("required"), its arguments following the function's parameters schema. (The other families'
-    call syntax is made of special tokens, which the grammar would have to name as tokens: not built yet, so the
-    router refuses required / named for them, naming tool_choice.) A schema llguidance cannot compile: 400 naming
-    tools."""
+def forced_grammar(request: ToolRequest, family: str = "hermes", special_ids: dict[str, int] | None = None
+                  ) -> Constraint:
+    """The grammar that makes the model call a tool in its family's syntax: one call of the named function, or of
+    any of the tools ("required"), its arguments following the function's parameters schema. special_ids: the
+    tokenizer's special tokens (text -> id); a marker that is one is named in the grammar by its id (its text alone
+    would never produce the special token), any other is literal text. The front builds the hermes grammar without
+    a tokenizer to check the schemas (a schema llguidance cannot compile: 400 naming tools); the router rebuilds it
+    for the model's family and tokenizer."""
+    specials = special_ids or {}
+
+    def mark(text: str) -> str:
+        return f"<[{specials[text]}]>" if text in specials else lark_literal(text)
+
     functions = [f for f in request.functions if request.choice != "named" or f["name"] == request.name]
-    alternatives = []
-    for fn in functions:
-        alternatives.append({"type": "object", "properties": {
-            "name": {"const": fn["name"]}, "arguments": fn["parameters"]},
-            "required": ["name", "arguments"], "additionalProperties": False})
-    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    schema = schema | {"x-guidance": JSON_OPTIONS}
-    lark = f"start: {lark_literal('<tool_call>' + chr(10))} call {lark_literal(chr(10) + '</tool_call>')}\n" \
-           f"call: %json {json.dumps(schema)}\n"
+    rules = [_FAMILY_RULES[family](k, fn, mark) for k, fn in enumerate(functions)]
+    head, tail = _FAMILY_FRAME[family]
+    lark = f"start: {' '.join(mark(m) if m.startswith('<') else lark_literal(m) for m in head)} call" \
+           f"{''.join(' ' + mark(m) for m in tail)}\ncall: " + " | ".join(f"call{k}" for k in range(len(rules))) \
+           + "\n" + "\n".join(rules) + "\n"
     grammar = LLMatcher.grammar_from_lark(lark)
     check("tools", grammar)
     return Constraint(kind="tool_call", param="tools", grammar=grammar)
+
+
+def _json_rule(name: str, schema) -> str:
+    return f"{name}: %json {json.dumps(schema | {'x-guidance': JSON_OPTIONS} if isinstance(schema, dict) else schema)}"
+
+
+def _hermes_rule(k: int, fn: dict, mark) -> str:
+    schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
+              "required": ["name", "arguments"], "additionalProperties": False}
+    return f"call{k}: args{k}\n" + _json_rule(f"args{k}", schema)
+
+
+def _deepseek_rule(k: int, fn: dict, mark) -> str:
+    opening = lark_literal(fn["name"] + "\n```json\n")
+    closing = lark_literal("\n```")
+    return (f"call{k}: {lark_literal('function')} {mark('<｜tool▁sep｜>')} {opening} args{k} {closing} "
+            f"{mark('<｜tool▁call▁end｜>')}\n" + _json_rule(f"args{k}", fn["parameters"]))
+
+
+def _harmony_rule(k: int, fn: dict, mark) -> str:
+    return (f"call{k}: {lark_literal(fn['name'] + ' ')} {mark('<|constrain|>')} {lark_literal('json')} "
+            f"{mark('<|message|>')} args{k} {mark('<|call|>')}\n" + _json_rule(f"args{k}", fn["parameters"]))
+
+
+def _glm45_rule(k: int, fn: dict, mark) -> str:
+    """GLM's <arg_key>/<arg_value> pairs: the schema's required parameters in their declared order (optional ones
+    left out), a string parameter as raw text without "<", any other as JSON following its schema."""
+    params = fn["parameters"] if isinstance(fn["parameters"], dict) else {}
+    props = params.get("properties", {}) if isinstance(params.get("properties"), dict) else {}
+    required = [p for p in props if p in (params.get("required") or [])]
+    parts, rules = [lark_literal(fn["name"] + "\n")], []
+    for j, key in enumerate(required):
+        prop = props[key] if isinstance(props[key], dict) else {}
+        value = f"v{k}_{j}"
+        parts += [mark("<arg_key>"), lark_literal(key), mark("</arg_key>"), lark_literal("\n"), mark("<arg_value>"),
+                  value, mark("</arg_value>"), lark_literal("\n")]
+        rules.append(f"{value}: /[^<]*/" if prop.get("type") == "string" else _json_rule(value, prop))
+    return f"call{k}: " + " ".join(parts) + "\n" + "\n".join(rules)
+
+
+_FAMILY_RULES = {"hermes": _hermes_rule, "deepseek": _deepseek_rule, "harmony": _harmony_rule, "glm45": _glm45_rule}
+# Per family: the markers before the call (literal text unless it starts with "<", then a possible special token)
+# and after it. harmony's output starts after the template's "<|start|>assistant".
+_FAMILY_FRAME = {
+    "hermes": (["<tool_call>", "\n"], ["\n", "</tool_call>"]),
+    "deepseek": (["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"], ["<｜tool▁calls▁end｜>"]),
+    "harmony": (["<|channel|>", "commentary to=functions."], []),
+    "glm45": (["<tool_call>"], ["</tool_call>"]),
+}
 
 
 # ---- parsing generated text ------------------------------------------------------------------------------------

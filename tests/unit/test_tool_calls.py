@@ -20,7 +20,6 @@ from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.router_service import openai_requests, openai_responses, tool_calls
 from expertmesh.router_service.batching import ContinuousBatcher
 from expertmesh.router_service.chat_template import ChatTemplate, load_chat_template
-from expertmesh.router_service.errors import RequestError
 from expertmesh.router_service.grammar_mask import grammar_tokenizer
 from expertmesh.router_service.openai_api import OpenAIError, parse_chat
 
@@ -245,7 +244,7 @@ def test_a_forced_tool_choice_makes_the_embedded_model_call_a_tool(choice):
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-def test_tools_reach_the_template_and_forced_choice_is_refused_for_special_token_families():
+def test_tools_reach_the_template():
     tokenizer, cfg = load_tokenizer(EMBEDDED_MODEL_DIR), _config()
     encode = lambda t: tokenizer.encode(t).ids  # noqa: E731
     job = parse_chat(chat(tools=TOOLS), MODEL)
@@ -257,10 +256,65 @@ def test_tools_reach_the_template_and_forced_choice_is_refused_for_special_token
 
     plan = openai_requests.plan(job, cfg, encode, capture, template("qwen3"))
     assert plan.tool_family == "hermes" and '"name": "get_weather"' in seen[0] and "<tools>" in seen[0]
-    forced = parse_chat(chat(tools=TOOLS, tool_choice="required"), MODEL)
-    with pytest.raises(RequestError) as info:
-        openai_requests.plan(forced, cfg, encode, capture, template("gpt_oss"), lambda: None)
-    assert info.value.field == "tool_choice"
+
+
+# The markers each family's tokenizer has as special tokens (gpt-oss's certainly; DeepSeek's and GLM's as a
+# tokenizer may have them): added to the embedded tokenizer to check the forced grammars token by token.
+MARKERS = {
+    "harmony": ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|call|>", "<|end|>"],
+    "deepseek": ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                 "<｜tool▁calls▁end｜>"],
+    "glm45": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
+}
+HARMONY_CALL = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", ' \
+               '"days": 2}<|call|>'
+
+
+def _family_tokenizer(family):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(load_tokenizer(EMBEDDED_MODEL_DIR).to_str())
+    tok.add_special_tokens(MARKERS[family])
+    specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return tok, specials, grammar_tokenizer(tok.to_str(), tok.get_vocab_size(), 1)
+
+
+@pytest.mark.parametrize(("fixture", "choice"), [
+    ("gpt_oss", "required"), ("deepseek_v3", "required"), ("glm45", "required"),
+    ("gpt_oss", {"type": "function", "function": {"name": "get_weather"}}),
+    ("deepseek_v3", {"type": "function", "function": {"name": "get_weather"}}),
+])
+def test_forced_grammars_of_special_token_families_accept_their_own_calls_token_by_token(fixture, choice):
+    from llguidance import LLMatcher
+
+    family = FAMILY_OF_FIXTURE[fixture]
+    tok, specials, llg = _family_tokenizer(family)
+    job = parse_chat(chat(tools=TOOLS, tool_choice=choice), MODEL)
+    cfg = _config()
+    prompt_ids = [5, 6, 7]  # the rendered prompt's ids do not matter here (the model's vocabulary lacks the markers)
+    plan = openai_requests.plan(job, cfg, lambda t: prompt_ids, lambda t: prompt_ids, template(fixture),
+                                lambda: llg, lambda: specials)
+    grammar = plan.requests[0].grammar.grammar
+    text = HARMONY_CALL if family == "harmony" else _assistant_turn(fixture, ONE)
+    if family == "glm45":  # the template's turn opens with an empty think block; a forced call starts at the call
+        text = text[text.index("<tool_call>"):text.index("</tool_call>") + len("</tool_call>")]
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert any(i in specials.values() for i in ids)  # the markers are special tokens here
+    matcher = LLMatcher(llg, grammar)
+    first = allowed_ids(matcher)
+    assert first == [ids[0]] and ids[0] in specials.values()  # the marker's token, never its text spelled out
+    assert matcher.consume_tokens(ids), matcher.get_error()
+    assert matcher.is_accepting()
+    assert tool_calls.parse(tok.decode(ids, skip_special_tokens=False), family, tuple(TOOLS)).calls == \
+        [("get_weather", json.dumps({"city": "Paris", "days": 2}))]
+    wrong = tok.encode(text.replace("get_weather", "get_wether"), add_special_tokens=False).ids
+    assert not LLMatcher(llg, grammar).consume_tokens(wrong)
+
+
+def allowed_ids(matcher) -> list[int]:
+    from expertmesh.router_service.grammar_mask import allowed
+
+    return allowed(matcher.compute_bitmask(), 4096).nonzero().flatten().tolist()
 
 
 def test_special_families_see_special_tokens_in_their_text_and_never_eos():
