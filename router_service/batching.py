@@ -32,6 +32,7 @@ from ..experts.kv_cache import KVCache, blocks_for
 from ..experts.modeling import MoEDecoder
 from .batching_config import BatcherConfig  # noqa: F401  (re-exported; defined there so the configuration imports no torch)
 from .errors import RequestError
+from .grammar_mask import GrammarState, TokenGrammar, mask_logits
 from .sampling import SamplingParams, adjust_logits, sample_tokens, skip_draws
 from .step_profile import StageClock
 
@@ -57,6 +58,9 @@ class GenerationRequest:
     # Until this many tokens are generated, eos and stop_token_ids cannot be sampled (their logits are -inf) and
     # stop strings do not end the generation (vLLM's min_tokens).
     min_tokens: int = 0
+    # Structured output (router_service/grammar_mask.py): each step's logits are masked to the tokens the grammar
+    # allows, and the sequence ends when the grammar is complete. None: unconstrained.
+    grammar: TokenGrammar | None = None
 
     def suppressed_ids(self, generated: int) -> frozenset[int]:
         """Token ids that may not be sampled after `generated` tokens: eos and stop ids while under min_tokens."""
@@ -106,6 +110,7 @@ class _Sequence:
     routed: int = 0  # positions whose routing is counted (a recompute after preemption does not count them twice)
     stop_from: int = 0  # stop strings are searched from this character on (text emitted before min_tokens is final)
     span: Any = None  # the request's OpenTelemetry span (tracing on), parent or link of its steps
+    grammar: GrammarState | None = None  # where the sequence stands in its request's grammar (None: unconstrained)
 
 
 @dataclass
@@ -214,7 +219,8 @@ class ContinuousBatcher:
         self._check_fits(request)
         seq = _Sequence(request=request, events=asyncio.Queue(), cache=self.model.new_cache(),
                         next_input=torch.tensor(request.prompt_ids, dtype=torch.int64),  # host: step bookkeeping
-                        generator=request.sampling.generator(self.model.device), span=span)
+                        generator=request.sampling.generator(self.model.device), span=span,
+                        grammar=None if request.grammar is None else request.grammar.start())
         if request.resumed_ids:
             await asyncio.to_thread(self._resume, seq)
         self._waiting.append(seq)
@@ -262,6 +268,8 @@ class ContinuousBatcher:
             seq.generated = resumed[:n]
             self._new_text(seq)
         seq.generated = resumed[:-1]
+        if seq.grammar is not None:  # the last resumed token is consumed when the first step replays it
+            seq.grammar.consume_all(seq.generated)
         seq.replaying = True
 
     async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
@@ -400,6 +408,9 @@ class ContinuousBatcher:
         adjusted = [adjust_logits(last[i], batch[i].request.sampling, batch[i].request.prompt_ids,
                                   batch[i].generated, batch[i].request.suppressed_ids(len(batch[i].generated)))
                     for i in draw]
+        for k, i in enumerate(draw):  # structured output: only the tokens the grammar allows, on the logits' device
+            if batch[i].grammar is not None:
+                adjusted[k] = mask_logits(adjusted[k], batch[i].grammar.bitmask())
         chosen = sample_tokens(adjusted, [batch[i].request.sampling for i in draw],
                                [batch[i].generator for i in draw])
         tokens: list[int | None] = [None] * len(batch)
@@ -435,6 +446,10 @@ class ContinuousBatcher:
             finish = "eos"
         elif token in req.stop_token_ids:
             finish = "stop"
+        if seq.grammar is not None:
+            seq.grammar.consume(token)
+            if finish is None and seq.grammar.stopped:  # the grammar is complete (or broke): nothing may follow
+                finish = "stop"
         decoded = time.perf_counter()
         text, stopped = self._new_text(seq)
         if stopped:

@@ -31,14 +31,41 @@ class ChatTemplate:
     source: str
     special_tokens: dict[str, str]
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` (dicts with role and content, content a string). A template that raises
-        (e.g. roles out of the order it accepts) is the caller's error: RequestError on `messages`."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+               ) -> str:
+        """The prompt text for `messages` (dicts with role and content, content a string; an assistant's earlier
+        tool_calls and a tool message's tool_call_id pass through). tools: OpenAI tool objects, given to the template
+        as transformers' apply_chat_template(tools=...) does (None: the variable is undefined). A template that
+        raises (e.g. roles out of the order it accepts) is the caller's error: RequestError on `messages`."""
+        extra = {} if tools is None else {"tools": tools}
         try:
-            return _compile(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+            # DeepSeek's templates concatenate arguments as the string the client sent; the others take a dict.
+            as_dict = "tool▁sep" not in self.source
+            return _compile(self.source).render(messages=[_for_template(m, as_dict) for m in messages],
+                                                add_generation_prompt=add_generation_prompt, **extra,
                                                 **self.special_tokens)
         except jinja2.TemplateError as exc:
             raise RequestError("messages", f"the model's chat template refused them: {exc}") from None
+
+
+def _for_template(message: dict, as_dict: bool) -> dict:
+    """Tool-call arguments as the templates expect them (transformers' convention: a dict; templates that take a
+    string check `is string` first), when the JSON string the client sent holds an object."""
+    calls = message.get("tool_calls")
+    if not calls or not as_dict:
+        return message
+    out = []
+    for call in calls:
+        args = call["function"].get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = call | {"function": call["function"] | {"arguments": parsed}}
+        out.append(call)
+    return message | {"tool_calls": out}
 
 
 def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:

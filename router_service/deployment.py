@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict
 
@@ -31,7 +32,7 @@ from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2
 from ..protos import inference_pb2 as pb
 from ..protos import kserve_v2_pb2 as kpb
-from . import health, openai_generation, openai_requests, proto_mapping
+from . import health, openai_generation, openai_requests, proto_mapping, tool_calls
 from .admin_auth import admin_denial
 from .batching import ContinuousBatcher, DoneEvent, QueueFullError
 from .chat_template import load_chat_template
@@ -40,6 +41,7 @@ from .dispatch import NoReplicaError
 from .error_log import ClientErrorLog, quiet_serve_request_logs
 from .errors import RequestError, check_token_ids
 from .expert_pool import connect_actors
+from .grammar_mask import grammar_tokenizer
 from .proto_mapping import ApiError
 from .router import Router
 from .startup import start_mesh
@@ -142,6 +144,22 @@ class RouterDeployment:
         except (OSError, ValueError) as exc:  # an unreadable tokenizer_config.json must not stop the server
             log.warning("no chat template: cannot read tokenizer_config.json (%s)", exc)
             self.chat_template = None
+        self._grammar_tokenizer = None  # llguidance's tokenizer, built on the first structured-output request
+        self._grammar_lock = threading.Lock()
+
+    def _special_tokens(self) -> dict[str, int]:
+        """The tokenizer's special tokens, text -> id (a forced tool call names its markers by id)."""
+        if self.router.tokenizer is None:
+            return {}
+        return {t.content: i for i, t in self.router.tokenizer.get_added_tokens_decoder().items() if t.special}
+
+    def _llg_tokenizer(self):
+        """llguidance's view of the model's tokenizer (~1 s to build, so once, on first use, off the event loop)."""
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = grammar_tokenizer(self.router.tokenizer.to_str(), self.cfg.vocab_size,
+                                                            self.cfg.eos_token_id)
+            return self._grammar_tokenizer
 
     def _authorize(self, grpc_context) -> None:
         token = self.config.server.auth_token
@@ -203,14 +221,20 @@ class RouterDeployment:
         span = self.router.observer.start_request(None, rpc="OpenAIGenerate")
         try:
             plan = await asyncio.to_thread(
-                openai_requests.plan, job, self.cfg, self.router.encode, self._encode_rendered, self.chat_template)
+                openai_requests.plan, job, self.cfg, self.router.encode, self._encode_rendered, self.chat_template,
+                self._llg_tokenizer if self.router.tokenizer is not None else None, self._special_tokens)
             events = openai_generation.job_events(
                 job, plan, stream=lambda request: self.batcher.stream(request, span=span),
                 score=lambda ids: self.batcher.run_exclusive(lambda: self.router.score_batch(ids)),
                 decode=self.router.decode, token_text=self._token_text)
+            special = None
+            if plan.tool_family in tool_calls.SPECIAL_FAMILIES and self.router.tokenizer is not None:
+                tokenizer = self.router.tokenizer
+                special = tool_calls.SpecialText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                                                 self.cfg.eos_token_id, job.resumed)
             async with contextlib.aclosing(events) as events:
                 async for event in events:
-                    yield event
+                    yield event if special is None else special.rewrite(event)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

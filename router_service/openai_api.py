@@ -6,9 +6,10 @@ Supported (docs/serving/openai-http.md lists every field): /v1/completions and /
 max_tokens / max_completion_tokens, temperature, top_p, top_k, seed, stop (strings), stop_token_ids, ignore_eos,
 min_tokens, n, best_of (completions), presence / frequency / repetition penalties, logit_bias, logprobs /
 top_logprobs, echo with prompt logprobs (completions; max_tokens = 0 allowed with it), a batch of prompts
-(completions), stream + stream_options (include_usage, continuous_usage_stats). Fields that would change the output
-and that expertmesh does not implement (suffix, tools, response_format other than text) are refused with a 400
-naming them, never silently ignored.
+(completions), stream + stream_options (include_usage, continuous_usage_stats), structured output (response_format
+json_object / json_schema and vLLM's structured_outputs / guided_* regex, choice, grammar: structured_output.py).
+tools / tool_choice in chat (tool_calls.py). Fields that would change the output and that expertmesh does not
+implement (suffix, the deprecated functions) are refused with a 400 naming them, never silently ignored.
 expertmesh's routing summary rides in an `expertmesh` field that standard clients ignore.
 """
 
@@ -18,6 +19,10 @@ import json
 import math
 import re
 from dataclasses import dataclass
+
+from . import structured_output, tool_calls
+from .structured_output import Constraint
+from .tool_calls import ToolRequest
 
 # gRPC status code names (router_service/proto_mapping.py ApiError.code) -> HTTP status.
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
@@ -101,6 +106,8 @@ class OpenAIJob:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    constraint: Constraint | None = None  # structured output: the grammar every choice's tokens must follow
+    tools: ToolRequest | None = None  # chat: the functions the model may call (None: none, or tool_choice none)
     # Failover only (router_service/openai_continuation.py): set by the HTTP front when it re-sends the job to a live
     # router replica, never from a client's body. Per choice index, the token ids the client already has; the
     # choices whose echo, and whose final event, it already has.
@@ -209,6 +216,7 @@ def _common(body: dict, served_model: str) -> dict:
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.0, MAX_REPETITION_PENALTY, low_open=True),
         "logit_bias": _logit_bias(body), "stop_token_ids": _token_ids(body, "stop_token_ids"),
         "ignore_eos": _bool(body, "ignore_eos"), "min_tokens": _optional_int(body, "min_tokens", 0) or 0,
+        "constraint": structured_output.parse(body),
     }
 
 
@@ -295,13 +303,12 @@ def _prompts(prompt) -> tuple[str | tuple[int, ...], ...]:
 def parse_chat(body: dict, served_model: str) -> OpenAIJob:
     """POST /v1/chat/completions: a validated job, or OpenAIError."""
     common = _common(body, served_model)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise invalid(name, "tool calling is not supported")
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict)
-                                        or response_format.get("type") != "text"):
-        raise invalid("response_format", "only {\"type\": \"text\"} is supported")
+    tools = tool_calls.parse_tools(body)
+    if tools is not None and tools.forced:  # required / a named function: the output is forced to be a call
+        if common["constraint"] is not None:
+            raise invalid("tool_choice", f"a required or named tool_choice cannot be combined with "
+                                         f"{common['constraint'].param}")
+        common["constraint"] = tool_calls.forced_grammar(tools)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "required: a non-empty list of {role, content}")
@@ -317,7 +324,7 @@ def parse_chat(body: dict, served_model: str) -> OpenAIJob:
     if max_tokens is not None and common["min_tokens"] > max_tokens:
         raise invalid("min_tokens", f"must be ≤ {param} ({max_tokens}), got {common['min_tokens']}")
     return OpenAIJob(kind="chat", messages=clean, max_tokens=max_tokens, max_tokens_param=param,
-                     top_logprobs=(top or 0) if want_logprobs else None, **common)
+                     top_logprobs=(top or 0) if want_logprobs else None, tools=tools, **common)
 
 
 def _message(i: int, message) -> dict:
@@ -329,7 +336,7 @@ def _message(i: int, message) -> dict:
         raise invalid(f"{where}.role", f"must be system, user, assistant, tool or developer, got "
                                        f"{json.dumps(role)[:64]}")
     content = message.get("content")
-    if content is None and role == "assistant":
+    if content is None and role in ("assistant", "tool"):
         content = ""
     if isinstance(content, list):  # content parts: text only
         texts = []
@@ -341,7 +348,33 @@ def _message(i: int, message) -> dict:
         content = "".join(texts)
     if not isinstance(content, str):
         raise invalid(f"{where}.content", "must be a string or a list of text parts")
-    return {"role": role, "content": content}
+    out = {"role": role, "content": content}
+    if role == "assistant" and message.get("tool_calls"):
+        out["tool_calls"] = _assistant_calls(where, message["tool_calls"])
+    if role == "tool":
+        call = message.get("tool_call_id")
+        if call is not None and not isinstance(call, str):
+            raise invalid(f"{where}.tool_call_id", "must be a string")
+        if call is not None:
+            out["tool_call_id"] = call
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    return out
+
+
+def _assistant_calls(where: str, calls) -> list[dict]:
+    """An assistant message's earlier tool_calls, as OpenAI sends them (arguments a JSON string)."""
+    if not isinstance(calls, list):
+        raise invalid(f"{where}.tool_calls", "must be a list of {id, type: function, function: {name, arguments}}")
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", "{}"), str | dict):
+            raise invalid(f"{where}.tool_calls[{k}]", "must be {id, type: function, function: {name, arguments}}")
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments", "{}")}})
+    return out
 
 
 # ---- framing (responses and chunks: router_service/openai_responses.py) ---------------------------------------

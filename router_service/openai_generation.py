@@ -26,7 +26,24 @@ async def job_events(job: OpenAIJob, plan: openai_requests.Plan,
                      decode: Callable[[list[int]], str | None], token_text: Callable[[int], str]
                      ) -> AsyncIterator[dict]:
     """stream(request): the batcher's events of one sequence (closing it cancels the sequence); score(prompts):
-    each prompt's logits [S, V] (echo with logprobs); decode(ids): text or None (no tokenizer)."""
+    each prompt's logits [S, V] (echo with logprobs); decode(ids): text or None (no tokenizer). A job with tools
+    opens with {"tools": {"index": 0, "family"}} (the front parses calls in the syntax of this model's template),
+    sent just before the first event, so a request the batcher refuses still fails before any event (the front
+    answers it with its own HTTP status)."""
+    events = _events(job, plan, stream, score, decode, token_text)
+    async with contextlib.aclosing(events) as events:
+        opened = job.tools is None
+        async for event in events:
+            if not opened:
+                opened = True
+                yield {"tools": {"index": 0, "family": plan.tool_family}}
+            yield event
+
+
+async def _events(job: OpenAIJob, plan: openai_requests.Plan, stream: Callable[[GenerationRequest], AsyncIterator],
+                  score: Callable[[list[list[int]]], Awaitable[list[torch.Tensor]]],
+                  decode: Callable[[list[int]], str | None], token_text: Callable[[int], str]
+                  ) -> AsyncIterator[dict]:
     echoed, finished = set(job.echoed), set(job.finished)
     if job.echo and len(echoed) < job.num_choices:
         scored = [None] * len(plan.prompt_ids)

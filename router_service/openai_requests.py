@@ -15,10 +15,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..experts.config import MoEModelConfig
+from . import tool_calls
 from .batching import DoneEvent, GenerationRequest, TokenEvent
 from .chat_template import ChatTemplate
 from .errors import RequestError, check_budget, check_token_ids
-from .openai_api import OpenAIJob
+from .grammar_mask import TokenGrammar
+from .openai_api import OpenAIError, OpenAIJob
 from .proto_mapping import PROMPT_BYTES_PER_TOKEN
 from .sampling import SamplingParams
 
@@ -31,22 +33,38 @@ class Plan:
     prompt_ids: list[list[int]]
     prompt_texts: list[str | None]
     requests: list[GenerationRequest]
+    tool_family: str | None = None  # chat with tools: the syntax the model writes calls in (tool_calls.py)
 
 
 def plan(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]],
-         encode_rendered: Callable[[str], list[int]], chat_template: ChatTemplate | None) -> Plan:
+         encode_rendered: Callable[[str], list[int]], chat_template: ChatTemplate | None,
+         grammar_tokenizer: Callable[[], object] | None = None,
+         special_tokens: Callable[[], dict[str, int]] | None = None) -> Plan:
     """encode: a completion prompt's text -> ids (as gRPC Generate tokenizes it); encode_rendered: a rendered chat
-    prompt -> ids without the tokenizer adding special tokens (the template wrote them, as transformers does)."""
+    prompt -> ids without the tokenizer adding special tokens (the template wrote them, as transformers does);
+    grammar_tokenizer(): llguidance's tokenizer of the model (grammar_mask.grammar_tokenizer), asked for only when
+    the job has an output constraint (None: the checkpoint has no tokenizer, constraints are refused);
+    special_tokens(): the tokenizer's special tokens (text -> id), for a forced tool call's grammar."""
     if job.kind == "chat":
         if chat_template is None:
             raise RequestError("messages", "this model's checkpoint has no chat template (tokenizer_config.json "
                                            "chat_template); use /v1/completions with a prompt")
-        text = chat_template.render(list(job.messages), add_generation_prompt=True)
+        tool_family = None
+        if job.tools is not None:
+            tool_family = tool_calls.family_of(chat_template.source)
+            if job.tools.forced:  # the call in this model's syntax, its markers as this tokenizer has them
+                specials = special_tokens() if special_tokens is not None else {}
+                try:
+                    job = replace(job, constraint=tool_calls.forced_grammar(job.tools, tool_family, specials))
+                except OpenAIError as exc:
+                    raise RequestError("tools", exc.message.split(": ", 1)[-1]) from None
+        text = chat_template.render(list(job.messages), add_generation_prompt=True,
+                                    tools=list(job.tools.tools) if job.tools is not None else None)
         _check_size(text, cfg.max_position_embeddings, "messages")
         prompts, texts = [encode_rendered(text)], [None]
         fields = ["messages"]
     else:
-        prompts, texts, fields = [], [], []
+        prompts, texts, fields, tool_family = [], [], [], None
         for i, prompt in enumerate(job.prompts):
             field = "prompt" if len(job.prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
@@ -64,6 +82,7 @@ def plan(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]]
         raise RequestError("stop_token_ids", f"token id {min(bad)} is outside the vocabulary of {cfg.vocab_size}")
     # best_of ranks candidates by their cumulative logprob: each reports its chosen tokens' logprobs.
     top = job.top_logprobs if job.top_logprobs is not None or job.best_of is None else 0
+    grammar = _grammar(job, grammar_tokenizer)
     requests = []
     for ids, field in zip(prompts, fields):
         max_tokens = _max_tokens(job, ids, cfg, field)
@@ -73,10 +92,10 @@ def plan(job: OpenAIJob, cfg: MoEModelConfig, encode: Callable[[str], list[int]]
             requests.append(GenerationRequest(
                 prompt_ids=ids, max_tokens=max_tokens, sampling=seeded, stop_token_ids=stop_ids,
                 stop_strings=job.stop, eos_token_id=None if job.ignore_eos else cfg.eos_token_id,
-                top_logprobs=top, min_tokens=job.min_tokens))
+                top_logprobs=top, min_tokens=job.min_tokens, grammar=grammar))
     if job.resumed:
         requests = _resumed(job, requests, cfg.vocab_size)
-    return Plan(prompt_ids=prompts, prompt_texts=texts, requests=requests)
+    return Plan(prompt_ids=prompts, prompt_texts=texts, requests=requests, tool_family=tool_family)
 
 
 def _resumed(job: OpenAIJob, requests: list[GenerationRequest], vocab_size: int) -> list[GenerationRequest]:
@@ -94,6 +113,18 @@ def _resumed(job: OpenAIJob, requests: list[GenerationRequest], vocab_size: int)
             raise RequestError("resumed", "a resumed token id is outside the vocabulary")
         out.append(replace(request, resumed_ids=tuple(ids)) if ids else request)
     return out
+
+
+def _grammar(job: OpenAIJob, grammar_tokenizer: Callable[[], object] | None) -> TokenGrammar | None:
+    constraint = job.constraint
+    if constraint is None:
+        return None
+    if grammar_tokenizer is None:
+        raise RequestError(constraint.param, "needs the model's tokenizer (tokenizer.json), which this checkpoint "
+                                             "does not have")
+    grammar = TokenGrammar(grammar_tokenizer(), constraint.grammar, constraint.param)
+    grammar.start()  # compile once here (off the event loop) so a grammar this tokenizer cannot serve is a 400
+    return grammar
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

@@ -8,7 +8,11 @@ The deployment (router_service/deployment.py OpenAIGenerate) streams plain dicts
     {"done":  {"index", "finish_reason", "prompt_tokens", "completion_tokens", "tokens_per_expert", ...}}
 
 with entry = {"token": str, "logprob": float | None, "top": [[str, float], ...] | None} (None: the prompt's first
-token, which has no context to be scored from, as in OpenAI's and vLLM's echo).
+token, which has no context to be scored from, as in OpenAI's and vLLM's echo). A chat job with tools opens with
+
+    {"tools": {"index": 0, "family"}}     the tool-call syntax of the model's template (router_service/tool_calls.py)
+
+and its choices' text is parsed into `tool_calls` here (finish_reason "tool_calls" when the model called one).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from . import tool_calls
 from .openai_api import OpenAIJob
 
 
@@ -86,9 +91,13 @@ class Accumulated:
     """A whole (non-streamed) response's parts, per choice index, gathered from the deployment's events."""
 
     choices: dict[int, ChoiceParts] = field(default_factory=dict)
+    tool_family: str | None = None
 
     def add(self, event: dict) -> None:
         kind, body = next(iter(event.items()))
+        if kind == "tools":
+            self.tool_family = body["family"]
+            return
         parts = self.choices.setdefault(body.get("index", 0), ChoiceParts())
         if kind == "echo":
             parts.echo_text = body["text"]
@@ -111,8 +120,14 @@ def response(job: OpenAIJob, request_id: str, created: int, got: Accumulated) ->
         parts = got.choices[index]
         reason = finish_reason(parts.done["finish_reason"])
         if job.kind == "chat":
-            choices.append({"index": index, "message": {"role": "assistant", "content": parts.text},
-                            "finish_reason": reason,
+            message = {"role": "assistant", "content": parts.text}
+            if job.tools is not None and got.tool_family is not None:
+                parsed = tool_calls.parse(parts.text, got.tool_family, job.tools.tools)
+                if parsed.calls:
+                    message = {"role": "assistant", "content": parsed.content or None,
+                               "tool_calls": tool_calls.tool_call_dicts(parsed.calls)}
+                    reason = "tool_calls"
+            choices.append({"index": index, "message": message, "finish_reason": reason,
                             "logprobs": chat_logprobs(parts.logprobs) if job.top_logprobs is not None else None})
         else:
             logprobs = None
@@ -136,6 +151,8 @@ class ChunkWriter:
         self.completion_tokens: dict[int, int] = {}  # choice index -> tokens so far
         self.dones: dict[int, dict] = {}
         self.object = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+        self.tool_streams: dict[int, tool_calls.ToolStream] = {}  # choice index -> its text split into calls
+        self.tool_family: str | None = None
 
     def _usage_now(self) -> dict:
         prompt, completion = sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
@@ -157,6 +174,9 @@ class ChunkWriter:
     def event(self, event: dict) -> list[dict]:
         kind, body = next(iter(event.items()))
         index = body.get("index", 0)
+        if kind == "tools":
+            self.tool_family = body["family"]
+            return []
         if "prompt_tokens" in body:
             self.prompt_tokens[index // self.job.n] = body["prompt_tokens"]
         if kind == "echo":
@@ -165,15 +185,38 @@ class ChunkWriter:
             return [self._chunk([self._choice(index, body["text"], body.get("logprobs") or [], None)])]
         if kind == "token":
             self.completion_tokens[index] = self.completion_tokens.get(index, 0) + len(body["ids"])
+            if self.tool_family is not None:
+                return self._tool_chunks(index, *self._tools(index).feed(body["text"]), body.get("logprobs") or [])
             if not body["text"] and not body.get("logprobs"):
                 return []  # text held back (half a character, a possible stop string): nothing to send yet
             return [self._chunk([self._choice(index, body["text"], body.get("logprobs") or [], None)])]
         self.dones[index] = body
         self.completion_tokens[index] = body["completion_tokens"]
-        chunks = [self._chunk([self._choice(index, "", [], finish_reason(body["finish_reason"]))],
-                              expertmesh=routing_extension([body]))]
+        reason = finish_reason(body["finish_reason"])
+        chunks = []
+        if self.tool_family is not None:
+            stream = self._tools(index)
+            chunks = self._tool_chunks(index, *stream.finish(), [])
+            if stream.called:
+                reason = "tool_calls"
+        chunks.append(self._chunk([self._choice(index, "", [], reason)], expertmesh=routing_extension([body])))
         if self.job.include_usage and len(self.dones) == self.job.num_choices:
             chunks.append(self._chunk([], usage=usage_of(self.job, self.dones)))
+        return chunks
+
+    def _tools(self, index: int) -> tool_calls.ToolStream:
+        if index not in self.tool_streams:
+            self.tool_streams[index] = tool_calls.ToolStream(self.tool_family, self.job.tools.tools)
+        return self.tool_streams[index]
+
+    def _tool_chunks(self, index: int, content: str, calls: list[dict], entries: list[dict]) -> list[dict]:
+        """A tools choice's delta: content released so far, then each completed call (OpenAI sends them apart)."""
+        chunks = []
+        if content or entries:
+            chunks.append(self._chunk([self._choice(index, content, entries, None)]))
+        if calls:
+            chunks.append(self._chunk([{"index": index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                        "finish_reason": None}]))
         return chunks
 
     def _choice(self, index: int, text: str, entries: list[dict], reason: str | None) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
@@ -193,6 +194,46 @@ def test_stop_strings_and_seeded_sampling(client):
     assert runs[0] == runs[1]
 
 
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "color": {"enum": ["red", "green", "blue"]}}, "required": ["name", "age", "color"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                               "required": ["city"], "additionalProperties": False}}}
+
+
+def test_structured_output_through_the_openai_client(client):
+    """Grammar-constrained output from a model whose own text is nowhere near JSON (router_service/grammar_mask.py)."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person"}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    person = json.loads(reply.choices[0].message.content)
+    assert set(person) == {"name", "age", "color"} and isinstance(person["age"], int)
+    assert person["color"] in ("red", "green", "blue") and reply.choices[0].finish_reason == "stop"
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0.8, seed=3,
+                                         stream=True, extra_body={"structured_outputs": {"regex": pattern}})
+    assert re.fullmatch(pattern, "".join(c.choices[0].text for c in streamed))
+    choice = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                       extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert choice.choices[0].text in ("yes", "no", "maybe")
+
+
+def test_forced_tool_call_through_the_openai_client(client):
+    """tool_choice required makes even the embedded model call the tool; the client reads tool_calls, whole and
+    streamed."""
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER_TOOL],
+           "tool_choice": "required", "max_tokens": 60, "temperature": 0}
+    reply = client.chat.completions.create(**ask)
+    (call,) = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and call.type == "function"
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_32_concurrent_streams_equal_their_solo_runs(client, served):
     words = ["river", "import", "while", "class", "the", "data", "for", "return"]
     prompts = [f"{words[i % 8]} {words[(i * 3) % 8]}" * (1 + i % 3) for i in range(32)]
@@ -244,8 +285,9 @@ BAD = [  # (endpoint, fields, HTTP status, param)
     ("chat", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9999}, 400,
      "max_completion_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
-     "response_format"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "bogus"}}}},
+     400, "response_format"),
 ]
 
 

@@ -87,8 +87,9 @@ def test_completion_refusals_name_the_param(body, param):
      "top_logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3},
      "max_completion_tokens"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "bogus"}}}},
      "response_format"),
 ])
 def test_chat_refusals_name_the_param(body, param):
