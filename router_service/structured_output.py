@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from llguidance import LLMatcher
 
+from .openai_errors import OpenAIError, invalid
+
 # llguidance's JSON compiler options for every JSON grammar (see the module docstring).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CHOICES = 1024  # a guided_choice longer than this is refused (each is a grammar alternative)
@@ -40,9 +42,7 @@ class Constraint:
     grammar: str
 
 
-def _invalid(param: str, message: str):
-    from .openai_api import invalid  # late: openai_api imports this module
-
+def _invalid(param: str, message: str) -> OpenAIError:
     return invalid(param, message)
 
 

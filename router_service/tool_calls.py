@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from llguidance import LLMatcher
 
+from .openai_errors import OpenAIError, invalid
 from .structured_output import JSON_OPTIONS, Constraint, check, lark_literal
 
 _NAME = re.compile(r"^[A-Za-z0-9_\-.]{1,64}$")  # OpenAI's function-name rule (plus ".", which MCP names use)
@@ -49,9 +50,7 @@ class ToolRequest:
         return self.choice in ("required", "named")
 
 
-def _invalid(param: str, message: str):
-    from .openai_api import invalid  # late: openai_api imports this module
-
+def _invalid(param: str, message: str) -> OpenAIError:
     return invalid(param, message)
 
 
