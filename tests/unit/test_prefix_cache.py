@@ -194,3 +194,30 @@ def test_prefix_caching_off_finds_and_registers_nothing():
     a.commit(list(range(12)))
     assert p.prefix_root is None and p.allocator.num_cached == 0
     assert p.new_sequence().lookup_prefix(list(range(13))).tokens == 0
+
+
+# ---- reporting --------------------------------------------------------------------------------------------------
+
+def test_status_metrics_and_grpc_usage_report_the_prefix_cache():
+    from expertmesh.ops.commands.status import status_lines
+    from expertmesh.protos import admin_pb2
+    from expertmesh.router_service.batching import DoneEvent
+    from expertmesh.router_service.http_metrics import FrontCounters, prometheus_text
+    from expertmesh.router_service.proto_mapping import done_message
+
+    stats = admin_pb2.RouterStats(prefix_query_tokens=800, prefix_hit_tokens=600, kv_blocks_cached=37)
+    lines = status_lines(admin_pb2.ClusterState(model="m", router=stats))
+    assert "prefix cache: 75.0% of prompt tokens served from cache (600 of 800), 37 blocks cached" in lines
+    fresh = status_lines(admin_pb2.ClusterState(model="m", router=admin_pb2.RouterStats()))
+    assert any(line.startswith("prefix cache: - of prompt tokens") for line in fresh)
+
+    front = FrontCounters()
+    front.count_usage({"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}})
+    text = prometheus_text(front, {"replica": "r", "prefix_hit_tokens": 600, "prefix_query_tokens": 800,
+                                   "kv_blocks_cached": 37})
+    assert "expertmesh_http_cached_prompt_tokens_total 32" in text
+    assert 'expertmesh_router_prefix_hit_tokens_total{replica="r"} 600' in text
+    assert 'expertmesh_router_kv_blocks_cached{replica="r"} 37' in text
+
+    done = DoneEvent("length", prompt_tokens=40, completion_tokens=2, tokens_per_expert={}, cached_tokens=32)
+    assert done_message(done).done.usage.cached_tokens == 32
