@@ -105,6 +105,8 @@ def add_parser(sub) -> None:
     prefix.add_argument("--user-tokens", type=int, default=16, help="each request's own tokens after it")
     prefix.add_argument("--rounds", type=int, default=9, help="alternating rounds (warm, unseen, cache off)")
     prefix.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the embedded model)")
+    prefix.add_argument("--threads", type=int, help="torch threads (default: every core; 1 is steadier on a busy "
+                        "machine)")
     _output_flags(prefix)
     offload = bench_sub.add_parser("offload", help="part of the experts resident (memory tiers), with and without "
                                    "prefetch, against all-resident in the same run")
