@@ -333,10 +333,11 @@ class ContinuousBatcher:
     @staticmethod
     def _commit_blocks(seq: _Sequence, routing: _StepRouting) -> None:
         """Register the sequence's blocks this step filled (README: Prefix caching), unless this or an earlier step
-        moved or dropped its expert slots: those blocks hold what a normal run would not compute."""
+        moved or dropped its expert slots (capacity cap, degrade, shedding): those blocks hold what a normal run
+        would not compute."""
         if seq.cache is None:
             return
-        if routing.dropped or routing.degraded or routing.shed:
+        if routing.rerouted or routing.dropped or routing.degraded or routing.shed:
             seq.cache.shareable = False
         if seq.cache.uncommitted():
             # The cache holds a prefix of prompt + generated (resumed and recomputed sequences too).

@@ -151,9 +151,10 @@ def test_preemption_with_caching_gives_the_uncached_tokens_and_routing_counts(fa
     assert batcher.prefix_query_tokens == 18  # a recompute's hits are not the request's cached prompt tokens
 
 
-def test_a_step_that_moved_a_sequences_slots_stops_it_registering_blocks(families):
-    """A degraded (or shed, or dropped) step computes a sequence's tokens with other experts than the model would
-    choose: its blocks from then on must not be found by other requests."""
+@pytest.mark.parametrize("moved", ["rerouted", "dropped", "degraded", "shed"])
+def test_a_step_that_moved_a_sequences_slots_stops_it_registering_blocks(families, moved):
+    """A step that rerouted (capacity cap), dropped, degraded or shed a sequence's slots computed its tokens with
+    other experts than the model would choose: its blocks from then on must not be found by other requests."""
     model = decoder(families["mixtral"], True)
     cache = model.new_cache()
     seq = _Sequence(request=GenerationRequest(list(range(12)), 1), events=None, cache=cache,
@@ -164,6 +165,14 @@ def test_a_step_that_moved_a_sequences_slots_stops_it_registering_blocks(familie
     assert model.kv_pool.allocator.num_cached == 2
     cache.reserve(4)
     cache.length = 12
-    ContinuousBatcher._commit_blocks(seq, dataclasses.replace(_StepRouting(), degraded=1))
+    ContinuousBatcher._commit_blocks(seq, dataclasses.replace(_StepRouting(), **{moved: 1}))
     assert model.kv_pool.allocator.num_cached == 2 and not cache.shareable
     cache.free()
+
+
+def test_bench_prefix_reports_the_cached_tokens_and_both_timings():
+    from expertmesh.ops.bench.prefix import PrefixParams, run_prefix_bench
+
+    got = run_prefix_bench(PrefixParams(system_tokens=64, user_tokens=8, rounds=1, threads=1), verbose=False)
+    assert got["cached_tokens"] == 64 and got["prompt_tokens"] == 72 and got["threads"] == 1
+    assert all(got["ttft_s"][k]["median"] > 0 for k in ("warm", "unseen", "off"))
