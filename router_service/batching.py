@@ -360,13 +360,14 @@ class ContinuousBatcher:
             hit = seq.cache.lookup_prefix(seq.next_input.tolist()) if seq.cache.length == 0 else None
             shared = [] if hit is None else hit.blocks
             # Cached free blocks it shares leave num_free as surely as new ones it allocates.
-            need = blocks_for(seq.cache.length + pending, pool.block_size) - len(seq.cache.blocks) - len(shared)
-            need += pool.allocator.free_among(shared)
+            need = seq.cache.blocks_needed(pending) - len(shared)
+            if shared:
+                need += pool.allocator.free_among(shared)
             headroom = sum(s.cache.blocks_needed(1) for s in self._active if s.next_input.numel() == 1)
             if need + headroom > pool.allocator.num_free:
                 break
             if hit is not None:
-                reused = seq.cache.adopt(hit)
+                reused = seq.cache.adopt(hit) if shared else 0
                 seq.next_input = seq.next_input[reused:]
                 if seq.cached_tokens is None:  # the request's first admission: what usage and the hit rate report
                     prompt_len = len(seq.request.prompt_ids)
