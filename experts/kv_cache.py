@@ -15,6 +15,12 @@ grow it, `pad_sequence` to batch it) and reallocated every step. A kernel that r
 
 Sliding-window layers keep their full history (no block is freed early): a window only masks keys out.
 
+Prefix caching (README: Prefix caching): with `prefix_root` set, a sequence's full blocks are registered under their
+hash-chain keys (experts/prefix_cache.py) once written (`commit`), and a new sequence starts from the cached blocks
+of its longest cached prefix (`lookup_prefix` / `adopt`), sharing them read-only: shared blocks are always full, and
+a sequence only writes at positions >= its length, so no block is ever written by two sequences (no copy-on-write).
+Because windowed layers keep every block, a cached block serves sliding-window, sink and MLA layers alike.
+
 Sizing: `PagedKVPool.plan(...)` turns a byte budget into a number of blocks; the pool never holds more than
 `max_tokens` tokens (so tiny models do not reserve gigabytes). On CPU, `torch.empty` of a large pool reserves address
 space and the OS backs pages as blocks are first written, so resident memory grows with use up to the budget.
@@ -30,9 +36,10 @@ import torch
 
 from .block_allocator import BlockAllocator, OutOfBlocks, blocks_for
 from .device_rule import tensor_on
+from .prefix_cache import block_keys, reusable_blocks, root_key
 
-__all__ = ["KVCache", "PagedKVPool", "KVCacheSettings", "OutOfBlocks", "DEFAULT_CPU_KV_BYTES", "blocks_for",
-           "settings_for"]
+__all__ = ["KVCache", "PagedKVPool", "KVCacheSettings", "OutOfBlocks", "DEFAULT_CPU_KV_BYTES", "PrefixHit",
+           "blocks_for", "settings_for"]
 
 DEFAULT_CPU_KV_BYTES = 2 << 30  # 2 GiB: the pool on CPU when no budget is given (README: Paged KV cache)
 DEFAULT_MAX_SEQUENCES = 64  # with no explicit token cap, the pool holds at most this many full-context sequences
@@ -48,33 +55,38 @@ class KVCacheSettings:
     block_size: int = 16
     budget_bytes: int | None = None
     max_tokens: int | None = None
+    prefix_caching: bool = True  # share full blocks between sequences by content (README: Prefix caching)
 
 
 def settings_for(device: torch.device | str, kv_cache_gb: float | None, gpu_memory_utilization: float,
-                 block_size: int = 16) -> KVCacheSettings:
+                 block_size: int = 16, prefix_caching: bool = True) -> KVCacheSettings:
     """The pool's size on `device` (README: Paged KV cache): kv_cache_gb when given (exactly, no token cap); else on
     CUDA what keeps the process within gpu_memory_utilization of the GPU's memory (call it after the weights are
     loaded: free now - (1 - utilization) × total); else DEFAULT_CPU_KV_BYTES capped at DEFAULT_MAX_SEQUENCES full
     contexts."""
     device = torch.device(device)
     if kv_cache_gb is not None:
-        return KVCacheSettings(block_size, int(kv_cache_gb * (1 << 30)), max_tokens=1 << 62)
+        return KVCacheSettings(block_size, int(kv_cache_gb * (1 << 30)), max_tokens=1 << 62,
+                               prefix_caching=prefix_caching)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - (1.0 - gpu_memory_utilization) * total)
         if budget <= 0:
             raise ValueError(f"gpu_memory_utilization: {gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves "
                              f"nothing for the KV cache ({free / 2**30:.1f} GiB free after the weights)")
-        return KVCacheSettings(block_size, budget, max_tokens=1 << 62)
-    return KVCacheSettings(block_size)
+        return KVCacheSettings(block_size, budget, max_tokens=1 << 62, prefix_caching=prefix_caching)
+    return KVCacheSettings(block_size, prefix_caching=prefix_caching)
 
 
 class PagedKVPool:
     def __init__(self, specs: list[CacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
-        """specs: per layer, what one token stores. Allocates [num_blocks, block_size, *shape] per layer and entry."""
+                 device: torch.device | str = "cpu", prefix_root: bytes | None = None):
+        """specs: per layer, what one token stores. Allocates [num_blocks, block_size, *shape] per layer and entry.
+        prefix_root: the root of the blocks' hash chain (experts/prefix_cache.py root_key); None: no prefix
+        caching (no block is ever shared)."""
         assert block_size >= 1 and num_blocks >= 1, (block_size, num_blocks)
         self.specs = specs
+        self.prefix_root = prefix_root
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
@@ -94,15 +106,17 @@ class PagedKVPool:
 
     @classmethod
     def plan(cls, specs: list[CacheSpec], dtype: torch.dtype, device: torch.device | str, context: int,
-             settings: KVCacheSettings = KVCacheSettings()) -> PagedKVPool:
+             settings: KVCacheSettings = KVCacheSettings(), identity: object = None) -> PagedKVPool:
         """A pool within settings.budget_bytes (default DEFAULT_CPU_KV_BYTES) and settings.max_tokens (default
-        DEFAULT_MAX_SEQUENCES full contexts); at least one block."""
+        DEFAULT_MAX_SEQUENCES full contexts); at least one block. identity: what names the model (its config) in
+        the prefix-cache keys, with the dtype, block size and specs."""
         per_token = cls.bytes_per_token(specs, dtype)
         budget = DEFAULT_CPU_KV_BYTES if settings.budget_bytes is None else settings.budget_bytes
         cap = DEFAULT_MAX_SEQUENCES * context if settings.max_tokens is None else settings.max_tokens
         by_budget = budget // max(1, per_token * settings.block_size)
         num_blocks = max(1, min(by_budget, blocks_for(cap, settings.block_size)))
-        return cls(specs, num_blocks, settings.block_size, dtype, device)
+        root = (root_key(identity, str(dtype), settings.block_size, specs) if settings.prefix_caching else None)
+        return cls(specs, num_blocks, settings.block_size, dtype, device, prefix_root=root)
 
     @property
     def num_blocks(self) -> int:
@@ -185,14 +199,32 @@ class PagedKVPool:
         return out
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """What `KVCache.lookup_prefix` found: the cached blocks of the input's longest cached prefix and their keys."""
+
+    blocks: list[int]
+    keys: list[bytes]
+    block_size: int
+
+    @property
+    def tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+
 class KVCache:
     """One sequence's view of the pool: its block table (ids, the same for every layer) and how many tokens it has.
-    `reserve` before a step, `free` when the sequence ends (or is preempted)."""
+    `reserve` before a step, `free` when the sequence ends (or is preempted). With prefix caching, `lookup_prefix` +
+    `adopt` start an empty sequence from cached blocks and `commit` registers its full blocks as they fill."""
 
     def __init__(self, pool: PagedKVPool):
         self.pool = pool
         self.blocks: list[int] = []  # changed in place only: the finalizer below holds this list
         self.length = 0  # tokens written (and attended) so far
+        self.keys: list[bytes] = []  # hash-chain keys of blocks 0..len(keys)-1 (full, committed)
+        # False once a step computed this sequence's tokens with moved or dropped expert slots (degrade, shedding,
+        # capacity): from then on its blocks hold what a normal run would not, so none is registered.
+        self.shareable = pool.prefix_root is not None
         # A cache dropped without free() (a caller's loop that just lets go of it) still returns its blocks.
         weakref.finalize(self, _release, pool.allocator, self.blocks)
 
@@ -211,9 +243,54 @@ class KVCache:
             self.blocks.extend(self.pool.allocate(need))
 
     def free(self) -> None:
-        """Return every block to the pool; the cache is empty (length 0) and reusable."""
+        """Return every block to the pool (registered ones stay cached); the cache is empty (length 0) and
+        reusable."""
         _release(self.pool.allocator, self.blocks)
         self.length = 0
+        self.keys = []
+        self.shareable = self.pool.prefix_root is not None
+
+    # ---- prefix caching (README: Prefix caching) ------------------------------------------------------------
+
+    def lookup_prefix(self, token_ids: list[int]) -> PrefixHit:
+        """The cached blocks this empty sequence could start from, to feed `token_ids` (every token it will hold
+        next): the longest cached run of its full blocks, never the block of the last token (its logits must be
+        computed). Takes nothing; `adopt` takes them. Empty with prefix caching off."""
+        assert self.length == 0 and not self.blocks, "lookup_prefix: only an empty sequence starts from a prefix"
+        pool = self.pool
+        if pool.prefix_root is None:
+            return PrefixHit([], [], pool.block_size)
+        keys = block_keys(token_ids, pool.block_size, pool.prefix_root,
+                          upto_block=reusable_blocks(len(token_ids), pool.block_size))
+        blocks = pool.allocator.match(keys)
+        return PrefixHit(blocks, keys[:len(blocks)], pool.block_size)
+
+    def adopt(self, hit: PrefixHit) -> int:
+        """Start from `hit`'s blocks (a reference to each): they are this sequence's first hit.tokens tokens, which
+        the caller no longer feeds. Returns hit.tokens."""
+        assert self.length == 0 and not self.blocks, "adopt: only an empty sequence starts from a prefix"
+        self.pool.allocator.share(hit.blocks)
+        self.blocks.extend(hit.blocks)
+        self.keys = list(hit.keys)
+        self.length = hit.tokens
+        return hit.tokens
+
+    def uncommitted(self) -> bool:
+        """Whether a full block was written since the last `commit` (and could be registered)."""
+        return self.shareable and self.length // self.pool.block_size > len(self.keys)
+
+    def commit(self, token_ids: list[int]) -> None:
+        """Register this sequence's full blocks written since the last commit. token_ids: the tokens it holds, in
+        order (at least `length` of them; any beyond are ignored). A block whose key another block already holds
+        (computed twice at once) stays private; later blocks still get their keys."""
+        if not self.uncommitted():
+            return
+        pool, first = self.pool, len(self.keys)
+        parent = self.keys[-1] if self.keys else pool.prefix_root
+        keys = block_keys(token_ids[:self.length], pool.block_size, parent, first_block=first)
+        for i, key in enumerate(keys, start=first):
+            pool.allocator.register(self.blocks[i], key)
+        self.keys.extend(keys)
 
     def nbytes(self) -> int:
         """Bytes of the blocks this sequence holds."""

@@ -123,8 +123,10 @@ class MoEDecoder:
         self.step_observer = None
         # Stage clock (router_service/step_profile.py StageClock): the router sets it; gating and lm_head time.
         self.profile = None
+        # The config names the model in the prefix-cache keys (with dtype, block size, cache layout): a pool is this
+        # decoder's alone, so this only guards against a pool ever being shared.
         self.kv_pool = PagedKVPool.plan(self.cache_specs(), self.dtype, self.device, cfg.max_position_embeddings,
-                                        kv_cache or KVCacheSettings())
+                                        kv_cache or KVCacheSettings(), identity=cfg)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -61,6 +61,7 @@ README_SECTIONS = {
     "Transports": "concepts/transports.md",
     "Overlap": "concepts/transports.md#overlap-ping-pong-micro-batches",
     "Paged KV cache": "concepts/kv-cache.md",
+    "Prefix caching": "concepts/kv-cache.md#prefix-caching",
     "Expert layout": "concepts/expert-layouts.md",
     "Data types and devices": "concepts/dtypes-and-devices.md",
     "Data types": "concepts/dtypes-and-devices.md",

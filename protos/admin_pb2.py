@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x65xpertmesh/protos/admin.proto\x12\rexpertmesh.v1\"\x14\n\x12RouterStatsRequest\"\xd7\x03\n\x0bRouterStats\x12\x16\n\x0elive_kv_caches\x18\x01 \x01(\x05\x12\x18\n\x10\x61\x63tive_sequences\x18\x02 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x03\x12\x16\n\x0emax_batch_seen\x18\x05 \x01(\x05\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\x15\n\rretried_calls\x18\x07 \x01(\x03\x12\x16\n\x0e\x64\x65graded_slots\x18\x08 \x01(\x03\x12\x11\n\tload_json\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x0f\n\x07threads\x18\x0c \x01(\x05\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x0e \x01(\x03\x12\x17\n\x0fkv_blocks_total\x18\x0f \x01(\x03\x12\x43\n\rstage_seconds\x18\x10 \x03(\x0b\x32,.expertmesh.v1.RouterStats.StageSecondsEntry\x12\x12\n\nshed_slots\x18\x11 \x01(\x03\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x15\n\x13\x43lusterStateRequest\"\xdf\x02\n\x0cReplicaState\x12\r\n\x05\x61\x63tor\x18\x01 \x01(\t\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x0f\n\x07replica\x18\x03 \x01(\x05\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x0f\n\x07gpu_ids\x18\x05 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x61live\x18\x07 \x01(\x08\x12\x11\n\trestoring\x18\x08 \x01(\x08\x12\x12\n\ngeneration\x18\t \x01(\x05\x12\x0f\n\x07\x62reaker\x18\n \x01(\t\x12\r\n\x05\x63\x61lls\x18\x0b \x01(\x03\x12\x0e\n\x06tokens\x18\x0c \x01(\x03\x12\x0f\n\x07\x64rained\x18\r \x01(\x08\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x12\n\nload_bytes\x18\x0f \x01(\x03\x12\x18\n\x10load_total_bytes\x18\x10 \x01(\x03\x12\x12\n\nload_error\x18\x11 \x01(\t\x12\x12\n\ntiers_json\x18\x12 \x01(\t\x12\x11\n\tcompute_s\x18\x13 \x01(\x01\"@\n\rShardReplicas\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x10\n\x08replicas\x18\x03 \x03(\t\"N\n\x0c\x43lusterEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65tail_json\x18\x04 \x01(\t\"\xd8\x02\n\x0c\x43lusterState\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x18\n\x10\x63ontroller_alive\x18\x02 \x01(\x08\x12-\n\x08replicas\x18\x03 \x03(\x0b\x32\x1b.expertmesh.v1.ReplicaState\x12,\n\x06shards\x18\x04 \x03(\x0b\x32\x1c.expertmesh.v1.ShardReplicas\x12+\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x1b.expertmesh.v1.ClusterEvent\x12*\n\x06router\x18\x06 \x01(\x0b\x32\x1a.expertmesh.v1.RouterStats\x12\x19\n\x11no_replica_policy\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x11\n\tload_json\x18\t \x01(\t\x12\x14\n\x0c\x63ontrol_json\x18\n \x01(\t\x12\x16\n\x0erequested_gpus\x18\x0b \x01(\x03\".\n\x0eReplicaRequest\x12\r\n\x05\x61\x63tor\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"+\n\x0cReplicaReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\x9b\x03\n\x05\x41\x64min\x12Q\n\x0eGetRouterStats\x12!.expertmesh.v1.RouterStatsRequest\x1a\x1a.expertmesh.v1.RouterStats\"\x00\x12T\n\x0fGetClusterState\x12\".expertmesh.v1.ClusterStateRequest\x1a\x1b.expertmesh.v1.ClusterState\"\x00\x12K\n\x0bKillReplica\x12\x1d.expertmesh.v1.ReplicaRequest\x1a\x1b.expertmesh.v1.ReplicaReply\"\x00\x12L\n\x0c\x44rainReplica\x12\x1d.expertmesh.v1.ReplicaRequest\x1a\x1b.expertmesh.v1.ReplicaReply\"\x00\x12N\n\x0eUndrainReplica\x12\x1d.expertmesh.v1.ReplicaRequest\x1a\x1b.expertmesh.v1.ReplicaReply\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x65xpertmesh/protos/admin.proto\x12\rexpertmesh.v1\"\x14\n\x12RouterStatsRequest\"\xa9\x04\n\x0bRouterStats\x12\x16\n\x0elive_kv_caches\x18\x01 \x01(\x05\x12\x18\n\x10\x61\x63tive_sequences\x18\x02 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x03 \x01(\x05\x12\r\n\x05steps\x18\x04 \x01(\x03\x12\x16\n\x0emax_batch_seen\x18\x05 \x01(\x05\x12\x0f\n\x07replica\x18\x06 \x01(\t\x12\x15\n\rretried_calls\x18\x07 \x01(\x03\x12\x16\n\x0e\x64\x65graded_slots\x18\x08 \x01(\x03\x12\x11\n\tload_json\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x0f\n\x07threads\x18\x0c \x01(\x05\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x0e \x01(\x03\x12\x17\n\x0fkv_blocks_total\x18\x0f \x01(\x03\x12\x43\n\rstage_seconds\x18\x10 \x03(\x0b\x32,.expertmesh.v1.RouterStats.StageSecondsEntry\x12\x12\n\nshed_slots\x18\x11 \x01(\x03\x12\x1b\n\x13prefix_query_tokens\x18\x12 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x13 \x01(\x03\x12\x18\n\x10kv_blocks_cached\x18\x14 \x01(\x03\x1a\x33\n\x11StageSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x15\n\x13\x43lusterStateRequest\"\xdf\x02\n\x0cReplicaState\x12\r\n\x05\x61\x63tor\x18\x01 \x01(\t\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x0f\n\x07replica\x18\x03 \x01(\x05\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x0f\n\x07gpu_ids\x18\x05 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x61live\x18\x07 \x01(\x08\x12\x11\n\trestoring\x18\x08 \x01(\x08\x12\x12\n\ngeneration\x18\t \x01(\x05\x12\x0f\n\x07\x62reaker\x18\n \x01(\t\x12\r\n\x05\x63\x61lls\x18\x0b \x01(\x03\x12\x0e\n\x06tokens\x18\x0c \x01(\x03\x12\x0f\n\x07\x64rained\x18\r \x01(\x08\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12\x12\n\nload_bytes\x18\x0f \x01(\x03\x12\x18\n\x10load_total_bytes\x18\x10 \x01(\x03\x12\x12\n\nload_error\x18\x11 \x01(\t\x12\x12\n\ntiers_json\x18\x12 \x01(\t\x12\x11\n\tcompute_s\x18\x13 \x01(\x01\"@\n\rShardReplicas\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\x05\x12\x10\n\x08replicas\x18\x03 \x03(\t\"N\n\x0c\x43lusterEvent\x12\x0c\n\x04time\x18\x01 \x01(\x01\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65tail_json\x18\x04 \x01(\t\"\xd8\x02\n\x0c\x43lusterState\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x18\n\x10\x63ontroller_alive\x18\x02 \x01(\x08\x12-\n\x08replicas\x18\x03 \x03(\x0b\x32\x1b.expertmesh.v1.ReplicaState\x12,\n\x06shards\x18\x04 \x03(\x0b\x32\x1c.expertmesh.v1.ShardReplicas\x12+\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x1b.expertmesh.v1.ClusterEvent\x12*\n\x06router\x18\x06 \x01(\x0b\x32\x1a.expertmesh.v1.RouterStats\x12\x19\n\x11no_replica_policy\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x11\n\tload_json\x18\t \x01(\t\x12\x14\n\x0c\x63ontrol_json\x18\n \x01(\t\x12\x16\n\x0erequested_gpus\x18\x0b \x01(\x03\".\n\x0eReplicaRequest\x12\r\n\x05\x61\x63tor\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"+\n\x0cReplicaReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\x9b\x03\n\x05\x41\x64min\x12Q\n\x0eGetRouterStats\x12!.expertmesh.v1.RouterStatsRequest\x1a\x1a.expertmesh.v1.RouterStats\"\x00\x12T\n\x0fGetClusterState\x12\".expertmesh.v1.ClusterStateRequest\x1a\x1b.expertmesh.v1.ClusterState\"\x00\x12K\n\x0bKillReplica\x12\x1d.expertmesh.v1.ReplicaRequest\x1a\x1b.expertmesh.v1.ReplicaReply\"\x00\x12L\n\x0c\x44rainReplica\x12\x1d.expertmesh.v1.ReplicaRequest\x1a\x1b.expertmesh.v1.ReplicaReply\"\x00\x12N\n\x0eUndrainReplica\x12\x1d.expertmesh.v1.ReplicaRequest\x1a\x1b.expertmesh.v1.ReplicaReply\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTERSTATSREQUEST']._serialized_start=48
   _globals['_ROUTERSTATSREQUEST']._serialized_end=68
   _globals['_ROUTERSTATS']._serialized_start=71
-  _globals['_ROUTERSTATS']._serialized_end=542
-  _globals['_ROUTERSTATS_STAGESECONDSENTRY']._serialized_start=491
-  _globals['_ROUTERSTATS_STAGESECONDSENTRY']._serialized_end=542
-  _globals['_CLUSTERSTATEREQUEST']._serialized_start=544
-  _globals['_CLUSTERSTATEREQUEST']._serialized_end=565
-  _globals['_REPLICASTATE']._serialized_start=568
-  _globals['_REPLICASTATE']._serialized_end=919
-  _globals['_SHARDREPLICAS']._serialized_start=921
-  _globals['_SHARDREPLICAS']._serialized_end=985
-  _globals['_CLUSTEREVENT']._serialized_start=987
-  _globals['_CLUSTEREVENT']._serialized_end=1065
-  _globals['_CLUSTERSTATE']._serialized_start=1068
-  _globals['_CLUSTERSTATE']._serialized_end=1412
-  _globals['_REPLICAREQUEST']._serialized_start=1414
-  _globals['_REPLICAREQUEST']._serialized_end=1460
-  _globals['_REPLICAREPLY']._serialized_start=1462
-  _globals['_REPLICAREPLY']._serialized_end=1505
-  _globals['_ADMIN']._serialized_start=1508
-  _globals['_ADMIN']._serialized_end=1919
+  _globals['_ROUTERSTATS']._serialized_end=624
+  _globals['_ROUTERSTATS_STAGESECONDSENTRY']._serialized_start=573
+  _globals['_ROUTERSTATS_STAGESECONDSENTRY']._serialized_end=624
+  _globals['_CLUSTERSTATEREQUEST']._serialized_start=626
+  _globals['_CLUSTERSTATEREQUEST']._serialized_end=647
+  _globals['_REPLICASTATE']._serialized_start=650
+  _globals['_REPLICASTATE']._serialized_end=1001
+  _globals['_SHARDREPLICAS']._serialized_start=1003
+  _globals['_SHARDREPLICAS']._serialized_end=1067
+  _globals['_CLUSTEREVENT']._serialized_start=1069
+  _globals['_CLUSTEREVENT']._serialized_end=1147
+  _globals['_CLUSTERSTATE']._serialized_start=1150
+  _globals['_CLUSTERSTATE']._serialized_end=1494
+  _globals['_REPLICAREQUEST']._serialized_start=1496
+  _globals['_REPLICAREQUEST']._serialized_end=1542
+  _globals['_REPLICAREPLY']._serialized_start=1544
+  _globals['_REPLICAREPLY']._serialized_end=1587
+  _globals['_ADMIN']._serialized_start=1590
+  _globals['_ADMIN']._serialized_end=2001
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!expertmesh/protos/inference.proto\x12\rexpertmesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xa5\x04\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.expertmesh.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\r\n\x05model\x18\x0b \x01(\t\x12\x18\n\x10resume_token_ids\x18\x0c \x03(\x03\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x03\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x11 \x03(\x0b\x32-.expertmesh.v1.GenerateRequest.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"8\n\x0cLayerRouting\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x19\n\x11tokens_per_expert\x18\x02 \x03(\x03\"\x9c\x01\n\x0eRoutingSummary\x12+\n\x06layers\x18\x01 \x03(\x0b\x32\x1b.expertmesh.v1.LayerRouting\x12\x17\n\x0frerouted_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x64\x65graded_tokens\x18\x03 \x01(\x03\x12\x16\n\x0e\x64ropped_tokens\x18\x04 \x01(\x03\x12\x13\n\x0bshed_tokens\x18\x05 \x01(\x03\"|\n\x0eGenerationDone\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.expertmesh.v1.Usage\x12.\n\x07routing\x18\x03 \x01(\x0b\x32\x1d.expertmesh.v1.RoutingSummary\"u\n\x10GenerateResponse\x12*\n\x05token\x18\x01 \x01(\x0b\x32\x19.expertmesh.v1.TokenChunkH\x00\x12-\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1d.expertmesh.v1.GenerationDoneH\x00\x42\x06\n\x04kind\"C\n\x0cScoreRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x11\n\tlog_probs\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\"D\n\rScoreResponse\x12\x0f\n\x07seq_len\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x0e\n\x06values\x18\x03 \x03(\x02\x32\xa2\x01\n\tInference\x12O\n\x08Generate\x12\x1e.expertmesh.v1.GenerateRequest\x1a\x1f.expertmesh.v1.GenerateResponse\"\x00\x30\x01\x12\x44\n\x05Score\x12\x1b.expertmesh.v1.ScoreRequest\x1a\x1c.expertmesh.v1.ScoreResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!expertmesh/protos/inference.proto\x12\rexpertmesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xa5\x04\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.expertmesh.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\r\n\x05model\x18\x0b \x01(\t\x12\x18\n\x10resume_token_ids\x18\x0c \x03(\x03\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x03\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x11 \x03(\x0b\x32-.expertmesh.v1.GenerateRequest.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"-\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"8\n\x0cLayerRouting\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x19\n\x11tokens_per_expert\x18\x02 \x03(\x03\"\x9c\x01\n\x0eRoutingSummary\x12+\n\x06layers\x18\x01 \x03(\x0b\x32\x1b.expertmesh.v1.LayerRouting\x12\x17\n\x0frerouted_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x64\x65graded_tokens\x18\x03 \x01(\x03\x12\x16\n\x0e\x64ropped_tokens\x18\x04 \x01(\x03\x12\x13\n\x0bshed_tokens\x18\x05 \x01(\x03\"|\n\x0eGenerationDone\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.expertmesh.v1.Usage\x12.\n\x07routing\x18\x03 \x01(\x0b\x32\x1d.expertmesh.v1.RoutingSummary\"u\n\x10GenerateResponse\x12*\n\x05token\x18\x01 \x01(\x0b\x32\x19.expertmesh.v1.TokenChunkH\x00\x12-\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1d.expertmesh.v1.GenerationDoneH\x00\x42\x06\n\x04kind\"C\n\x0cScoreRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x11\n\tlog_probs\x18\x02 \x01(\x08\x12\r\n\x05model\x18\x03 \x01(\t\"D\n\rScoreResponse\x12\x0f\n\x07seq_len\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x0e\n\x06values\x18\x03 \x03(\x02\x32\xa2\x01\n\tInference\x12O\n\x08Generate\x12\x1e.expertmesh.v1.GenerateRequest\x1a\x1f.expertmesh.v1.GenerateResponse\"\x00\x30\x01\x12\x44\n\x05Score\x12\x1b.expertmesh.v1.ScoreRequest\x1a\x1c.expertmesh.v1.ScoreResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,19 +42,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENCHUNK']._serialized_start=629
   _globals['_TOKENCHUNK']._serialized_end=674
   _globals['_USAGE']._serialized_start=676
-  _globals['_USAGE']._serialized_end=733
-  _globals['_LAYERROUTING']._serialized_start=735
-  _globals['_LAYERROUTING']._serialized_end=791
-  _globals['_ROUTINGSUMMARY']._serialized_start=794
-  _globals['_ROUTINGSUMMARY']._serialized_end=950
-  _globals['_GENERATIONDONE']._serialized_start=952
-  _globals['_GENERATIONDONE']._serialized_end=1076
-  _globals['_GENERATERESPONSE']._serialized_start=1078
-  _globals['_GENERATERESPONSE']._serialized_end=1195
-  _globals['_SCOREREQUEST']._serialized_start=1197
-  _globals['_SCOREREQUEST']._serialized_end=1264
-  _globals['_SCORERESPONSE']._serialized_start=1266
-  _globals['_SCORERESPONSE']._serialized_end=1334
-  _globals['_INFERENCE']._serialized_start=1337
-  _globals['_INFERENCE']._serialized_end=1499
+  _globals['_USAGE']._serialized_end=756
+  _globals['_LAYERROUTING']._serialized_start=758
+  _globals['_LAYERROUTING']._serialized_end=814
+  _globals['_ROUTINGSUMMARY']._serialized_start=817
+  _globals['_ROUTINGSUMMARY']._serialized_end=973
+  _globals['_GENERATIONDONE']._serialized_start=975
+  _globals['_GENERATIONDONE']._serialized_end=1099
+  _globals['_GENERATERESPONSE']._serialized_start=1101
+  _globals['_GENERATERESPONSE']._serialized_end=1218
+  _globals['_SCOREREQUEST']._serialized_start=1220
+  _globals['_SCOREREQUEST']._serialized_end=1287
+  _globals['_SCORERESPONSE']._serialized_start=1289
+  _globals['_SCORERESPONSE']._serialized_end=1357
+  _globals['_INFERENCE']._serialized_start=1360
+  _globals['_INFERENCE']._serialized_end=1522
 # @@protoc_insertion_point(module_scope)

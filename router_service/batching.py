@@ -11,6 +11,13 @@ goes back to the head of the queue, to be recomputed later from its prompt + the
 tokens: the recompute's logits are the ones its next decode step would have had). A request that could never fit
 the cache is refused (RequestError naming the field and the limit).
 
+Prefix caching (README: Prefix caching): at admission a sequence starts from the cached blocks of its longest cached
+prefix and feeds only the rest (at least its last token, whose logits it needs), so a repeated system prompt is not
+computed again; after each step its newly full blocks are registered for others. A preempted sequence's blocks stay
+cached while nothing needs the room, so its recompute mostly finds them. A step that moved or dropped expert slots
+of a sequence (degrade, shedding, capacity) stops that sequence registering blocks: they hold what a normal run
+would not compute.
+
 Forwards run one at a time on a worker thread so the event loop keeps accepting requests and cancellations while
 experts compute.
 """
@@ -88,6 +95,7 @@ class DoneEvent:
     dropped: int = 0
     degraded: int = 0  # slots moved off an expert that had no live replica (degrade policy)
     shed: int = 0  # slots moved off an overloaded expert (overload shedding)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI usage.prompt_tokens_details)
 
 
 @dataclass(eq=False)  # identity: `seq in self._active` must not compare every field (tensors, queues) per step
@@ -111,6 +119,7 @@ class _Sequence:
     stop_from: int = 0  # stop strings are searched from this character on (text emitted before min_tokens is final)
     span: Any = None  # the request's OpenTelemetry span (tracing on), parent or link of its steps
     grammar: GrammarState | None = None  # where the sequence stands in its request's grammar (None: unconstrained)
+    cached_tokens: int | None = None  # prompt tokens its first admission took from the prefix cache
 
 
 @dataclass
@@ -181,6 +190,8 @@ class ContinuousBatcher:
         self.steps = 0
         self.max_batch_seen = 0
         self.preemptions = 0
+        self.prefix_query_tokens = 0  # prompt tokens of admitted requests (first admission)
+        self.prefix_hit_tokens = 0  # of those, tokens taken from the prefix cache
         self._admissions = 0
         self.observer = None  # RouterObserver (router_service/observability.py): step spans; None = no tracing
         self.profile = StageClock()  # stage seconds (router_service/step_profile.py); shared with the router's
@@ -204,7 +215,9 @@ class ContinuousBatcher:
         pool = self.model.kv_pool
         return {"live_caches": self.live_caches, "active": len(self._active), "waiting": len(self._waiting),
                 "steps": self.steps, "max_batch_seen": self.max_batch_seen, "preemptions": self.preemptions,
-                "kv_blocks_free": pool.allocator.num_free, "kv_blocks_total": pool.num_blocks}
+                "kv_blocks_free": pool.allocator.num_free, "kv_blocks_total": pool.num_blocks,
+                "kv_blocks_cached": pool.allocator.num_cached, "prefix_query_tokens": self.prefix_query_tokens,
+                "prefix_hit_tokens": self.prefix_hit_tokens}
 
     # ---- requests --------------------------------------------------------------------------------------------
 
@@ -316,6 +329,7 @@ class ContinuousBatcher:
                 try:
                     self._count_routing(seq, seq_routing)
                     seq.next_input = seq.next_input[n:]
+                    self._commit_blocks(seq, seq_routing)
                     if seq_logits is not None:  # the step fed its last pending token: take the next one
                         self._advance(seq, seq_logits, token)
                 except Exception as exc:  # e.g. a failing detokenizer: fail this sequence, keep the loop alive
@@ -323,6 +337,19 @@ class ContinuousBatcher:
                     self._finish(seq)
             profile.since("loop.post", forwarded)
             profile.since("loop.busy", began)
+
+    @staticmethod
+    def _commit_blocks(seq: _Sequence, routing: _StepRouting) -> None:
+        """Register the sequence's blocks this step filled (README: Prefix caching), unless this or an earlier step
+        moved or dropped its expert slots (capacity cap, degrade, shedding): those blocks hold what a normal run
+        would not compute."""
+        if seq.cache is None:
+            return
+        if routing.rerouted or routing.dropped or routing.degraded or routing.shed:
+            seq.cache.shareable = False
+        if seq.cache.uncommitted():
+            # The cache holds a prefix of prompt + generated (resumed and recomputed sequences too).
+            seq.cache.commit(seq.request.prompt_ids + seq.generated)
 
     def _release_cancelled(self) -> None:
         for seq in [s for s in self._active if s.cancelled]:
@@ -332,14 +359,29 @@ class ContinuousBatcher:
         """Move waiting requests (in order) to the running set while a slot and their prompt's blocks are free. The
         blocks are reserved now, so a prompt never runs out of them half-way through its chunks. Blocks that running
         sequences will need next step (their last block is full) are kept back, so an admission does not force an
-        immediate preemption."""
+        immediate preemption. A sequence starts from its longest cached prefix (README: Prefix caching): those
+        blocks are shared, not allocated, and their tokens are not fed again."""
         pool = self.model.kv_pool
         while self._waiting and len(self._active) < self.config.max_active:
             seq = self._waiting[0]
-            need = seq.cache.blocks_needed(seq.next_input.numel())
+            pending = seq.next_input.numel()
+            hit = seq.cache.lookup_prefix(seq.next_input.tolist()) if seq.cache.length == 0 else None
+            shared = [] if hit is None else hit.blocks
+            # Cached free blocks it shares leave num_free as surely as new ones it allocates.
+            need = seq.cache.blocks_needed(pending) - len(shared)
+            if shared:
+                need += pool.allocator.free_among(shared)
             headroom = sum(s.cache.blocks_needed(1) for s in self._active if s.next_input.numel() == 1)
             if need + headroom > pool.allocator.num_free:
                 break
+            if hit is not None:
+                reused = seq.cache.adopt(hit) if shared else 0
+                seq.next_input = seq.next_input[reused:]
+                if seq.cached_tokens is None:  # the request's first admission: what usage and the hit rate report
+                    prompt_len = len(seq.request.prompt_ids)
+                    seq.cached_tokens = min(reused, prompt_len)
+                    self.prefix_query_tokens += prompt_len
+                    self.prefix_hit_tokens += seq.cached_tokens
             seq.cache.reserve(seq.next_input.numel())
             seq.admitted, self._admissions = self._admissions, self._admissions + 1
             self._active.append(self._waiting.popleft())
@@ -467,6 +509,7 @@ class ContinuousBatcher:
                 finish_reason=finish, prompt_tokens=len(req.prompt_ids), completion_tokens=len(seq.generated),
                 tokens_per_expert={layer: c.tolist() for layer, c in sorted(seq.tokens_per_expert.items())},
                 rerouted=seq.rerouted, dropped=seq.dropped, degraded=seq.degraded, shed=seq.shed,
+                cached_tokens=seq.cached_tokens or 0,
             ))
             self._finish(seq)
 

@@ -253,6 +253,9 @@ class RouterConfig:
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     kv_block_size: int = 16  # tokens per KV-cache block
+    # Automatic prefix caching (README: Prefix caching): full KV-cache blocks are shared between requests by content,
+    # so a repeated prefix (a long system prompt) is not computed again; false: every request computes its prompt.
+    prefix_caching: bool = True
 
     def validate(self) -> RouterConfig:
         if self.transport not in TRANSPORT_SETTINGS:
@@ -280,6 +283,8 @@ class RouterConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size: must be ≥ 1, got {self.kv_block_size}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching: must be true or false, got {self.prefix_caching!r}")
         return self
 
     def deployment_options(self) -> dict:

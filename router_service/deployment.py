@@ -392,6 +392,8 @@ class RouterDeployment:
             dtype=self.router.dtype_name, device=str(self.router.device), threads=torch.get_num_threads(),
             preemptions=s.get("preemptions", 0), kv_blocks_free=s.get("kv_blocks_free", 0),
             kv_blocks_total=s.get("kv_blocks_total", 0), stage_seconds=self.router.profile.snapshot(),
+            prefix_query_tokens=s.get("prefix_query_tokens", 0), prefix_hit_tokens=s.get("prefix_hit_tokens", 0),
+            kv_blocks_cached=s.get("kv_blocks_cached", 0),
         )
 
     def _batcher_gauges(self) -> dict:
@@ -400,7 +402,10 @@ class RouterDeployment:
                 "expertmesh_kv_cache_sequences": s["live_caches"],
                 "expertmesh_kv_cache_bytes": self.batcher.kv_cache_bytes(),
                 "expertmesh_kv_blocks_free": s.get("kv_blocks_free", 0),
-                "expertmesh_kv_blocks_total": s.get("kv_blocks_total", 0)}
+                "expertmesh_kv_blocks_total": s.get("kv_blocks_total", 0),
+                "expertmesh_kv_blocks_cached": s.get("kv_blocks_cached", 0),
+                "expertmesh_prefix_cache_hit_rate":
+                    s.get("prefix_hit_tokens", 0) / max(1, s.get("prefix_query_tokens", 0))}
 
     async def load_snapshot(self) -> dict:
         """This replica's load statistics (plain dict; README: Load statistics)."""

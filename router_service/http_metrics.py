@@ -19,6 +19,11 @@ ROUTER_FIELDS = {
     "waiting_requests": ("expertmesh_router_waiting_requests", "gauge", "requests waiting for a batch slot"),
     "kv_blocks_free": ("expertmesh_router_kv_blocks_free", "gauge", "paged KV-cache blocks free"),
     "kv_blocks_total": ("expertmesh_router_kv_blocks_total", "gauge", "paged KV-cache blocks in all"),
+    "kv_blocks_cached": ("expertmesh_router_kv_blocks_cached", "gauge", "KV-cache blocks a prefix lookup can find"),
+    "prefix_query_tokens": ("expertmesh_router_prefix_query_tokens_total", "counter",
+                            "prompt tokens of admitted requests (prefix cache lookups)"),
+    "prefix_hit_tokens": ("expertmesh_router_prefix_hit_tokens_total", "counter",
+                          "prompt tokens served from the prefix cache"),
     "max_batch_seen": ("expertmesh_router_max_batch_seen", "gauge", "most sequences that shared one step"),
     "steps": ("expertmesh_router_steps_total", "counter", "forward steps run since start"),
     "preemptions": ("expertmesh_router_preemptions_total", "counter", "sequences preempted (KV cache full)"),
@@ -35,6 +40,7 @@ class FrontCounters:
     requests: Counter = field(default_factory=Counter)  # (path, status) -> requests
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (usage.prompt_tokens_details.cached_tokens)
 
     def count_request(self, path: str, status: int) -> None:
         self.requests[(path, status)] += 1
@@ -42,6 +48,7 @@ class FrontCounters:
     def count_usage(self, usage: dict) -> None:
         self.prompt_tokens += usage.get("prompt_tokens", 0)
         self.completion_tokens += usage.get("completion_tokens", 0)
+        self.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def _label(value: str) -> str:
@@ -56,7 +63,8 @@ def prometheus_text(front: FrontCounters, router: dict | None) -> str:
     for (path, status), count in sorted(front.requests.items()):
         lines.append(f'expertmesh_http_requests_total{{path="{_label(path)}",status="{status}"}} {count}')
     for name, value, what in (("prompt", front.prompt_tokens, "prompt"),
-                              ("completion", front.completion_tokens, "generated")):
+                              ("completion", front.completion_tokens, "generated"),
+                              ("cached_prompt", front.cached_tokens, "prefix-cached prompt")):
         lines += [f"# HELP expertmesh_http_{name}_tokens_total {what} tokens in the front's responses",
                   f"# TYPE expertmesh_http_{name}_tokens_total counter",
                   f"expertmesh_http_{name}_tokens_total {value}"]

@@ -193,7 +193,7 @@ def empty_done(index: int, prompt_tokens: int) -> dict:
     """The done event of a choice that generates nothing (echo with max_tokens = 0)."""
     return {"done": {"index": index, "finish_reason": "length", "prompt_tokens": prompt_tokens,
                      "completion_tokens": 0, "tokens_per_expert": {}, "rerouted": 0, "degraded": 0, "dropped": 0,
-                     "shed": 0}}
+                     "shed": 0, "cached_tokens": 0}}
 
 
 def cumulative_logprob(events: list[dict]) -> float:
@@ -225,7 +225,7 @@ def event_dict(event: TokenEvent | DoneEvent, token_text: Callable[[int], str], 
                          "completion_tokens": event.completion_tokens,
                          "tokens_per_expert": {int(k): list(v) for k, v in event.tokens_per_expert.items()},
                          "rerouted": event.rerouted, "degraded": event.degraded, "dropped": event.dropped,
-                         "shed": event.shed}}
+                         "shed": event.shed, "cached_tokens": event.cached_tokens}}
     logprobs = None
     if event.logprobs is not None:
         logprobs = [{"token": token_text(token), "logprob": chosen,

@@ -30,10 +30,14 @@ def finish_reason(batcher_reason: str) -> str:
 
 
 def usage_of(job: OpenAIJob, dones: dict[int, dict]) -> dict:
-    """Usage over every choice: each prompt's tokens once, every returned choice's completion tokens."""
+    """Usage over every choice: each prompt's tokens once, every returned choice's completion tokens, and of the
+    prompt tokens those the prefix cache served (OpenAI's prompt_tokens_details.cached_tokens; README: Prefix
+    caching), counted as the prompts are: from each prompt's first choice."""
     prompt = sum(d["prompt_tokens"] for i, d in dones.items() if i % job.n == 0)
+    cached = sum(d.get("cached_tokens", 0) for i, d in dones.items() if i % job.n == 0)
     completion = sum(d["completion_tokens"] for d in dones.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def routing_extension(dones: list[dict]) -> dict:

@@ -144,7 +144,8 @@ def done_message(event: DoneEvent) -> pb.GenerateResponse:
     )
     return pb.GenerateResponse(done=pb.GenerationDone(
         finish_reason=event.finish_reason,
-        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+        usage=pb.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                       cached_tokens=event.cached_tokens),
         routing=routing,
     ))
 

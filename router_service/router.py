@@ -108,7 +108,7 @@ class Router:
         log.info("router: %s weights on %s, %d torch threads (model.dtype %s)", self.dtype_name, self.device,
                  torch.get_num_threads(), spec.dtype)
         kv_cache = settings_for(dense.embed.device, settings.kv_cache_gb, settings.gpu_memory_utilization,
-                                settings.kv_block_size)
+                                settings.kv_block_size, settings.prefix_caching)
         self.model = MoEDecoder(self.model_config, dense, self.backend, settings.capacity_factor,
                                 overlap=self._overlap_setting(settings, len(spec.actor_shards)), kv_cache=kv_cache)
         prefetch = config.experts.prefetch_mode(self.transport_name)

@@ -1,5 +1,5 @@
-"""`expertmesh bench dispatch|dispatch-overhead|serve|placement|observability|chunked|offload|quant|shed|grouped-ffn|
-fleet`: benchmarks, each printing one JSON object.
+"""`expertmesh bench dispatch|dispatch-overhead|serve|placement|observability|chunked|prefix|offload|quant|shed|
+grouped-ffn|fleet`: benchmarks, each printing one JSON object.
 
 Each benchmark is one module of ops/bench/ with a parameters dataclass (`from_args` maps this command's flags onto
 it) and an entry function taking it; BENCHMARKS names them, so adding a benchmark is a module, a parser and a row.
@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "serve": Benchmark("serve", "run_serve_bench", "ServeParams"),
     "placement": Benchmark("placement", "run_placement_bench", "PlacementParams", verbose=False),
     "chunked": Benchmark("chunked", "run_chunked_bench", "ChunkedParams"),
+    "prefix": Benchmark("prefix", "run_prefix_bench", "PrefixParams"),
     "offload": Benchmark("offload", "run_offload_bench", "OffloadParams", config=True),
     "quant": Benchmark("quant", "run_quant_bench", "QuantParams"),
     "shed": Benchmark("shed", "run_shed_bench", "ShedParams"),
@@ -98,6 +99,15 @@ def add_parser(sub) -> None:
     chunked.add_argument("--streams", type=int, default=8)
     chunked.add_argument("--chunks", default="64,256", help="comma-separated max_prefill_tokens to try")
     _output_flags(chunked)
+    prefix = bench_sub.add_parser("prefix", help="time to first token with a cached system prompt vs an unseen "
+                                  "prompt of the same length (prefix caching, in process)")
+    prefix.add_argument("--system-tokens", type=int, default=384, help="the shared system prompt's tokens")
+    prefix.add_argument("--user-tokens", type=int, default=16, help="each request's own tokens after it")
+    prefix.add_argument("--rounds", type=int, default=9, help="alternating rounds (warm, unseen, cache off)")
+    prefix.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the embedded model)")
+    prefix.add_argument("--threads", type=int, help="torch threads (default: every core; 1 is steadier on a busy "
+                        "machine)")
+    _output_flags(prefix)
     offload = bench_sub.add_parser("offload", help="part of the experts resident (memory tiers), with and without "
                                    "prefetch, against all-resident in the same run")
     offload.add_argument("--residency", default="1,0.5,0.25", help="comma-separated shares of each actor's shards "

@@ -107,6 +107,9 @@ FLAGS: tuple[Flag, ...] = (
          "the KV cache takes what keeps the router within this fraction of the GPU's memory after its weights",
          {"type": float}),
     Flag("--kv-block-size", "router.kv_block_size", "router", "tokens per KV-cache block", {"type": int}),
+    Flag("--no-prefix-caching", "router.prefix_caching", "router", "compute every prompt in full instead of "
+         "reusing the KV-cache blocks of a prefix an earlier request computed (README: Prefix caching; default on)",
+         {"action": "store_const", "const": False}),
     Flag("--gpu-without-cuda", "devices.gpu_without_cuda", "devices", "an expert actor or router replica that "
          "Ray gave a GPU while torch sees no CUDA: refuse to start with one line, or compute on the CPU anyway "
          "(README: Data types and devices)", {"choices": GPU_WITHOUT_CUDA}),

@@ -49,6 +49,7 @@ def status_lines(state) -> list[str]:
         f"{r.degraded_slots} degraded slots, {r.shed_slots} shed slots",
         f"router compute: {r.dtype or '?'} on {r.device or '?'}, {r.threads} threads; KV cache "
         f"{r.kv_blocks_free}/{r.kv_blocks_total} blocks free, {r.preemptions} preemptions",
+        prefix_cache_line(r),
     ]
     profile = status_profile_line(dict(r.stage_seconds), r.steps)
     if profile is not None:
@@ -65,6 +66,13 @@ def status_lines(state) -> list[str]:
     for event in state.events[-10:]:
         lines.append(f"event {event.time:.1f} {event.kind:<15} {event.actor} {event.detail_json}")
     return lines
+
+
+def prefix_cache_line(r) -> str:
+    """The router's prefix cache (README: Prefix caching): hit rate over admitted prompt tokens, blocks cached."""
+    rate = f"{100 * r.prefix_hit_tokens / r.prefix_query_tokens:.1f}%" if r.prefix_query_tokens else "-"
+    return (f"prefix cache: {rate} of prompt tokens served from cache ({r.prefix_hit_tokens} of "
+            f"{r.prefix_query_tokens}), {r.kv_blocks_cached} blocks cached")
 
 
 def tier_note(rep) -> str:

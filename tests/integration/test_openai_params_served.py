@@ -8,6 +8,8 @@
 - echo with prompt logprobs: the exact request lm-evaluation-harness' `local-completions` sends for loglikelihood,
   scored as lm-eval scores it, equal to the reference; echo with max_tokens = 0;
 - stream_options.continuous_usage_stats; /health, /ping, /metrics, /tokenize, /detokenize;
+- prefix caching: a second chat with the same ~390-token system prompt reports usage.prompt_tokens_details
+  .cached_tokens, and its output equals the in-process reference (and a repeat of it);
 - an OpenAI-style load generator (probe /health, then 1, 8 and 32 concurrent streams with ignore_eos): no error and
   exactly max_tokens tokens per request.
 """
@@ -228,6 +230,32 @@ def test_health_ping_metrics_tokenize_detokenize(served, client, tokenizer):
     with pytest.raises(urllib.error.HTTPError) as info:
         post(f"{served.http_url}/detokenize", {"tokens": [10**9]})
     assert info.value.code == 400 and json.loads(info.value.read())["error"]["param"] == "tokens"
+
+
+def test_a_repeated_system_prompt_comes_from_the_prefix_cache_with_the_same_output(served, client, reference,
+                                                                                   tokenizer):
+    from expertmesh.router_service.chat_template import load_chat_template
+
+    system = " ".join(f"Rule {i}: answer the river question about stones and water number {i}." for i in range(1, 15))
+    template = load_chat_template(EMBEDDED_MODEL_DIR)
+    replies, wants = [], []
+    for user in ("Where does it go?", "Why is it cold?", "Why is it cold?"):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        prompt_ids = tokenizer.encode(template.render(messages), add_special_tokens=False).ids
+        wants.append(reference_with_rules(reference, GenerationRequest(prompt_ids, 8, eos_token_id=EOS)))
+        replies.append(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0))
+        assert replies[-1].usage.prompt_tokens == len(prompt_ids) > 384
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in replies]
+    # The first computes the system prompt (nothing before in this module shares it); the others find its full
+    # blocks (16 tokens each), never the block of the last prompt token.
+    assert cached[0] == 0 and cached[1] >= 368 and cached[1] % 16 == 0 and cached[2] >= cached[1]
+    for reply, want in zip(replies, wants):
+        assert reply.choices[0].message.content == tokenizer.decode(want)
+    assert replies[2].choices[0].message.content == replies[1].choices[0].message.content
+    text = get(f"{served.http_url}/metrics")[1]
+    front = [line for line in text.splitlines() if line.startswith("expertmesh_http_cached_prompt_tokens_total ")]
+    assert front and float(front[0].split()[1]) >= cached[1] + cached[2]
+    assert "expertmesh_router_prefix_hit_tokens_total" in text
 
 
 @pytest.mark.parametrize("streams", [1, 8, 32])

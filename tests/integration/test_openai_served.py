@@ -157,8 +157,10 @@ def test_greedy_chat_equals_the_reference_on_the_rendered_template(client, refer
     assert len(finished) == 1
     routing = finished[0].model_extra["expertmesh"]["routing"]  # the extension field; standard clients ignore it
     assert set(routing["tokens_per_expert"]) == {"0", "1", "2", "3"}
-    # Every token forwarded (the prompt, then each generated token but the last), top-2, in every layer.
-    assert sum(routing["tokens_per_expert"]["0"]) == 2 * (len(prompt_ids) + len(ids) - 1)
+    # Every token forwarded (the prompt but what the prefix cache served from the request before, then each generated
+    # token but the last), top-2, in every layer.
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert sum(routing["tokens_per_expert"]["0"]) == 2 * (len(prompt_ids) - cached + len(ids) - 1)
 
 
 def test_logprobs_are_the_reference_log_softmax(client, reference, tokenizer):

@@ -144,7 +144,9 @@ class HttpInFlight:
             for chunk in (reply if stream else [reply]):
                 self.chunks[i] += 1
                 if chunk.usage is not None:
-                    out["usage"] = chunk.usage.model_dump()
+                    # Without prompt_tokens_details: what the prefix cache served depends on what each replica ran
+                    # before (a resumed call may find the blocks its first replica's run left), not on the request.
+                    out["usage"] = chunk.usage.model_dump(exclude={"prompt_tokens_details"})
                 for choice in chunk.choices:
                     piece = choice.delta.content if stream and kind == "chat" else (
                         choice.message.content if kind == "chat" else choice.text)

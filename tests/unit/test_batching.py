@@ -152,7 +152,8 @@ def test_single_greedy_stream_equals_plain_greedy_loop(model):
     pool = model.kv_pool
     assert batcher.stats() == {"live_caches": 0, "active": 0, "waiting": 0, "steps": max_tokens,
                                "max_batch_seen": 1, "preemptions": 0, "kv_blocks_free": pool.num_blocks,
-                               "kv_blocks_total": pool.num_blocks}
+                               "kv_blocks_total": pool.num_blocks, "kv_blocks_cached": 0,  # 12 tokens: no full block
+                               "prefix_query_tokens": len(prompt_ids), "prefix_hit_tokens": 0}
 
 
 def test_max_tokens_one_is_prefill_only(model):

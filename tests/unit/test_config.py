@@ -88,6 +88,7 @@ def test_bad_plain_data_is_refused_naming_the_field(data, field):
     ({"router.kv_cache_gb": float("nan")}, "router.kv_cache_gb"),
     ({"router.gpu_memory_utilization": 1.5}, "router.gpu_memory_utilization"),
     ({"router.kv_block_size": 0}, "router.kv_block_size"),
+    ({"router.prefix_caching": "yes"}, "router.prefix_caching"),
     ({"failover.no_replica_policy": "panic"}, "failover.no_replica_policy"),
     ({"failover.call_timeout_s": 0}, "failover.call_timeout_s"),
     ({"controller.check_interval_s": -1}, "controller.check_interval_s"),

@@ -145,7 +145,8 @@ async def whole(client) -> dict:
 
 
 EXPECTED_TEXT = {i: "".join(f"<{i * 10 + t}>" for t in range(1, TOTAL + 1)) for i in range(2)}
-USAGE = {"prompt_tokens": 2, "completion_tokens": 2 * TOTAL, "total_tokens": 2 + 2 * TOTAL}
+USAGE = {"prompt_tokens": 2, "completion_tokens": 2 * TOTAL, "total_tokens": 2 + 2 * TOTAL,
+         "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("dies_after", [[3], [0], [3, 0, 4], [6], [11]])

@@ -215,7 +215,8 @@ def test_whole_responses():
     body = openai_responses.response(job, "cmpl-1", 7, got)
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello"
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     lp = body["choices"][0]["logprobs"]
     assert lp["tokens"] == ["Hel", "lo"] and lp["text_offset"] == [0, 3] and len(lp["top_logprobs"][0]) == 2
     routing = body["expertmesh"]["routing"]

@@ -94,10 +94,10 @@ def test_best_of_keeps_the_highest_cumulative_logprob_and_drops_unasked_logprobs
     assert openai_requests.best_of(cands, 1, keep_logprobs=True)[0] == cands[1]
 
 
-def done(index, prompt_tokens=3, completion_tokens=2, counts=(1, 0)):
+def done(index, prompt_tokens=3, completion_tokens=2, counts=(1, 0), cached_tokens=0):
     return {"done": {"index": index, "finish_reason": "length", "prompt_tokens": prompt_tokens,
                      "completion_tokens": completion_tokens, "tokens_per_expert": {0: list(counts)},
-                     "rerouted": 0, "degraded": 1, "dropped": 0, "shed": 0}}
+                     "rerouted": 0, "degraded": 1, "dropped": 0, "shed": 0, "cached_tokens": cached_tokens}}
 
 
 def test_several_choices_in_one_response_with_echo_and_usage():
@@ -109,15 +109,18 @@ def test_several_choices_in_one_response_with_echo_and_usage():
                           "logprobs": [{"token": "a", "logprob": None, "top": None}]}})
         got.add({"token": {"index": i, "ids": [4], "text": f"<{i}>", "prompt_tokens": prompt_tokens,
                            "logprobs": [{"token": f"<{i}>", "logprob": -0.5, "top": [[f"<{i}>", -0.5]]}]}})
-    for i in (3, 1, 0, 2):
-        got.add(done(i, prompt_tokens=2 if i < 2 else 1, completion_tokens=1))
+    # Cached prompt tokens count like the prompt's: once per prompt, from its first choice (index 1 is prompt 0's
+    # second choice, which found what the first one computed).
+    for i, cached in ((3, 1), (1, 2), (0, 0), (2, 1)):
+        got.add(done(i, prompt_tokens=2 if i < 2 else 1, completion_tokens=1, cached_tokens=cached))
     body = openai_responses.response(job, "cmpl-1", 1, got)
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in body["choices"]] == ["ab<0>", "ab<1>", "c<2>", "c<3>"]
     lp = body["choices"][2]["logprobs"]
     assert lp["token_logprobs"] == [None, -0.5] and lp["top_logprobs"] == [None, {"<2>": -0.5}]
     assert lp["text_offset"] == [0, 1]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
     assert body["expertmesh"]["routing"]["tokens_per_expert"] == {"0": [4, 0]}
     assert body["expertmesh"]["routing"]["degraded_tokens"] == 4
 

@@ -56,7 +56,7 @@ PURE_MODULES = (
     "expertmesh.experts.arrays",
     "expertmesh.experts.attention",
     "expertmesh.experts.attention_core",
-    "expertmesh.experts.block_allocator",  # which KV-cache blocks are free (no tensors)
+    "expertmesh.experts.block_allocator",  # which KV-cache blocks are free, shared or cached (no tensors)
     "expertmesh.experts.checkpoint",
     "expertmesh.experts.config",
     "expertmesh.experts.config_deepseek",
@@ -77,6 +77,7 @@ PURE_MODULES = (
     "expertmesh.experts.eviction",  # eviction orders of the expert tier: lru, lfru, arc, layer-cycle (fake clock)
     "expertmesh.experts.eviction_sim",  # replaying a routing trace through the orders and the prefetch decision
     "expertmesh.experts.mxfp4",
+    "expertmesh.experts.prefix_cache",  # the prefix cache's hash chain over token ids (no tensors)
     "expertmesh.experts.norms",
     "expertmesh.experts.quant",  # int8/int4 expert weights and their packed matmuls (experts.quant)
     "expertmesh.experts.reference",

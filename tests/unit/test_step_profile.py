@@ -86,6 +86,7 @@ def test_status_line_names_the_biggest_stages():
 def test_a_batcher_step_fills_the_loop_forward_and_post_stages():
     """The continuous batcher over a fake decoder: one request of 3 tokens clocks every batcher stage, nested as the
     table assumes (forward inside the executor wait, sampling and text inside post, all inside busy)."""
+    from expertmesh.experts.kv_cache import PrefixHit
     from expertmesh.router_service.batching import ContinuousBatcher, GenerationRequest
 
     class Pool:
@@ -104,6 +105,12 @@ def test_a_batcher_step_fills_the_loop_forward_and_post_stages():
 
         def blocks_needed(self, n: int) -> int:
             return 0
+
+        def lookup_prefix(self, token_ids: list[int]) -> PrefixHit:
+            return PrefixHit([], [], Pool.block_size)  # nothing cached
+
+        def uncommitted(self) -> bool:
+            return False
 
         def reserve(self, n: int) -> None:
             pass
