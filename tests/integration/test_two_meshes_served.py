@@ -67,7 +67,10 @@ def actor_ids(mesh_id: str) -> dict[str, str]:
 
 def test_two_served_meshes_kill_in_one(servers, expected):
     from ray import serve
+    from ray.serve import context as serve_context
 
+    # An earlier module's Serve client (this process, another Ray) is cached: forget it, find this cluster's.
+    serve_context._global_client = None
     apps = set(serve.status().applications)
     assert {"expertmesh-alpha", "expertmesh-beta"} <= apps and "expertmesh" not in apps
     for mesh_id, server in servers.items():
