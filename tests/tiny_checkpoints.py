@@ -184,3 +184,20 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| of two same-shaped tensors."""
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a - b).abs().max().item()
+
+
+def load_hf_model(folder: Path, dtype: torch.dtype = torch.float32):
+    """The transformers model of a tiny checkpoint (AutoModelForCausalLM), eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def chunked_logits(model, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """The reference model's logits for ids [T], prefilled in pieces ending at `cuts` on one cache: [T, V]."""
+    cache = model.new_cache()
+    pieces, prev = [], 0
+    for cut in [*cuts, ids.numel()]:
+        pieces.append(model.forward([ids[prev:cut]], [cache])[0])
+        prev = cut
+    return torch.cat(pieces)

@@ -22,7 +22,7 @@ from expertmesh.experts.ffn import GatedMLPWeights, activation, gated_mlp
 from expertmesh.experts.gating import route_sigmoid_input
 from expertmesh.experts.modeling import MoEDecoder
 from expertmesh.experts.reference import load_reference_model
-from tests.tiny_checkpoints import greedy_tokens, hf_logits, max_diff
+from tests.tiny_checkpoints import chunked_logits, greedy_tokens, hf_logits, max_diff
 from tests.tiny_llama4 import CHUNK, VOCAB, hf_text_config, load_hf, text_config_kwargs, write_llama4_checkpoint
 
 TOL = 1e-4
@@ -35,15 +35,6 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 def _text_model(hf):
     return getattr(hf, "language_model", hf)  # the wrapper's text part (its own forward needs an image path)
-
-
-def _chunked(model, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
-    cache = model.new_cache()
-    pieces, prev = [], 0
-    for cut in [*cuts, ids.numel()]:
-        pieces.append(model.forward([ids[prev:cut]], [cache])[0])
-        prev = cut
-    return torch.cat(pieces)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +77,9 @@ def test_chunked_prefill_and_batched_decode_equal_whole_prompt(models, kind):
     model, _ = models[kind]
     ids = _ids(4 * CHUNK + 1, 3)
     full = model.forward([ids])[0]
-    assert max_diff(_chunked(model, ids, [5, 8, 13, 20, 31]), full) <= 1e-5  # pieces inside and across chunks
-    assert max_diff(_chunked(model, ids, list(range(1, ids.numel()))), full) <= 1e-5  # paged decode, token by token
+    assert max_diff(chunked_logits(model, ids, [5, 8, 13, 20, 31]), full) <= 1e-5  # pieces inside and across chunks
+    # paged decode, token by token
+    assert max_diff(chunked_logits(model, ids, list(range(1, ids.numel()))), full) <= 1e-5
     a, b = _ids(19, 4), _ids(7, 5)
     ca, cb = model.new_cache(), model.new_cache()
     model.forward([a[:16]], [ca])  # the next token opens chunk 2

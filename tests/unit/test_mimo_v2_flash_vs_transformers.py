@@ -22,7 +22,7 @@ from expertmesh.experts.config import config_from_dict
 from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.modeling import MoEDecoder
 from expertmesh.experts.reference import load_reference_model
-from tests.tiny_checkpoints import greedy_tokens, hf_logits, max_diff
+from tests.tiny_checkpoints import chunked_logits, greedy_tokens, hf_logits, load_hf_model, max_diff
 from tests.tiny_mimo_v2_flash import VOCAB, WINDOW, hf_config, quantize_fp8, write_mimo_checkpoint
 
 TOL = 1e-4
@@ -33,21 +33,6 @@ def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _hf(folder, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-
-def _chunked(model, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
-    cache = model.new_cache()
-    pieces, prev = [], 0
-    for cut in [*cuts, ids.numel()]:
-        pieces.append(model.forward([ids[prev:cut]], [cache])[0])
-        prev = cut
-    return torch.cat(pieces)
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("mimo_ckpt")
@@ -56,7 +41,7 @@ def folders(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def models(folders) -> dict:
-    return {layout: (load_reference_model(folder), _hf(folder)) for layout, folder in folders.items()}
+    return {layout: (load_reference_model(folder), load_hf_model(folder)) for layout, folder in folders.items()}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -85,8 +70,8 @@ def test_chunked_prefill_and_batched_decode_equal_whole_prompt(models):
     model, _ = models["per_expert"]
     ids = _ids(23, 3)
     full = model.forward([ids])[0]
-    assert max_diff(_chunked(model, ids, [3, 4, 11, 17]), full) <= 1e-5
-    assert max_diff(_chunked(model, ids, list(range(1, 23))), full) <= 1e-5
+    assert max_diff(chunked_logits(model, ids, [3, 4, 11, 17]), full) <= 1e-5
+    assert max_diff(chunked_logits(model, ids, list(range(1, 23))), full) <= 1e-5
     a, b = _ids(12, 4), _ids(4, 5)
     ca, cb = model.new_cache(), model.new_cache()
     model.forward([a[:11]], [ca])
@@ -98,7 +83,7 @@ def test_chunked_prefill_and_batched_decode_equal_whole_prompt(models):
 
 def test_bf16_reference_is_close_to_transformers_bf16(folders):
     folder = folders["per_expert"]
-    ours, theirs = load_reference_model(folder, dtype=torch.bfloat16), _hf(folder, torch.bfloat16)
+    ours, theirs = load_reference_model(folder, dtype=torch.bfloat16), load_hf_model(folder, torch.bfloat16)
     prompt = _ids(16, 7).tolist()
     ids = torch.tensor(prompt)
     with torch.no_grad():
@@ -168,7 +153,7 @@ def test_fp8_checkpoint_equals_transformers_on_its_dequantised_weights(tmp_path)
     (plain / "config.json").write_text(json.dumps(config))
     model = load_reference_model(fp8)
     assert model.cfg.fp8_block == (4, 4) and model.cfg.quantization == "fp8"
-    hf = _hf(plain)
+    hf = load_hf_model(plain)
     ids = _ids(18, 13)
     with torch.no_grad():
         assert max_diff(model.forward([ids])[0], hf_logits(hf, ids)) <= TOL

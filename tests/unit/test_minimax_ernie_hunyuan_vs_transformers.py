@@ -9,8 +9,6 @@ Tolerance: max |Δlogits| ≤ 1e-4 in float32 (logits of order 1); bf16 within a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.gating import route_for_model, route_sigmoid_grouped, route_softmax_biased
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.weights import check_checkpoint, load_dense_weights
-from tests.tiny_checkpoints import greedy_tokens, hf_logits, max_diff
+from tests.tiny_checkpoints import chunked_logits, greedy_tokens, hf_logits, load_hf_model, max_diff
 from tests.tiny_fam1 import KINDS, VOCAB, hf_config, write_fam1_checkpoint
 
 TOL = 1e-4
@@ -29,21 +27,6 @@ LAYOUTS = ("per_expert", "fused")
 
 def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _hf(folder: Path, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-
-def _chunked(model, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
-    cache = model.new_cache()
-    pieces, prev = [], 0
-    for cut in [*cuts, ids.numel()]:
-        pieces.append(model.forward([ids[prev:cut]], [cache])[0])
-        prev = cut
-    return torch.cat(pieces)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +38,7 @@ def folders(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def models(folders) -> dict:
-    return {key: (load_reference_model(folder), _hf(folder)) for key, folder in folders.items()}
+    return {key: (load_reference_model(folder), load_hf_model(folder)) for key, folder in folders.items()}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -75,8 +58,8 @@ def test_chunked_prefill_and_batched_decode_equal_whole_prompt(models, kind):
     model, _ = models[(kind, "per_expert")]
     ids = _ids(33, 3)
     full = model.forward([ids])[0]
-    assert max_diff(_chunked(model, ids, [7, 8, 20, 32]), full) <= 1e-5
-    assert max_diff(_chunked(model, ids, list(range(1, 33))), full) <= 1e-5
+    assert max_diff(chunked_logits(model, ids, [7, 8, 20, 32]), full) <= 1e-5
+    assert max_diff(chunked_logits(model, ids, list(range(1, 33))), full) <= 1e-5
     a, b = _ids(9, 4), _ids(5, 5)
     ca, cb = model.new_cache(), model.new_cache()
     model.forward([a[:6]], [ca])
@@ -100,7 +83,7 @@ def test_greedy_decode_equals_transformers_generate(models, kind, layout):
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_reference_is_close_to_transformers_bf16(folders, kind):
     folder = folders[(kind, "per_expert")]
-    ours, theirs = load_reference_model(folder, dtype=torch.bfloat16), _hf(folder, torch.bfloat16)
+    ours, theirs = load_reference_model(folder, dtype=torch.bfloat16), load_hf_model(folder, torch.bfloat16)
     prompt = [3, 17, 5, 42, 9, 11, 60, 2, 33, 70, 8, 1]
     ids = torch.tensor(prompt)
     with torch.no_grad():
@@ -220,7 +203,7 @@ def test_minimax_fp8_checkpoint_equals_transformers_dequantised_model(tmp_path, 
     tensors = load_file(str(fp8 / "model.safetensors"))
     assert tensors["model.layers.0.block_sparse_moe.experts.0.w1.weight"].dtype == torch.float8_e4m3fn
     assert tensors["model.layers.0.block_sparse_moe.gate.weight"].dtype == torch.float32  # not converted
-    hf = _hf(plain)
+    hf = load_hf_model(plain)
     dequantised = {name[: -len("_scale_inv")]: Fp8Dequantize(None)._dequantize_one(
         tensors[name[: -len("_scale_inv")]], scale, torch.float32) for name, scale in tensors.items()
         if name.endswith("_scale_inv")}
@@ -307,7 +290,7 @@ def test_config_refusals_name_the_key(kind, overrides, key):
 ])
 def test_switch_variants_match_transformers(tmp_path, kind, overrides):
     folder = write_fam1_checkpoint(kind, tmp_path / kind, seed=21, **overrides)
-    model, hf = load_reference_model(folder), _hf(folder)
+    model, hf = load_reference_model(folder), load_hf_model(folder)
     if kind == "ernie4_5_moe":  # MoE on layers 1 and 3 only, no shared experts, an lm_head of its own
         assert model.cfg.moe_layers == (1, 3) and model.w.layers[1].shared_expert is None
         assert model.w.lm_head is not model.w.embed
@@ -316,4 +299,4 @@ def test_switch_variants_match_transformers(tmp_path, kind, overrides):
     ids = _ids(30, 22)
     theirs = hf_logits(hf, ids)
     assert max_diff(model.forward([ids])[0], theirs) <= TOL and theirs.std().item() > 0.05
-    assert max_diff(_chunked(model, ids, [5, 6, 19]), theirs) <= TOL
+    assert max_diff(chunked_logits(model, ids, [5, 6, 19]), theirs) <= TOL
