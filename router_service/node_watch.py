@@ -24,11 +24,16 @@ log = logging.getLogger(__name__)
 
 
 def actor_node(actor_id: str) -> str | None:
-    """The node an actor incarnation runs on (Ray's GCS actor table), None while it is not alive there."""
+    """The node an actor incarnation runs (or last ran) on, from Ray's GCS actor table; None while it is not placed.
+
+    A DEAD incarnation keeps its node in the table, and it counts: when a node dies Ray marks its actors DEAD in the
+    same moment, so a watch that had not located an actor yet (its first polls ran while the actor was still being
+    created, as on a loaded box) must still find it on the dead node. A dead incarnation never moves, so caching
+    its node is safe."""
     from ray._private import state  # the public state API needs the dashboard, which a drill's Ray may not run
 
     info = state.actors(actor_id=actor_id)
-    if not info or info.get("State") != "ALIVE":
+    if not info or info.get("State") not in ("ALIVE", "DEAD"):
         return None
     node = (info.get("Address") or {}).get("NodeID") or ""
     return node if node.strip("f0") else None  # an empty or nil id: not placed

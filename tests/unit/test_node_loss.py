@@ -90,6 +90,27 @@ def test_the_router_watch_hands_over_lost_names_once_and_marks_their_incarnation
     assert watch.poll_once() == [] and "i7" not in watch.lost
 
 
+def test_an_actor_first_located_after_its_node_died_is_still_found_there(monkeypatch):
+    """Ray marks a dead node's actors DEAD at once; the table keeps their node. A watch whose earlier polls ran
+    while an actor was still being created (a loaded box) must still count it lost (CI failure, stop 35)."""
+    from ray._private import state
+
+    from expertmesh.router_service import node_watch
+
+    rows = {"i0": {"State": "ALIVE", "Address": {"NodeID": "a"}},
+            "i1": {"State": "PENDING_CREATION", "Address": {"NodeID": ""}}}
+    monkeypatch.setattr(state, "actors", lambda actor_id: rows.get(actor_id, {}))
+    table = [node("a"), node("b")]
+    watch = NodeWatch({"e0": handle("i0"), "e1": handle("i1")}, 0.5, nodes=lambda: table,
+                      locate=node_watch.actor_node)
+    assert watch.poll_once() == []
+    assert node_watch.actor_node("i1") is None and node_watch.actor_node("nope") is None
+    # i1 was placed on b, then b died before the next poll: Ray already says DEAD, with b as its node.
+    rows["i1"] = {"State": "DEAD", "Address": {"NodeID": "b"}}
+    table[1] = node("b", alive=False)
+    assert watch.poll_once() == ["e1"]
+
+
 def test_node_lost_counts_as_a_death_and_the_config_fields_are_checked_by_name():
     assert is_actor_death(ActorNodeLost("x")) and not is_actor_death(TimeoutError("slow"))
     lost = LostActors()
