@@ -77,6 +77,21 @@ class MeshNames:
 
 
 DEFAULT_MESH = MeshNames.of(DEFAULT_MESH_ID)
+
+
+def mesh_id_of_app(app_name: str) -> str | None:
+    """The mesh whose Serve application `app_name` is ('expertmesh' -> 'default', 'expertmesh-chat' -> 'chat'), or
+    None for any other application (`expertmesh front --all-meshes` finds the meshes on a cluster this way)."""
+    if app_name == DEFAULT_MESH.app_name:
+        return DEFAULT_MESH_ID
+    prefix = f"{NAMESPACE}-"
+    if not app_name.startswith(prefix):
+        return None
+    mesh_id = app_name.removeprefix(prefix)
+    # "expertmesh-default" is nobody's app (the default mesh's is "expertmesh"); not a mesh id: someone else's app
+    if mesh_id == DEFAULT_MESH_ID or mesh_id_problem(mesh_id) is not None:
+        return None
+    return mesh_id
 _EXPERT_ACTOR = re.compile(r"expert-e([0-9]+)-r([0-9]+)")  # ASCII digits only; used with fullmatch
 _GPU_ACTOR = re.compile(r"expert-g([0-9]+)-v([0-9]+)")
 _STAND_IN_ACTOR = re.compile(r"expert-s([0-9]+)")
