@@ -270,3 +270,37 @@ def test_grpc_server_wide_calls_answer_for_every_mesh(meshes):
         assert [list(r.token.token_ids) async for r in stub.Generate(request, timeout=10)] == [[11]]
 
     run_grpc(meshes, check)
+
+
+@pytest.mark.parametrize(("flags", "field", "message"), [
+    (["--mesh-id", "a", "--mesh-id", "b", "--model-name", "x"], "model.name", "several meshes"),
+    (["--mesh-id", "a", "--all-meshes"], "mesh.id", "not both"),
+    (["--mesh-id", "Bad", "--mesh-id", "b"], "mesh.id", "'Bad'"),
+])
+def test_front_command_refuses_bad_mesh_sets_before_joining_ray(flags, field, message):
+    import argparse
+
+    from expertmesh.ops.commands import front
+    from expertmesh.ops.commands.mesh_flags import mesh_config_from_args
+    from expertmesh.router_service.config import ConfigError
+    from expertmesh.router_service.front_only import front_forever
+
+    parser = argparse.ArgumentParser()
+    front.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["front", "--address", "127.0.0.1:1", "--port", "0", *flags])
+    with pytest.raises(ConfigError) as err:  # an address nothing listens on: the refusal comes before joining
+        asyncio.run(front_forever(mesh_config_from_args(args), mesh_ids=args.front_mesh_ids or (),
+                                  all_meshes=args.all_meshes))
+    assert err.value.field == field and message in str(err.value)
+
+
+def test_front_command_takes_repeated_mesh_ids():
+    import argparse
+
+    from expertmesh.ops.commands import front
+
+    parser = argparse.ArgumentParser()
+    front.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["front", "--mesh-id", "alpha", "--mesh-id", "beta"])
+    assert args.front_mesh_ids == ["alpha", "beta"] and not args.all_meshes
+    assert parser.parse_args(["front"]).front_mesh_ids is None
