@@ -33,7 +33,7 @@ from .config import ConfigError, ServerConfig
 from .continuation import StreamProgress, with_resumable_seed
 from .log_limit import LogRateLimit
 from .malformed_requests import RefuseMalformedRequests
-from .model_routes import ModelRequired, UnknownModel, choose
+from .model_routes import MODEL_METADATA, ModelRequired, UnknownModel, choose
 from .proto_mapping import ApiError
 from .resume_streak import MAX_RESUMES, RESUME_BACKOFF_MAX_S, RESUME_BACKOFF_S, RESUME_WAIT_S, ResumeStreak
 from .resuming import first_then_rest, retried
@@ -188,8 +188,6 @@ class _Forwarder:
 # The request field naming the model, by method; the methods not here have none (server-wide or admin calls).
 MODEL_FIELDS = {"Generate": "model", "Score": "model", "ModelInfer": "model_name", "ModelReady": "name",
                 "ModelMetadata": "name"}
-# Metadata naming the model for a call whose request has no model field, on a front over several meshes.
-MODEL_METADATA = "x-expertmesh-model"
 
 
 class _Meshes:

@@ -15,6 +15,9 @@ from ..experts.errors import ConfigError
 
 T = TypeVar("T")
 SHOWN_CHARS = 64  # of a client's model name echoed in an error
+# gRPC metadata naming the model for a call whose request has no model field (Admin, ServerMetadata), on a front
+# over several meshes.
+MODEL_METADATA = "x-expertmesh-model"
 
 
 class UnknownModel(LookupError):

@@ -125,10 +125,14 @@ def run_http(handles, check):
     asyncio.run(main())
 
 
-def run_grpc(handles, check):
+def run_grpc(handles, check, by_target: bool = False):
+    """`check(channel)` against a front over `handles`; by_target: `check("127.0.0.1:port")` instead."""
     async def main():
         server, port = await start_front(handles, ServerConfig(port=0))
         try:
+            if by_target:
+                await check(f"127.0.0.1:{port}")
+                return
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 await check(channel)
         finally:
@@ -304,3 +308,25 @@ def test_front_command_takes_repeated_mesh_ids():
     args = parser.parse_args(["front", "--mesh-id", "alpha", "--mesh-id", "beta"])
     assert args.front_mesh_ids == ["alpha", "beta"] and not args.all_meshes
     assert parser.parse_args(["front"]).front_mesh_ids is None
+
+
+def test_cli_clients_name_the_model_on_a_front_over_several_meshes(meshes, capsys):
+    """`expertmesh generate/score/status --target FRONT --model-name M` reach M's mesh; without it they get the
+    front's INVALID_ARGUMENT naming the field (exit 1, no traceback)."""
+    import json
+
+    from expertmesh.ops.cli import main
+
+    async def check(target):
+        def cli(*argv: str) -> int:
+            return main([*argv, "--target", target, "--timeout", "10"])
+
+        assert await asyncio.to_thread(cli, "generate", "--token-ids", "1,2", "--max-tokens", "1", "--json",
+                                       "--model-name", "beta-model") == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == [22]
+        assert await asyncio.to_thread(cli, "status", "--json", "--model-name", "alpha-model") == 0
+        assert json.loads(capsys.readouterr().out)["model"] == "alpha-model"
+        assert await asyncio.to_thread(cli, "generate", "--token-ids", "1,2", "--max-tokens", "1") != 0
+        assert "model: required" in capsys.readouterr().err
+
+    run_grpc(meshes, check, by_target=True)
