@@ -190,13 +190,18 @@ MODEL_FIELDS = {"Generate": "model", "Score": "model", "ModelInfer": "model_name
                 "ModelMetadata": "name"}
 
 
+# Calls without a model field whose answer does not depend on the mesh (the server's name and version).
+SAME_ON_EVERY_MESH = frozenset({"ServerMetadata"})
+
+
 class _Meshes:
     """The forwarders of the meshes this front serves, and which one a call goes to.
 
     One mesh given as a bare handle (`expertmesh serve`, a single-mesh `expertmesh front`): every call goes to it
     and the router checks the model name itself, as always. Several (model name -> handle): the request's model
-    field chooses (router_service/model_routes.py); a call without one (ServerMetadata, Admin) names the model in
-    `x-expertmesh-model` metadata, except ServerLive and ServerReady, which answer for the whole front."""
+    field chooses (router_service/model_routes.py); a call without one (Admin) names the model in
+    `x-expertmesh-model` metadata, except ServerLive and ServerReady, which answer for the whole front, and
+    ServerMetadata, the same on every mesh (the first answers unless the metadata names one)."""
 
     def __init__(self, forwarders: dict[str, _Forwarder] | _Forwarder):
         self.single = forwarders if isinstance(forwarders, _Forwarder) else None
@@ -216,6 +221,8 @@ class _Meshes:
         else:
             field = f"metadata {MODEL_METADATA}"
             requested = dict(context.invocation_metadata() or ()).get(MODEL_METADATA, "")
+            if not requested and method in SAME_ON_EVERY_MESH:
+                return self.first
         try:
             return choose(requested, self.by_model, field)
         except UnknownModel as exc:

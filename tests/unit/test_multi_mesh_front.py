@@ -93,6 +93,8 @@ class MeshHandle:
             return _Stream([inference_pb2.GenerateResponse(token=inference_pb2.TokenChunk(token_ids=[self.token_id]))])
         if name == "GetClusterState":
             return _Awaitable(admin_pb2.ClusterState(model=self.model))
+        if name == "ServerMetadata":
+            return _Awaitable(kserve_v2_pb2.ServerMetadataResponse(name="expertmesh"))
         if name == "ServerReady":
             return _Awaitable(kserve_v2_pb2.ServerReadyResponse(ready=self.serving))
         if name == "ModelReady":
@@ -263,6 +265,8 @@ def test_grpc_server_wide_calls_answer_for_every_mesh(meshes):
         health = health_pb2_grpc.HealthStub(channel)
         serving = health_pb2.HealthCheckResponse.SERVING
         assert (await kserve.ServerReady(kserve_v2_pb2.ServerReadyRequest(), timeout=10)).ready
+        meta = await kserve.ServerMetadata(kserve_v2_pb2.ServerMetadataRequest(), timeout=10)  # no model needed
+        assert meta.name == "expertmesh" and meshes["alpha-model"].calls[-1] == "ServerMetadata"
         assert (await health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status == serving
         meshes["beta-model"].serving = False
         assert not (await kserve.ServerReady(kserve_v2_pb2.ServerReadyRequest(), timeout=10)).ready
