@@ -91,8 +91,8 @@ def _routing_error(exc: UnknownModel | ModelRequired) -> OpenAIError:
 class HttpFront:
     """`handles`: {served model name: router deployment handle}, one per mesh this front serves. With one mesh,
     everything is as it always was; with several, a request goes to the mesh its `model` names
-    (router_service/model_routes.py), /v1/models lists every mesh's model, and /metrics and /api/state answer for
-    the mesh `?model=` names (default: the first)."""
+    (router_service/model_routes.py), /v1/models lists every mesh's model, /metrics covers every mesh (labelled by
+    model) and /api/state answers for the mesh `?model=` names (default: the first)."""
 
     def __init__(self, handles: Mapping[str, serve.handle.DeploymentHandle], settings: ServerConfig):
         self.meshes = {model: _Mesh(handle, model) for model, handle in handles.items()}
@@ -113,7 +113,7 @@ class HttpFront:
             raise _routing_error(exc) from None
 
     def _mesh_of_query(self, request: web.Request) -> _Mesh:
-        """/metrics and /api/state: the mesh `?model=` names, else the first."""
+        """/metrics?model= and /api/state: the mesh `?model=` names, else the first."""
         model = request.query.get("model")
         return self.first if model is None else self._mesh(model)
 
@@ -296,20 +296,28 @@ class HttpFront:
         return json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text: the front's counters and the answering router replica's stats."""
-        router = None
-        mesh = self._mesh_of_query(request)
+        """Prometheus text: the front's counters and the answering router replica's stats; over several meshes,
+        every mesh's (labelled by model), or only the mesh `?model=` names."""
+        if len(self.meshes) == 1 or "model" in request.query:
+            router = await self._router_stats(self._mesh_of_query(request))
+            by_model = None if len(self.meshes) == 1 else {self._mesh_of_query(request).model_name: router}
+        else:
+            stats = await asyncio.gather(*(self._router_stats(mesh) for mesh in self.meshes.values()))
+            router, by_model = None, dict(zip(self.meshes, stats, strict=True))
+        return web.Response(text=http_metrics.prometheus_text(self.counters, router, by_model),
+                            content_type="text/plain", charset="utf-8", headers={"Cache-Control": "no-cache"})
+
+    async def _router_stats(self, mesh: _Mesh) -> dict | None:
+        """A router replica's GetRouterStats reply as a dict, None when none answered in time."""
         try:
             reply = await asyncio.wait_for(
                 mesh.unary_handle.GetRouterStats.remote(admin_pb2.RouterStatsRequest()), STATE_TIMEOUT_S)
-            router = MessageToDict(reply, preserving_proto_field_name=True,
-                                   always_print_fields_with_no_presence=True)
         except Exception as exc:
             dropped = _warnings.admit("metrics:" + type(exc).__name__)
             if dropped is not None:
                 log.warning("/metrics: router stats unavailable: %s", repr(exc)[:512])
-        return web.Response(text=http_metrics.prometheus_text(self.counters, router),
-                            content_type="text/plain", charset="utf-8", headers={"Cache-Control": "no-cache"})
+            return None
+        return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
     # ---- the cluster page --------------------------------------------------------------------------------------
 

@@ -93,6 +93,8 @@ class MeshHandle:
             return _Stream([inference_pb2.GenerateResponse(token=inference_pb2.TokenChunk(token_ids=[self.token_id]))])
         if name == "GetClusterState":
             return _Awaitable(admin_pb2.ClusterState(model=self.model))
+        if name == "GetRouterStats":
+            return _Awaitable(admin_pb2.RouterStats(replica=f"r-{self.model}", steps=self.token_id))
         if name == "ServerMetadata":
             return _Awaitable(kserve_v2_pb2.ServerMetadataResponse(name="expertmesh"))
         if name == "ServerReady":
@@ -203,6 +205,22 @@ def test_http_a_failing_mesh_leaves_the_other_alone_and_fails_health(meshes):
     run_http(meshes, check)
 
 
+def test_http_metrics_cover_every_mesh_labelled_by_model(meshes):
+    meshes["beta-model"].broken = True
+
+    async def check(client):
+        text = await (await client.get("/metrics")).text()
+        assert 'expertmesh_router_up{model="alpha-model"} 1' in text
+        assert 'expertmesh_router_up{model="beta-model"} 0' in text
+        assert 'expertmesh_router_steps_total{model="alpha-model",replica="r-alpha-model"} 11' in text
+        assert text.count("# TYPE expertmesh_router_steps_total") == 1  # one family, a sample per mesh
+        one = await (await client.get("/metrics", params={"model": "alpha-model"})).text()
+        assert "beta-model" not in one and 'steps_total{model="alpha-model",replica="r-alpha-model"} 11' in one
+        assert (await client.get("/metrics", params={"model": "gpt-4"})).status == 404
+
+    run_http(meshes, check)
+
+
 def test_http_one_mesh_keeps_its_single_mesh_behaviour():
     mesh = MeshHandle("only", 5)
 
@@ -210,6 +228,8 @@ def test_http_one_mesh_keeps_its_single_mesh_behaviour():
         assert (await (await client.post("/tokenize", json={"prompt": "x"})).json())["tokens"] == [5]
         reply = await client.post("/v1/completions", json=completion("other"))
         assert reply.status == 404 and "this server serves 'only'" in (await reply.json())["error"]["message"]
+        text = await (await client.get("/metrics")).text()
+        assert "expertmesh_router_up 1" in text and 'steps_total{replica="r-only"} 5' in text  # no model label
 
     run_http({"only": mesh}, check)
 
