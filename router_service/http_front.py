@@ -107,8 +107,10 @@ class HttpFront:
         parsers check the name, with the messages single-mesh clients always got."""
         if len(self.meshes) == 1:
             return self.first
+        if model is not None and not isinstance(model, str):
+            raise openai_api.invalid("model", "must be a model name (a string; GET /v1/models lists them)")
         try:
-            return choose(model if isinstance(model, str) else None, self.meshes)
+            return choose(model, self.meshes)
         except (UnknownModel, ModelRequired) as exc:
             raise _routing_error(exc) from None
 

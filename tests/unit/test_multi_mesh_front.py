@@ -183,6 +183,8 @@ def test_http_unknown_or_missing_model_is_refused_naming_model(meshes):
         reply = await client.post("/v1/completions", json=completion(None))
         error = (await reply.json())["error"]
         assert reply.status == 400 and error["param"] == "model" and "several models" in error["message"]
+        reply = await client.post("/v1/completions", json=completion(None) | {"model": 5})
+        assert reply.status == 400 and "must be a model name" in (await reply.json())["error"]["message"]
         reply = await client.post("/tokenize", json={"prompt": "x"})  # optional with one mesh, not with two
         assert reply.status == 400 and (await reply.json())["error"]["param"] == "model"
         assert (await client.get("/v1/models/gpt-4")).status == 404
