@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import openai
 import pytest
 import ray
 
@@ -122,9 +123,17 @@ def test_one_front_serves_each_model_from_its_own_mesh(front, expected, checkpoi
         rows = [scored.values[i * scored.vocab_size:(i + 1) * scored.vocab_size] for i in range(scored.seq_len)]
         want = [rows[len(PROMPT) - 1 + i][t] for i, t in enumerate(expected[mesh_id])]
         assert body["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-3), mesh_id
-    # A model no mesh serves: OpenAI's 404 naming `model`; gRPC NOT_FOUND naming the field.
+    # A model no mesh serves: OpenAI's 404 naming `model`; gRPC NOT_FOUND naming the field. The same through the
+    # unmodified `openai` client, which also lists both models.
     status, body = http(front, "/v1/completions", {"model": "gpt-4", "prompt": PROMPT, "max_tokens": 1})
     assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    client = openai.OpenAI(base_url=f"{front.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert sorted(m.id for m in client.models.list()) == sorted(models.values())
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=1)
+    assert not_found.value.code == "model_not_found" and not_found.value.param == "model"
+    reply = client.completions.create(model=models["beta"], prompt=PROMPT, max_tokens=2, temperature=0)
+    assert reply.model == models["beta"] and reply.usage.completion_tokens == 2
     with pytest.raises(grpc.RpcError) as err:
         ask_front(front, "gpt-4")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and err.value.details().startswith("model:")
