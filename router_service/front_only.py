@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from ray import serve
 
-from ..cluster.naming import DEFAULT_MESH_ID, MeshNames, mesh_id_of_app
+from ..cluster.naming import MeshNames, mesh_ids_of_apps
 from .config import ConfigError, MeshConfig
 from .front_ready import announce_ready, wait_for_stop_signal
 from .grpc_front import start_front
@@ -41,7 +41,7 @@ def meshes_on_cluster(address: str) -> list[str]:
     """The mesh ids of the expertmesh Serve applications running on the joined cluster, sorted (the default mesh
     first); ConfigError naming ray.address when there is none."""
     apps = sorted(serve.status().applications)
-    found = sorted({m for m in map(mesh_id_of_app, apps) if m is not None}, key=lambda m: (m != DEFAULT_MESH_ID, m))
+    found = mesh_ids_of_apps(apps)
     if not found:
         raise ConfigError("ray.address", f"no expertmesh mesh runs on the Ray cluster at {address} (its Serve "
                                          f"applications: {', '.join(apps) or 'none'}); deploy one first, or name "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from expertmesh.cluster.naming import MeshNames, mesh_id_of_app
+from expertmesh.cluster.naming import MeshNames, mesh_id_of_app, mesh_ids_of_apps
 from expertmesh.router_service.config import ConfigError
 from expertmesh.router_service.model_routes import ModelRequired, UnknownModel, choose, model_routes
 
@@ -81,3 +81,9 @@ def test_mesh_ids_from_serve_application_names():
         assert mesh_id_of_app(other) is None, other
     for mesh_id in ("default", "alpha", "x-1"):  # round trip with MeshNames
         assert mesh_id_of_app(MeshNames.of(mesh_id).app_name) == mesh_id
+
+
+def test_all_meshes_found_among_serve_applications_default_first():
+    apps = ["expertmesh-zeta", "other-app", "expertmesh-alpha", "expertmesh", "expertmesh-default"]
+    assert mesh_ids_of_apps(apps) == ["default", "alpha", "zeta"]
+    assert mesh_ids_of_apps(["my-app"]) == []
