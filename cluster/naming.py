@@ -18,6 +18,7 @@ room for them at their normal size (cluster/lost_restore.py) is `expert-s{serial
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 NAMESPACE = "expertmesh"  # the default mesh's namespace
@@ -77,6 +78,27 @@ class MeshNames:
 
 
 DEFAULT_MESH = MeshNames.of(DEFAULT_MESH_ID)
+
+
+def mesh_id_of_app(app_name: str) -> str | None:
+    """The mesh whose Serve application `app_name` is ('expertmesh' -> 'default', 'expertmesh-chat' -> 'chat'), or
+    None for any other application (`expertmesh front --all-meshes` finds the meshes on a cluster this way)."""
+    if app_name == DEFAULT_MESH.app_name:
+        return DEFAULT_MESH_ID
+    prefix = f"{NAMESPACE}-"
+    if not app_name.startswith(prefix):
+        return None
+    mesh_id = app_name.removeprefix(prefix)
+    # "expertmesh-default" is nobody's app (the default mesh's is "expertmesh"); not a mesh id: someone else's app
+    if mesh_id == DEFAULT_MESH_ID or mesh_id_problem(mesh_id) is not None:
+        return None
+    return mesh_id
+
+
+def mesh_ids_of_apps(app_names: Iterable[str]) -> list[str]:
+    """The meshes among Serve application names, the default mesh first, then by id (other apps left out)."""
+    found = {m for m in map(mesh_id_of_app, app_names) if m is not None}
+    return sorted(found, key=lambda m: (m != DEFAULT_MESH_ID, m))
 _EXPERT_ACTOR = re.compile(r"expert-e([0-9]+)-r([0-9]+)")  # ASCII digits only; used with fullmatch
 _GPU_ACTOR = re.compile(r"expert-g([0-9]+)-v([0-9]+)")
 _STAND_IN_ACTOR = re.compile(r"expert-s([0-9]+)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -32,6 +33,7 @@ from .config import ConfigError, ServerConfig
 from .continuation import StreamProgress, with_resumable_seed
 from .log_limit import LogRateLimit
 from .malformed_requests import RefuseMalformedRequests
+from .model_routes import MODEL_METADATA, ModelRequired, UnknownModel, choose
 from .proto_mapping import ApiError
 from .resume_streak import MAX_RESUMES, RESUME_BACKOFF_MAX_S, RESUME_BACKOFF_S, RESUME_WAIT_S, ResumeStreak
 from .resuming import first_then_rest, retried
@@ -183,43 +185,103 @@ class _Forwarder:
                         type(exc).__name__, delivered, attempt + 1, more)
 
 
+# The request field naming the model, by method; the methods not here have none (server-wide or admin calls).
+MODEL_FIELDS = {"Generate": "model", "Score": "model", "ModelInfer": "model_name", "ModelReady": "name",
+                "ModelMetadata": "name"}
+
+
+# Calls without a model field whose answer does not depend on the mesh (the server's name and version).
+SAME_ON_EVERY_MESH = frozenset({"ServerMetadata"})
+
+
+class _Meshes:
+    """The forwarders of the meshes this front serves, and which one a call goes to.
+
+    One mesh given as a bare handle (`expertmesh serve`, a single-mesh `expertmesh front`): every call goes to it
+    and the router checks the model name itself, as always. Several (model name -> handle): the request's model
+    field chooses (router_service/model_routes.py); a call without one (Admin) names the model in
+    `x-expertmesh-model` metadata, except ServerLive and ServerReady, which answer for the whole front, and
+    ServerMetadata, the same on every mesh (the first answers unless the metadata names one)."""
+
+    def __init__(self, forwarders: dict[str, _Forwarder] | _Forwarder):
+        self.single = forwarders if isinstance(forwarders, _Forwarder) else None
+        self.by_model = {} if self.single is not None else forwarders
+        self.first = self.single or next(iter(self.by_model.values()))
+
+    def all(self) -> list[_Forwarder]:
+        return [self.single] if self.single is not None else list(self.by_model.values())
+
+    async def pick(self, method: str, request, context: grpc.aio.ServicerContext) -> _Forwarder:
+        if self.single is not None:
+            return self.single
+        await self.first.authorize(context)  # a client without the token learns nothing about the models
+        field = MODEL_FIELDS.get(method)
+        if field is not None:
+            requested = getattr(request, field)
+        else:
+            field = f"metadata {MODEL_METADATA}"
+            requested = dict(context.invocation_metadata() or ()).get(MODEL_METADATA, "")
+            if not requested and method in SAME_ON_EVERY_MESH:
+                return self.first
+        try:
+            return choose(requested, self.by_model, field)
+        except UnknownModel as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, exc.message[:MAX_DETAILS_CHARS])
+        except ModelRequired as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message[:MAX_DETAILS_CHARS])
+
+
 def _unary(method: str):
     async def handler(self, request, context):
-        return await self._forward.unary(method, request, context)
+        if method in ("ServerLive", "ServerReady") and self._meshes.single is None:
+            return await _whole_front(self._meshes, method, request, context)
+        forward = await self._meshes.pick(method, request, context)
+        return await forward.unary(method, request, context)
 
     return handler
+
+
+async def _whole_front(meshes: _Meshes, method: str, request, context: grpc.aio.ServicerContext):
+    """ServerLive / ServerReady of a front over several meshes: live or ready when every mesh says so (KServe's
+    server-wide calls; a mesh that does not answer fails the call, as it would with one mesh)."""
+    replies = [await forward.unary(method, request, context) for forward in meshes.all()]
+    field = "live" if method == "ServerLive" else "ready"
+    return type(replies[0])(**{field: all(getattr(r, field) for r in replies)})
 
 
 def _streaming(method: str):
     async def handler(self, request, context):
-        await self._forward.stream(method, request, context)
+        forward = await self._meshes.pick(method, request, context)
+        await forward.stream(method, request, context)
 
     return handler
 
 
-def _servicer(base: type, forward: _Forwarder, unary: list[str], streaming: list[str]):
+def _servicer(base: type, meshes: _Meshes, unary: list[str], streaming: list[str]):
     methods = {m: _unary(m) for m in unary} | {m: _streaming(m) for m in streaming}
     cls = type(f"Forwarding{base.__name__}", (base,), methods)
     instance = cls()
-    instance._forward = forward
+    instance._meshes = meshes
     return instance
 
 
 class _Health(health_pb2_grpc.HealthServicer):
     """The router deployment's verdict (NOT_SERVING while a shard has no live replica the policy can do without,
-    see deployment.health_verdict); NOT_SERVING too, not an error, when the deployment does not answer."""
+    see deployment.health_verdict); NOT_SERVING too, not an error, when the deployment does not answer. Over several
+    meshes: SERVING only while every mesh is."""
 
-    def __init__(self, forward: _Forwarder):
-        self._forward = forward
+    def __init__(self, meshes: _Meshes):
+        self._meshes = meshes
 
     async def _status(self) -> int:
         try:
             # The whole server's status; the service name was checked here.
-            reply = await asyncio.wait_for(self._forward.handle.Check.remote(health_pb2.HealthCheckRequest()),
-                                           timeout=10)
-            return reply.status
+            replies = await asyncio.wait_for(asyncio.gather(*(
+                forward.handle.Check.remote(health_pb2.HealthCheckRequest()) for forward in self._meshes.all())),
+                timeout=10)
         except Exception:
             return health.NOT_SERVING
+        return health.SERVING if all(r.status == health.SERVING for r in replies) else health.NOT_SERVING
 
     async def Check(self, request, context):  # noqa: N802
         if not health.known_service(request.service):
@@ -231,8 +293,11 @@ class _Health(health_pb2_grpc.HealthServicer):
             yield message
 
 
-async def start_front(handle: serve.handle.DeploymentHandle, settings: ServerConfig) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the port it bound (useful with port 0)."""
+async def start_front(handle: serve.handle.DeploymentHandle | Mapping[str, serve.handle.DeploymentHandle],
+                      settings: ServerConfig) -> tuple[grpc.aio.Server, int]:
+    """Start serving; returns the server and the port it bound (useful with port 0). `handle`: one mesh's router
+    deployment, or {served model name: handle} for a front over several meshes (each call goes to the mesh its
+    request's model names: _Meshes)."""
     settings.validate()
     server = grpc.aio.server(interceptors=[RefuseMalformedRequests()], options=[
         ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -240,17 +305,21 @@ async def start_front(handle: serve.handle.DeploymentHandle, settings: ServerCon
         # gRPC's default SO_REUSEPORT would let this front share a port another server already listens on.
         ("grpc.so_reuseport", 0),
     ])
-    forward = _Forwarder(handle, settings.auth_token, settings.admin_token)
+    if isinstance(handle, Mapping):
+        meshes = _Meshes({model: _Forwarder(h, settings.auth_token, settings.admin_token)
+                           for model, h in handle.items()})
+    else:
+        meshes = _Meshes(_Forwarder(handle, settings.auth_token, settings.admin_token))
     inference_pb2_grpc.add_InferenceServicer_to_server(
-        _servicer(inference_pb2_grpc.InferenceServicer, forward, ["Score"], ["Generate"]), server)
+        _servicer(inference_pb2_grpc.InferenceServicer, meshes, ["Score"], ["Generate"]), server)
     kserve_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-        _servicer(kserve_v2_pb2_grpc.GRPCInferenceServiceServicer, forward,
+        _servicer(kserve_v2_pb2_grpc.GRPCInferenceServiceServicer, meshes,
                   ["ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"], []),
         server)
     admin_pb2_grpc.add_AdminServicer_to_server(
-        _servicer(admin_pb2_grpc.AdminServicer, forward,
+        _servicer(admin_pb2_grpc.AdminServicer, meshes,
                   ["GetRouterStats", "GetClusterState", *sorted(DESTRUCTIVE_ADMIN_METHODS)], []), server)
-    health_pb2_grpc.add_HealthServicer_to_server(_Health(forward), server)
+    health_pb2_grpc.add_HealthServicer_to_server(_Health(meshes), server)
     address = f"{settings.host}:{settings.port}"
     try:
         if settings.tls_cert:

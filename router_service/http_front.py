@@ -20,6 +20,7 @@ import logging
 import ssl
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 from aiohttp import web
@@ -32,6 +33,7 @@ from . import http_metrics, http_protocol, http_resume, json_body, openai_api, o
 from .config import ConfigError, ServerConfig
 from .grpc_front import _api_error
 from .log_limit import LogRateLimit
+from .model_routes import ModelRequired, UnknownModel, choose
 from .openai_api import OpenAIError
 from .serve_calls import cancel_with_caller
 
@@ -70,15 +72,52 @@ def _as_openai_error(exc: BaseException) -> OpenAIError:
     return OpenAIError(503, f"router unavailable ({type(exc).__name__}); retry", code="service_unavailable")
 
 
-class HttpFront:
-    def __init__(self, handle: serve.handle.DeploymentHandle, settings: ServerConfig, model_name: str):
+class _Mesh:
+    """One mesh's router deployment as the HTTP front calls it, and the model name it serves."""
+
+    def __init__(self, handle: serve.handle.DeploymentHandle, model_name: str):
         # By value, as the gRPC front streams Generate (one Ray object per token cost as much as the expert round).
         self.stream_handle = handle.options(_by_reference=False, stream=True)
         self.unary_handle = handle.options(_by_reference=True)
-        self.settings = settings
         self.model_name = model_name
+
+
+def _routing_error(exc: UnknownModel | ModelRequired) -> OpenAIError:
+    if isinstance(exc, UnknownModel):
+        return OpenAIError(404, exc.message, param="model", code="model_not_found")
+    return OpenAIError(400, exc.message, param="model", code="invalid_value")
+
+
+class HttpFront:
+    """`handles`: {served model name: router deployment handle}, one per mesh this front serves. With one mesh,
+    everything is as it always was; with several, a request goes to the mesh its `model` names
+    (router_service/model_routes.py), /v1/models lists every mesh's model, /metrics covers every mesh (labelled by
+    model) and /api/state answers for the mesh `?model=` names (default: the first)."""
+
+    def __init__(self, handles: Mapping[str, serve.handle.DeploymentHandle], settings: ServerConfig):
+        self.meshes = {model: _Mesh(handle, model) for model, handle in handles.items()}
+        assert self.meshes, "an HTTP front serves at least one mesh"
+        self.first = next(iter(self.meshes.values()))
+        self.settings = settings
         self.created = int(time.time())
         self.counters = http_metrics.FrontCounters()
+
+    def _mesh(self, model: object) -> _Mesh:
+        """The mesh answering a request naming `model` (None: not named). With one mesh, that mesh: the request
+        parsers check the name, with the messages single-mesh clients always got."""
+        if len(self.meshes) == 1:
+            return self.first
+        if model is not None and not isinstance(model, str):
+            raise openai_api.invalid("model", "must be a model name (a string; GET /v1/models lists them)")
+        try:
+            return choose(model, self.meshes)
+        except (UnknownModel, ModelRequired) as exc:
+            raise _routing_error(exc) from None
+
+    def _mesh_of_query(self, request: web.Request) -> _Mesh:
+        """/metrics?model= and /api/state: the mesh `?model=` names, else the first."""
+        model = request.query.get("model")
+        return self.first if model is None else self._mesh(model)
 
     # ---- plumbing ----------------------------------------------------------------------------------------------
 
@@ -115,26 +154,31 @@ class HttpFront:
     # ---- the OpenAI API ----------------------------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response(openai_api.models_list(self.model_name, self.created))
+        return json_response({"object": "list", "data": [openai_api.models_list(model, self.created)["data"][0]
+                                                         for model in self.meshes]})
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.model_name:
+        if request.match_info["model"] not in self.meshes:
             raise OpenAIError(404, f"model: the model {request.match_info['model'][:64]!r} does not exist",
                               param="model", code="model_not_found")
-        return json_response(openai_api.models_list(self.model_name, self.created)["data"][0])
+        return json_response(openai_api.models_list(request.match_info["model"], self.created)["data"][0])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        job = openai_api.parse_completion(await self._body(request), self.model_name)
-        return await self._generate(request, job, f"cmpl-{uuid.uuid4().hex}")
+        body = await self._body(request)
+        mesh = self._mesh(body.get("model"))
+        job = openai_api.parse_completion(body, mesh.model_name)
+        return await self._generate(request, mesh, job, f"cmpl-{uuid.uuid4().hex}")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        job = openai_api.parse_chat(await self._body(request), self.model_name)
-        return await self._generate(request, job, f"chatcmpl-{uuid.uuid4().hex}")
+        body = await self._body(request)
+        mesh = self._mesh(body.get("model"))
+        job = openai_api.parse_chat(body, mesh.model_name)
+        return await self._generate(request, mesh, job, f"chatcmpl-{uuid.uuid4().hex}")
 
-    async def _generate(self, request: web.Request, job: openai_api.OpenAIJob, request_id: str):
+    async def _generate(self, request: web.Request, mesh: _Mesh, job: openai_api.OpenAIJob, request_id: str):
         created = int(time.time())
-        # Resumed on a live router replica when the one serving it dies (router_service/http_resume.py).
-        call = http_resume.ResumingCall(self.stream_handle, job)
+        # Resumed on a live router replica of its mesh when the one serving it dies (router_service/http_resume.py).
+        call = http_resume.ResumingCall(mesh.stream_handle, job)
         finished = False
         try:
             events = call.__aiter__()
@@ -190,10 +234,10 @@ class HttpFront:
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's POST /tokenize: {model?, prompt} or {model?, messages} -> {tokens, count, max_model_len}."""
         body = await self._body(request)
-        self._check_model(body)
+        mesh = self._optional_model(body)
         messages, prompt = body.get("messages"), body.get("prompt")
         if messages is not None:
-            job = openai_api.parse_chat({"model": self.model_name, "messages": messages}, self.model_name)
+            job = openai_api.parse_chat({"model": mesh.model_name, "messages": messages}, mesh.model_name)
             args = (None, list(job.messages))
         elif isinstance(prompt, str) and prompt:
             args = (prompt, None)
@@ -201,71 +245,90 @@ class HttpFront:
             raise openai_api.invalid("prompt", "required: a non-empty string (or messages)")
         try:
             # retried on a live replica if its replica dies; cancelled there if the client leaves
-            ids = await http_resume.unary(lambda: cancel_with_caller(self.unary_handle.OpenAITokenize.remote(*args)))
+            ids = await http_resume.unary(lambda: cancel_with_caller(mesh.unary_handle.OpenAITokenize.remote(*args)))
         except Exception as exc:
             raise _as_openai_error(exc) from None
-        return json_response({"tokens": ids, "count": len(ids), "max_model_len": await self._context()})
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": await self._context(mesh)})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's POST /detokenize: {model?, tokens: [ids]} -> {prompt}."""
         body = await self._body(request)
-        self._check_model(body)
+        mesh = self._optional_model(body)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise openai_api.invalid("tokens", "required: a list of token ids")
         try:
             text = await http_resume.unary(
-                lambda: cancel_with_caller(self.unary_handle.OpenAIDetokenize.remote(tokens)))
+                lambda: cancel_with_caller(mesh.unary_handle.OpenAIDetokenize.remote(tokens)))
         except Exception as exc:
             raise _as_openai_error(exc) from None
         return json_response({"prompt": text})
 
-    def _check_model(self, body: dict) -> None:
+    def _optional_model(self, body: dict) -> _Mesh:
+        """/tokenize and /detokenize: `model` is optional (required only when this front serves several)."""
         model = body.get("model")
-        if model is not None and model != self.model_name:
+        if len(self.meshes) > 1:
+            return self._mesh(model)
+        if model is not None and model != self.first.model_name:
             raise OpenAIError(404, f"model: the model {str(model)[:64]!r} does not exist; this server serves "
-                                   f"{self.model_name!r}", param="model", code="model_not_found")
+                                   f"{self.first.model_name!r}", param="model", code="model_not_found")
+        return self.first
 
-    async def _context(self) -> int | None:
+    async def _context(self, mesh: _Mesh) -> int | None:
         try:
-            meta = await self.unary_handle.context_length.remote()
+            meta = await mesh.unary_handle.context_length.remote()
         except Exception:
             return None
         return meta
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health and /ping: 200 while the router can answer every request (the gRPC health check's verdict),
-        503 with the reason otherwise. No token: load balancers and load generators probe it."""
-        try:
-            verdict = await asyncio.wait_for(self.unary_handle.health_verdict.remote(), HEALTH_TIMEOUT_S)
-        except Exception as exc:
-            raise OpenAIError(503, f"router unavailable ({type(exc).__name__})", code="service_unavailable") from None
-        if not verdict.serving:
-            raise OpenAIError(503, f"not serving: {verdict.reason}", code="service_unavailable")
+        503 with the reason otherwise. No token: load balancers and load generators probe it. Over several meshes:
+        200 while every mesh can (the reason of a 503 names the model)."""
+        several = len(self.meshes) > 1
+        for mesh in self.meshes.values():
+            which = f"{mesh.model_name!r}: " if several else ""
+            try:
+                verdict = await asyncio.wait_for(mesh.unary_handle.health_verdict.remote(), HEALTH_TIMEOUT_S)
+            except Exception as exc:
+                raise OpenAIError(503, f"{which}router unavailable ({type(exc).__name__})",
+                                  code="service_unavailable") from None
+            if not verdict.serving:
+                raise OpenAIError(503, f"{which}not serving: {verdict.reason}", code="service_unavailable")
         return json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text: the front's counters and the answering router replica's stats."""
-        router = None
+        """Prometheus text: the front's counters and the answering router replica's stats; over several meshes,
+        every mesh's (labelled by model), or only the mesh `?model=` names."""
+        if len(self.meshes) == 1 or "model" in request.query:
+            router = await self._router_stats(self._mesh_of_query(request))
+            by_model = None if len(self.meshes) == 1 else {self._mesh_of_query(request).model_name: router}
+        else:
+            stats = await asyncio.gather(*(self._router_stats(mesh) for mesh in self.meshes.values()))
+            router, by_model = None, dict(zip(self.meshes, stats, strict=True))
+        return web.Response(text=http_metrics.prometheus_text(self.counters, router, by_model),
+                            content_type="text/plain", charset="utf-8", headers={"Cache-Control": "no-cache"})
+
+    async def _router_stats(self, mesh: _Mesh) -> dict | None:
+        """A router replica's GetRouterStats reply as a dict, None when none answered in time."""
         try:
             reply = await asyncio.wait_for(
-                self.unary_handle.GetRouterStats.remote(admin_pb2.RouterStatsRequest()), STATE_TIMEOUT_S)
-            router = MessageToDict(reply, preserving_proto_field_name=True,
-                                   always_print_fields_with_no_presence=True)
+                mesh.unary_handle.GetRouterStats.remote(admin_pb2.RouterStatsRequest()), STATE_TIMEOUT_S)
         except Exception as exc:
             dropped = _warnings.admit("metrics:" + type(exc).__name__)
             if dropped is not None:
                 log.warning("/metrics: router stats unavailable: %s", repr(exc)[:512])
-        return web.Response(text=http_metrics.prometheus_text(self.counters, router),
-                            content_type="text/plain", charset="utf-8", headers={"Cache-Control": "no-cache"})
+            return None
+        return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
     # ---- the cluster page --------------------------------------------------------------------------------------
 
     async def state(self, request: web.Request) -> web.Response:
         """The Admin GetClusterState reply as JSON (its embedded JSON strings parsed), for the page."""
+        mesh = self._mesh_of_query(request)
         try:
             reply = await asyncio.wait_for(
-                self.unary_handle.GetClusterState.remote(admin_pb2.ClusterStateRequest()), STATE_TIMEOUT_S)
+                mesh.unary_handle.GetClusterState.remote(admin_pb2.ClusterStateRequest()), STATE_TIMEOUT_S)
         except Exception as exc:
             raise _as_openai_error(exc) from None
         return json_response(cluster_state_json(reply))
@@ -317,12 +380,19 @@ def tls_context(settings: ServerConfig) -> ssl.SSLContext | None:
     return context
 
 
-async def start_http_front(handle: serve.handle.DeploymentHandle, settings: ServerConfig,
-                           model_name: str) -> tuple[web.AppRunner, int]:
+async def start_http_front(handle: serve.handle.DeploymentHandle | Mapping[str, serve.handle.DeploymentHandle],
+                           settings: ServerConfig, model_name: str | None = None) -> tuple[web.AppRunner, int]:
     """Serve the HTTP API on settings.host:settings.http_port; returns the runner (cleanup() stops it) and the
-    port it bound (useful with port 0)."""
+    port it bound (useful with port 0). `handle` and `model_name`: one mesh and the name it serves; or `handle`
+    alone, {served model name: handle}, for a front over several meshes."""
+    if isinstance(handle, Mapping):
+        assert model_name is None, "the model names are the mapping's keys"
+        handles = handle
+    else:
+        assert model_name, "one mesh: the name it serves"
+        handles = {model_name: handle}
     # Its connections answer aiohttp's own parser errors as a client's mistake (router_service/http_protocol.py).
-    runner = http_protocol.AppRunner(HttpFront(handle, settings, model_name).app(), **RUNNER_OPTIONS)
+    runner = http_protocol.AppRunner(HttpFront(handles, settings).app(), **RUNNER_OPTIONS)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.http_port, ssl_context=tls_context(settings),
                        reuse_port=False)

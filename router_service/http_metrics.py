@@ -10,6 +10,7 @@ prompt and completion tokens the front returned, and the answering router replic
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # RouterStats fields exported as gauges (name suffix, help); counters since start are named *_total.
@@ -55,9 +56,12 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def prometheus_text(front: FrontCounters, router: dict | None) -> str:
+def prometheus_text(front: FrontCounters, router: dict | None,
+                    by_model: Mapping[str, dict | None] | None = None) -> str:
     """Prometheus exposition text (version 0.0.4). router: the RouterStats reply as a dict (proto field names), or
-    None when no router answered (then `expertmesh_router_up 0`)."""
+    None when no router answered (then `expertmesh_router_up 0`). by_model: instead of `router`, on a front over
+    several meshes, each mesh's reply (or None) by its served model name; every router sample then carries a
+    `model` label."""
     lines = ["# HELP expertmesh_http_requests_total HTTP requests the front answered, by path and status",
              "# TYPE expertmesh_http_requests_total counter"]
     for (path, status), count in sorted(front.requests.items()):
@@ -68,17 +72,24 @@ def prometheus_text(front: FrontCounters, router: dict | None) -> str:
         lines += [f"# HELP expertmesh_http_{name}_tokens_total {what} tokens in the front's responses",
                   f"# TYPE expertmesh_http_{name}_tokens_total counter",
                   f"expertmesh_http_{name}_tokens_total {value}"]
+    # (label prefix, reply): one per mesh; the single mesh's samples keep the labels they always had
+    routers = [("", router)] if by_model is None else [(f'model="{_label(m)}",', r) for m, r in by_model.items()]
     lines += ["# HELP expertmesh_router_up whether a router replica answered this scrape",
-              "# TYPE expertmesh_router_up gauge", f"expertmesh_router_up {0 if router is None else 1}"]
-    if router is not None:
-        replica = _label(str(router.get("replica", "")))
+              "# TYPE expertmesh_router_up gauge"]
+    for prefix, reply in routers:
+        labels = f"{{{prefix.rstrip(',')}}}" if prefix else ""
+        lines.append(f"expertmesh_router_up{labels} {0 if reply is None else 1}")
+    answered = [(prefix, reply, _label(str(reply.get("replica", "")))) for prefix, reply in routers
+                if reply is not None]
+    if answered:
         for key, (name, kind, what) in ROUTER_FIELDS.items():
-            lines += [f"# HELP {name} {what}", f"# TYPE {name} {kind}",
-                      f'{name}{{replica="{replica}"}} {float(router.get(key, 0)):g}']
-        stages = router.get("stage_seconds") or {}
+            lines += [f"# HELP {name} {what}", f"# TYPE {name} {kind}"]
+            lines += [f'{name}{{{prefix}replica="{replica}"}} {float(reply.get(key, 0)):g}'
+                      for prefix, reply, replica in answered]
         lines += ["# HELP expertmesh_router_stage_seconds_total seconds spent per serving stage since start",
                   "# TYPE expertmesh_router_stage_seconds_total counter"]
-        for stage, seconds in sorted(stages.items()):
-            lines.append(f'expertmesh_router_stage_seconds_total{{replica="{replica}",stage="{_label(stage)}"}} '
-                         f"{float(seconds):.6f}")
+        for prefix, reply, replica in answered:
+            for stage, seconds in sorted((reply.get("stage_seconds") or {}).items()):
+                lines.append(f'expertmesh_router_stage_seconds_total{{{prefix}replica="{replica}",'
+                             f'stage="{_label(stage)}"}} {float(seconds):.6f}')
     return "\n".join(lines) + "\n"

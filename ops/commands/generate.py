@@ -42,6 +42,8 @@ def run_remote(args: argparse.Namespace) -> int:
         request.top_p = args.top_p
     if args.seed is not None:
         request.seed = args.seed
+    if vars(args).get("model.name"):  # --model-name: which model, on a front serving several (`expertmesh front`)
+        request.model = vars(args)["model.name"]
     token_ids: list[int] = []
     pieces: list[str] = []
     done = None

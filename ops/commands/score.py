@@ -39,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
     from .. import client
 
     chan = client.channel(args.target, args.tls_ca)
-    resp = client.score(chan, pb.ScoreRequest(token_ids=args.token_ids, log_probs=args.log_probs),
-                        args.client_token, args.timeout)
+    # --model-name: which model, on a front serving several (`expertmesh front`); else the server's one
+    request = pb.ScoreRequest(token_ids=args.token_ids, log_probs=args.log_probs,
+                              model=vars(args).get("model.name") or "")
+    resp = client.score(chan, request, args.client_token, args.timeout)
     rows = [list(resp.values[i * resp.vocab_size:(i + 1) * resp.vocab_size]) for i in range(resp.seq_len)]
     print(json.dumps({"token_ids": args.token_ids, key: rows}) if args.json else
           "\n".join(f"{i}\tbest next {max(range(len(r)), key=r.__getitem__)}" for i, r in enumerate(rows)))

@@ -11,17 +11,24 @@ from .client_flags import add_client_flags
 def add_parser(sub) -> None:
     p = sub.add_parser("status", help="cluster state: replicas, nodes, GPUs, breakers, load, epoch, events")
     add_client_flags(p)
+    p.add_argument("--model-name", dest="status_model", metavar="NAME",
+                   help="on a front serving several models (`expertmesh front --mesh-id a --mesh-id b`): the mesh "
+                        "serving this model (sent as x-expertmesh-model metadata)")
 
 
 def run(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from ...protos import admin_pb2, admin_pb2_grpc
+    from ...router_service.model_routes import MODEL_METADATA
     from .. import client
 
     chan = client.channel(args.target, args.tls_ca)
+    metadata = client.auth_metadata(args.client_token)
+    if args.status_model:
+        metadata += ((MODEL_METADATA, args.status_model),)
     state = admin_pb2_grpc.AdminStub(chan).GetClusterState(
-        admin_pb2.ClusterStateRequest(), metadata=client.auth_metadata(args.client_token), timeout=args.timeout or 30)
+        admin_pb2.ClusterStateRequest(), metadata=metadata, timeout=args.timeout or 30)
     if args.json:
         out = MessageToDict(state, preserving_proto_field_name=True)
         # The load snapshots travel as JSON strings; print them as objects.
