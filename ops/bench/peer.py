@@ -29,7 +29,7 @@ from ..server_process import ServerProcess, start_server
 from .common import machine_info, say_to_stderr
 from .openai_load import Target, level_record, probe_target, run_level
 from .peer_plan import PromptBook, check_fits, schedule, summarize, workloads
-from .peer_server import PeerServer, cache_args, start_peer
+from .peer_server import PeerServer, cache_args, proc_stats, start_peer, tree_cpu_seconds
 
 # Issue 27's targets: expertmesh tokens/s ÷ peer's on the `distinct` workload, per concurrency (embedded model).
 TARGETS = {"distinct": {"1": 0.5, "8": 0.8, "32": 1.0}}
@@ -141,7 +141,8 @@ def run_peer_bench(params: PeerParams = PeerParams(), verbose: bool = True) -> d
             result["servers"] = {k: {"url": t.base_url, "model": t.model, "ignore_eos": t.ignore_eos,
                                      "notes": t.notes} for k, t in targets.items()}
             result["warmup"] = _warm_up(targets, book, plan, params, say)
-            result["levels"] = _rounds(targets, book, plan, params, say)
+            pids = {"expertmesh": ours.proc.pid, "peer": peer.proc.pid}
+            result["levels"] = _rounds(targets, pids, book, plan, params, say)
         finally:
             if peer is not None:
                 say("stopping transformers serve ...")
@@ -182,15 +183,28 @@ def _warm_up(targets: dict[str, Target], book: PromptBook, plan, params: PeerPar
     return out
 
 
-def _rounds(targets: dict[str, Target], book: PromptBook, plan, params: PeerParams, say) -> list[dict]:
+def _cpu(pids: dict[str, int]) -> dict[str, float | None]:
+    stats = proc_stats()
+    return {name: tree_cpu_seconds(pid, stats) for name, pid in pids.items()}
+
+
+def _rounds(targets: dict[str, Target], pids: dict[str, int], book: PromptBook, plan, params: PeerParams,
+            say) -> list[dict]:
+    """Every slot of the schedule; beside each level's figures, the CPU seconds each server's process tree used
+    during it (the one measured, and the idle other one: what keeping both up costs the one under test)."""
     by_name = {w.name: w for w in plan}
     levels = []
     for slot in schedule(params.rounds, [w.name for w in plan], params.concurrencies):
         w = by_name[slot.workload]
         prompts = _prompts(book, w, slot.round, slot.concurrency, params.requests_per_stream)
+        before = _cpu(pids)
         replies, wall = asyncio.run(run_level(targets[slot.server], prompts, params.max_tokens, w.streamed))
+        after = _cpu(pids)
+        used = {k: None if before[k] is None or after[k] is None else round(after[k] - before[k], 3) for k in pids}
+        other = next(k for k in pids if k != slot.server)
         record = {"round": slot.round, "workload": slot.workload, "concurrency": slot.concurrency,
-                  "server": slot.server, **level_record(replies, wall, params.max_tokens)}
+                  "server": slot.server, **level_record(replies, wall, params.max_tokens),
+                  "cpu_s": used[slot.server], "other_server_cpu_s": used[other]}
         levels.append(record)
         ttft = f", TTFT p50 {record['ttft_p50_ms']} ms" if record["ttft_p50_ms"] is not None else ""
         say(f"round {slot.round + 1}/{params.rounds} {slot.workload} x{slot.concurrency} {slot.server}: "

@@ -145,9 +145,10 @@ def _ratio(ours: float | None, theirs: float | None) -> float | None:
 
 def summarize(levels: Sequence[dict]) -> dict:
     """levels: one dict per measured slot: {"round", "workload", "concurrency", "server", "tokens_per_s",
-    "ttft_p50_ms" (None when not streamed), "errors"}. Returns per workload and concurrency: each server's median
-    (and range) of tokens/s and of TTFT p50 across rounds, and expertmesh ÷ peer of the medians, plus the median of
-    the per-round ratios (each round's pair measured back to back, so this one cancels slower drift)."""
+    "ttft_p50_ms" (None when not streamed), "errors", optionally "cpu_s" and "other_server_cpu_s"}. Returns per
+    workload and concurrency: each server's median (and range) of tokens/s and of TTFT p50 across rounds, and
+    expertmesh ÷ peer of the medians, plus the median of the per-round ratios (each round's pair measured back to
+    back, so this one cancels slower drift)."""
     out: dict = {}
     keys = sorted({(lv["workload"], lv["concurrency"]) for lv in levels}, key=lambda k: (k[0], k[1]))
     for workload, c in keys:
@@ -160,6 +161,9 @@ def summarize(levels: Sequence[dict]) -> dict:
             entry[server] = {
                 "tokens_per_s": _spread(tps),
                 "ttft_p50_ms": _spread(ttft),
+                # CPU seconds of this server's process tree during its level, and of the other (idle) server's
+                "cpu_s": _spread([lv.get("cpu_s") for lv in runs]),
+                "other_server_cpu_s": _spread([lv.get("other_server_cpu_s") for lv in runs]),
                 "errors": sum(sum(lv.get("errors", {}).values()) for lv in runs),
             }
         by_round: dict[int, dict[str, dict]] = {}

@@ -58,6 +58,38 @@ class PeerServer:
         return self.proc.returncode
 
 
+def proc_stats() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds used: user + system) of every live process, from /proc ({} without it)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # after the name: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        out[int(entry.parent.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def tree_cpu_seconds(pid: int, stats: dict[int, tuple[int, float]] | None = None) -> float | None:
+    """CPU seconds used so far by pid and every live descendant (an `expertmesh serve` with its embedded Ray's
+    processes; `transformers serve` alone); None where pid is gone or there is no /proc. Descendants that exited
+    are not counted, so take differences over stretches where the process tree is stable."""
+    stats = proc_stats() if stats is None else stats
+    if pid not in stats:
+        return None
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(child)
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats[p][1]
+        todo.extend(children.get(p, ()))
+    return total
+
+
 def group_members(pgid: int) -> list[int]:
     """Live processes in process group pgid (from /proc; [] where there is no /proc): the test that the peer
     leaves nothing behind reads this after `stop`."""

@@ -206,3 +206,23 @@ def test_peer_command_and_cache_sizing():
                                                                                                     "info"]
     assert cache_args((), 32, 512) == ["--cb-num-blocks", "65"]  # 32 clients x 2 pages of 256 tokens, + 1
     assert cache_args(("--cb-num-blocks=8",), 32, 512) == [] and cache_args((), 32, None) == []
+
+
+def test_tree_cpu_seconds_sums_a_process_and_its_descendants_only():
+    from expertmesh.ops.bench.peer_server import proc_stats, tree_cpu_seconds
+
+    stats = {10: (1, 1.0), 11: (10, 2.0), 12: (11, 0.5), 13: (1, 7.0), 14: (13, 3.0)}  # pid: (ppid, cpu s)
+    assert tree_cpu_seconds(10, stats) == 3.5 and tree_cpu_seconds(13, stats) == 10.0
+    assert tree_cpu_seconds(99, stats) is None
+    import os
+
+    here = proc_stats()
+    assert here[os.getpid()][0] == os.getppid() and tree_cpu_seconds(os.getpid(), here) > 0
+
+
+def test_summarize_carries_cpu_of_both_servers():
+    levels = [dict(_level(0, "expertmesh", 100.0), cpu_s=2.0, other_server_cpu_s=0.1),
+              dict(_level(0, "peer", 90.0), cpu_s=1.0, other_server_cpu_s=0.4)]
+    d = summarize(levels)["distinct"]["8"]
+    assert d["expertmesh"]["cpu_s"]["median"] == 2.0 and d["expertmesh"]["other_server_cpu_s"]["median"] == 0.1
+    assert d["peer"]["other_server_cpu_s"]["median"] == 0.4
