@@ -150,7 +150,8 @@ def summarize(levels: Sequence[dict]) -> dict:
     expertmesh ÷ peer of the medians, plus the median of the per-round ratios (each round's pair measured back to
     back, so this one cancels slower drift)."""
     out: dict = {}
-    keys = sorted({(lv["workload"], lv["concurrency"]) for lv in levels}, key=lambda k: (k[0], k[1]))
+    order = list(dict.fromkeys(lv["workload"] for lv in levels))  # workloads in the run's order
+    keys = sorted({(lv["workload"], lv["concurrency"]) for lv in levels}, key=lambda k: (order.index(k[0]), k[1]))
     for workload, c in keys:
         mine = [lv for lv in levels if lv["workload"] == workload and lv["concurrency"] == c]
         entry: dict = {}
