@@ -39,8 +39,8 @@ TARGETS = {"distinct": {"1": 0.5, "8": 0.8, "32": 1.0}}
 class PeerParams:
     """model_dir: "embedded" (default), "mid" or a checkpoint folder with a tokenizer; rounds: alternating rounds;
     workloads: names from peer_plan.workloads; prompt_tokens: the distinct workload's prompt; system_tokens and
-    suffix_tokens: the shared workload's two parts; serve_args / peer_args: extra arguments for `expertmesh serve` /
-    `transformers serve`; chart: PNG path or None."""
+    suffix_tokens: the shared workload's two parts; transport: expertmesh's; serve_args / peer_args: extra arguments
+    for `expertmesh serve` / `transformers serve`; chart: PNG path or None."""
 
     model_dir: str | None = None
     concurrencies: tuple[int, ...] = (1, 8, 32)
@@ -51,6 +51,7 @@ class PeerParams:
     prompt_tokens: int = 16
     system_tokens: int = 400
     suffix_tokens: int = 16
+    transport: str = "socket"  # expertmesh serve --transport (socket: what `auto` picks on the Ray it starts)
     serve_args: tuple[str, ...] = ()
     peer_args: tuple[str, ...] = ()
     chart: Path | None = None
@@ -70,7 +71,7 @@ class PeerParams:
                    workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
                    prompt_tokens=args.prompt_tokens, system_tokens=args.system_tokens,
                    suffix_tokens=args.suffix_tokens,
-                   serve_args=("--transport", args.transports, *args.serve_arg), peer_args=tuple(args.peer_arg),
+                   transport=args.transports, serve_args=tuple(args.serve_arg), peer_args=tuple(args.peer_arg),
                    chart=Path(chart) if chart else None)
 
 
@@ -112,11 +113,12 @@ def run_peer_bench(params: PeerParams = PeerParams(), verbose: bool = True) -> d
         except ValueError as exc:
             raise SystemExit(f"bench serve --peer: {exc}") from exc
         book = PromptBook(_tokenizer(folder))
+        serve_args = ("--transport", params.transport, *params.serve_args)
         result: dict = {
             "benchmark": "serve-peer", "model": name, "peer": "transformers serve --continuous-batching",
             "max_tokens": params.max_tokens, "requests_per_stream": params.requests_per_stream,
             "rounds": params.rounds, "concurrencies": list(params.concurrencies),
-            "workloads": [w.__dict__ for w in plan], "serve_args": list(params.serve_args),
+            "workloads": [w.__dict__ for w in plan], "serve_args": list(serve_args),
             "peer_args": list(params.peer_args), "targets_tokens_per_s_ratio": TARGETS,
             "load_average_start": _load_average(),
         }
@@ -125,7 +127,7 @@ def run_peer_bench(params: PeerParams = PeerParams(), verbose: bool = True) -> d
         try:
             say("starting expertmesh serve --http-port 0 ...")
             t0 = time.perf_counter()
-            ours = start_server(["--model", folder, "--http-port", "0", *params.serve_args])
+            ours = start_server(["--model", folder, "--http-port", "0", *serve_args])
             if ours.http_url is None:
                 raise RuntimeError("expertmesh serve printed no HTTP address")
             result["expertmesh_start_s"] = round(time.perf_counter() - t0, 3)

@@ -226,3 +226,31 @@ def test_summarize_carries_cpu_of_both_servers():
     d = summarize(levels)["distinct"]["8"]
     assert d["expertmesh"]["cpu_s"]["median"] == 2.0 and d["expertmesh"]["other_server_cpu_s"]["median"] == 0.1
     assert d["peer"]["other_server_cpu_s"]["median"] == 0.4
+
+
+def test_cli_flags_build_peer_params_and_refuse_what_does_not_apply():
+    from expertmesh.ops.bench.peer import PeerParams
+    from expertmesh.ops.cli import build_parser
+
+    parser = build_parser()
+    params = PeerParams.from_args(parser.parse_args(
+        ["bench", "serve", "--peer", "--rounds", "5", "--workloads", "distinct,long", "--transports", "grpc",
+         "--serve-arg=--overlap", "--peer-arg=--cb-num-blocks=9", "--out", "/tmp/x.json"]))
+    assert (params.rounds, params.workloads, params.transport, params.serve_args, params.peer_args) == \
+        (5, ("distinct", "long"), "grpc", ("--overlap",), ("--cb-num-blocks=9",))
+    assert params.requests_per_stream == 1 and str(params.chart) == "/tmp/x.png"
+    with pytest.raises(SystemExit, match="--target: not with --peer"):
+        PeerParams.from_args(parser.parse_args(["bench", "serve", "--peer", "--target", "h:1"]))
+    with pytest.raises(SystemExit, match="--transports: .* one transport"):
+        PeerParams.from_args(parser.parse_args(["bench", "serve", "--peer", "--transports", "socket,grpc"]))
+
+
+def test_bad_settings_are_refused_before_any_server_starts():
+    from expertmesh.ops.bench.peer import PeerParams, run_peer_bench
+
+    with pytest.raises(SystemExit, match="workloads: \\['nope'\\]"):
+        run_peer_bench(PeerParams(workloads=("nope",)), verbose=False)
+    with pytest.raises(SystemExit, match="system_tokens \\+ suffix_tokens \\+ max_tokens: .* 549 .* 512"):
+        run_peer_bench(PeerParams(system_tokens=500), verbose=False)  # 500 + 16 + 32 + 1 > 512 positions
+    with pytest.raises(SystemExit, match="--concurrency"):
+        run_peer_bench(PeerParams(concurrencies=(0,)), verbose=False)
