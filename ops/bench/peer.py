@@ -29,7 +29,7 @@ from ..server_process import ServerProcess, start_server
 from .common import machine_info, say_to_stderr
 from .openai_load import Target, level_record, probe_target, run_level
 from .peer_plan import PromptBook, check_fits, schedule, summarize, workloads
-from .peer_server import PeerServer, cache_args, proc_stats, start_peer, tree_cpu_seconds
+from .peer_server import PeerError, PeerServer, cache_args, proc_stats, start_peer, tree_cpu_seconds
 
 # Issue 27's targets: expertmesh tokens/s ÷ peer's on the `distinct` workload, per concurrency (embedded model).
 TARGETS = {"distinct": {"1": 0.5, "8": 0.8, "32": 1.0}}
@@ -98,6 +98,8 @@ def run_peer_bench(params: PeerParams = PeerParams(), verbose: bool = True) -> d
     say = say_to_stderr(verbose)
     if params.max_tokens < 1 or params.requests_per_stream < 1:
         raise SystemExit("--max-tokens and --requests-per-stream: must be >= 1")
+    if params.rounds < 1:
+        raise SystemExit(f"--rounds: must be >= 1, got {params.rounds}")
     if not params.concurrencies or min(params.concurrencies) < 1:
         raise SystemExit(f"--concurrency: need positive integers, got {list(params.concurrencies)}")
     try:
@@ -125,19 +127,20 @@ def run_peer_bench(params: PeerParams = PeerParams(), verbose: bool = True) -> d
         ours: ServerProcess | None = None
         peer: PeerServer | None = None
         try:
-            say("starting expertmesh serve --http-port 0 ...")
-            t0 = time.perf_counter()
-            ours = start_server(["--model", folder, "--http-port", "0", *serve_args])
-            if ours.http_url is None:
-                raise RuntimeError("expertmesh serve printed no HTTP address")
-            result["expertmesh_start_s"] = round(time.perf_counter() - t0, 3)
-            say(f"expertmesh on {ours.http_url} ({result['expertmesh_start_s']} s); starting transformers serve ...")
+            # The peer first: it starts in seconds, so a bad --peer-arg fails before Ray and Serve spend a minute.
+            say("starting transformers serve --port 0 ...")
             peer_args = (*cache_args(params.peer_args, max(params.concurrencies), _context(folder)),
                          *params.peer_args)
             peer = start_peer(folder, peer_args)
             result["peer_start_s"] = peer.start_s
             result["peer_command"] = peer.command[1:]
-            say(f"transformers serve on {peer.base_url} ({peer.start_s} s)")
+            say(f"transformers serve on {peer.base_url} ({peer.start_s} s); starting expertmesh serve ...")
+            t0 = time.perf_counter()
+            ours = start_server(["--model", folder, "--http-port", "0", *serve_args])
+            if ours.http_url is None:
+                raise RuntimeError("expertmesh serve printed no HTTP address")
+            result["expertmesh_start_s"] = round(time.perf_counter() - t0, 3)
+            say(f"expertmesh on {ours.http_url} ({result['expertmesh_start_s']} s)")
             targets = {"expertmesh": asyncio.run(probe_target(Target("expertmesh", ours.http_url))),
                        "peer": asyncio.run(probe_target(Target("peer", peer.base_url)))}
             result["servers"] = {k: {"url": t.base_url, "model": t.model, "ignore_eos": t.ignore_eos,
@@ -145,6 +148,8 @@ def run_peer_bench(params: PeerParams = PeerParams(), verbose: bool = True) -> d
             result["warmup"] = _warm_up(targets, book, plan, params, say)
             pids = {"expertmesh": ours.proc.pid, "peer": peer.proc.pid}
             result["levels"] = _rounds(targets, pids, book, plan, params, say)
+        except (PeerError, RuntimeError) as exc:  # a server that did not start or answer: named, no traceback
+            raise SystemExit(f"bench serve --peer: {exc}") from exc
         finally:
             if peer is not None:
                 say("stopping transformers serve ...")

@@ -254,3 +254,5 @@ def test_bad_settings_are_refused_before_any_server_starts():
         run_peer_bench(PeerParams(system_tokens=500), verbose=False)  # 500 + 16 + 32 + 1 > 512 positions
     with pytest.raises(SystemExit, match="--concurrency"):
         run_peer_bench(PeerParams(concurrencies=(0,)), verbose=False)
+    with pytest.raises(SystemExit, match="--rounds: must be >= 1"):
+        run_peer_bench(PeerParams(rounds=0), verbose=False)
