@@ -246,7 +246,9 @@ class ServeParams:
     def from_args(cls, args) -> ServeParams:
         chart = args.chart or (str(Path(args.out).with_suffix(".png")) if args.out else None)
         return cls(target=args.target, concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
-                   max_tokens=args.max_tokens, requests_per_stream=args.requests_per_stream, model_dir=args.model,
+                   max_tokens=args.max_tokens,
+                   requests_per_stream=2 if args.requests_per_stream is None else args.requests_per_stream,
+                   model_dir=args.model,
                    transports=tuple(args.transports.split(",")), reference=not args.no_reference,
                    chart=Path(chart) if chart else None, serve_args=tuple(args.serve_arg),
                    reference_threads=args.reference_threads)

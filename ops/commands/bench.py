@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "dispatch --context": Benchmark("context", "run_context_bench", "ContextParams", config=True),
     "dispatch-overhead": Benchmark("dispatch_overhead", "run_overhead_bench", "OverheadParams", verbose=False),
     "serve": Benchmark("serve", "run_serve_bench", "ServeParams"),
+    "serve --peer": Benchmark("peer", "run_peer_bench", "PeerParams"),
     "placement": Benchmark("placement", "run_placement_bench", "PlacementParams", verbose=False),
     "chunked": Benchmark("chunked", "run_chunked_bench", "ChunkedParams"),
     "prefix": Benchmark("prefix", "run_prefix_bench", "PrefixParams"),
@@ -75,7 +76,8 @@ def add_parser(sub) -> None:
                              "fresh server each (default: socket, what `auto` picks on the embedded Ray it starts)")
     serve_bench.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
     serve_bench.add_argument("--max-tokens", type=int, default=32)
-    serve_bench.add_argument("--requests-per-stream", type=int, default=2)
+    serve_bench.add_argument("--requests-per-stream", type=int, default=None,
+                             help="requests each stream sends in turn (default 2; with --peer 1)")
     serve_bench.add_argument("--no-reference", action="store_true",
                              help="skip the in-process transformers generate rate (and eta_serve)")
     serve_bench.add_argument("--reference-threads", type=int, default=None,
@@ -85,6 +87,21 @@ def add_parser(sub) -> None:
     serve_bench.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                              help="extra `expertmesh serve` argument for the started servers (repeatable), e.g. "
                                   "--serve-arg=--overlap")
+    peer = serve_bench.add_argument_group("--peer: against `transformers serve` on the same checkpoint "
+                                          "(ops/bench/peer.py)")
+    peer.add_argument("--peer", action="store_true",
+                      help="also start `transformers serve --continuous-batching` on the same checkpoint and drive "
+                           "both over OpenAI /v1/completions with one client, in alternating rounds")
+    peer.add_argument("--rounds", type=int, default=3, help="alternating rounds (both servers at every level)")
+    peer.add_argument("--workloads", default="distinct,shared",
+                      help="comma-separated: distinct (own short prompts, non-streamed), shared (a long shared "
+                           "system prompt + short suffixes, streamed: time to first token), long (as shared in "
+                           "length, every prompt unseen)")
+    peer.add_argument("--prompt-tokens", type=int, default=16, help="the distinct workload's prompt tokens")
+    peer.add_argument("--system-tokens", type=int, default=400, help="the shared system prompt's tokens")
+    peer.add_argument("--suffix-tokens", type=int, default=16, help="each shared-workload request's own tokens")
+    peer.add_argument("--peer-arg", action="append", default=[], metavar="ARG",
+                      help="extra `transformers serve` argument (repeatable), e.g. --peer-arg=--cb-num-blocks=130")
     _output_flags(serve_bench)
     placement_bench = bench_sub.add_parser("placement", help="placement planner vs greedy replicate-then-pack")
     placement_bench.add_argument("--seed", type=int, default=0)
@@ -172,7 +189,11 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..bench.common import write_report
 
-    name = "dispatch --context" if args.bench == "dispatch" and args.context is not None else args.bench
+    name = args.bench
+    if args.bench == "dispatch" and args.context is not None:
+        name = "dispatch --context"
+    elif args.bench == "serve" and args.peer:
+        name = "serve --peer"
     bench = BENCHMARKS[name]
     module = importlib.import_module(f"{__package__.rpartition('.')[0]}.bench.{bench.module}")
     kwargs: dict = {}

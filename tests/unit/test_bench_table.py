@@ -21,7 +21,7 @@ def test_every_row_names_a_module_entry_and_parameters_that_the_flags_build():
     for name, bench in BENCHMARKS.items():
         module = importlib.import_module(f"expertmesh.ops.bench.{bench.module}")
         assert callable(getattr(module, bench.entry)), name
-        argv = ["bench", "dispatch", "--context", "64"] if name == "dispatch --context" else ["bench", name]
+        argv = ["bench", "dispatch", "--context", "64"] if name == "dispatch --context" else ["bench", *name.split()]
         params = getattr(module, bench.params).from_args(parser.parse_args(argv))
         assert dataclasses.is_dataclass(params), name
         # The flags' defaults are the parameters' defaults: the CLI and a test's params object run the same thing.

@@ -125,6 +125,10 @@ PURE_MODULES = (
     "expertmesh.cluster.cost_model",  # per-layer decode latency and the overlap choice
     "expertmesh.cluster.cost_calibration",  # the CPU profile fitted from bench dispatch JSON
     "expertmesh.cluster.cost_report",  # prediction tables, published anchors, targets
+    # bench serve --peer: workloads, schedule and summaries; the neutral client; the transformers serve launcher
+    "expertmesh.ops.bench.peer_plan",
+    "expertmesh.ops.bench.openai_load",
+    "expertmesh.ops.bench.peer_server",
     "expertmesh.cluster.overlap_policy",  # router.overlap auto, per step
     "expertmesh.cluster.actor_slots",
     "expertmesh.cluster.autoscale",
