@@ -37,7 +37,7 @@ import torch
 from .block_allocator import BlockAllocator, OutOfBlocks, blocks_for
 from .device_rule import tensor_on
 from .prefix_cache import block_keys, reusable_blocks, root_key
-from .state_cache import StatePool, StateShapes, state_bytes_per_sequence
+from .state_cache import OutOfStateSlots, StatePool, StateShapes, state_bytes_per_sequence
 
 __all__ = ["KVCache", "PagedKVPool", "KVCacheSettings", "OutOfBlocks", "DEFAULT_CPU_KV_BYTES", "PrefixHit",
            "blocks_for", "settings_for"]
@@ -63,23 +63,25 @@ class KVCacheSettings:
 
 
 def settings_for(device: torch.device | str, kv_cache_gb: float | None, gpu_memory_utilization: float,
-                 block_size: int = 16, prefix_caching: bool = True) -> KVCacheSettings:
+                 block_size: int = 16, prefix_caching: bool = True, state_slots: int | None = None) -> KVCacheSettings:
     """The pool's size on `device` (README: Paged KV cache): kv_cache_gb when given (exactly, no token cap); else on
     CUDA what keeps the process within gpu_memory_utilization of the GPU's memory (call it after the weights are
     loaded: free now - (1 - utilization) × total); else DEFAULT_CPU_KV_BYTES capped at DEFAULT_MAX_SEQUENCES full
-    contexts."""
+    contexts. state_slots: sequences that can hold a linear-attention state at once (their bytes come out of the
+    budget; None: DEFAULT_MAX_SEQUENCES)."""
     device = torch.device(device)
     if kv_cache_gb is not None:
         return KVCacheSettings(block_size, int(kv_cache_gb * (1 << 30)), max_tokens=1 << 62,
-                               prefix_caching=prefix_caching)
+                               prefix_caching=prefix_caching, state_slots=state_slots)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - (1.0 - gpu_memory_utilization) * total)
         if budget <= 0:
             raise ValueError(f"gpu_memory_utilization: {gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves "
                              f"nothing for the KV cache ({free / 2**30:.1f} GiB free after the weights)")
-        return KVCacheSettings(block_size, budget, max_tokens=1 << 62, prefix_caching=prefix_caching)
-    return KVCacheSettings(block_size, prefix_caching=prefix_caching)
+        return KVCacheSettings(block_size, budget, max_tokens=1 << 62, prefix_caching=prefix_caching,
+                               state_slots=state_slots)
+    return KVCacheSettings(block_size, prefix_caching=prefix_caching, state_slots=state_slots)
 
 
 class PagedKVPool:
@@ -273,7 +275,7 @@ class KVCache:
         need = self.blocks_needed(new_tokens)
         take_state = new_tokens > 0 and self.needs_state()
         if take_state and self.pool.states.num_free == 0:
-            raise OutOfBlocks(f"state cache: all {self.pool.states.slots} sequence slots are in use")
+            raise OutOfStateSlots(self.pool.states.slots)
         if need:
             self.blocks.extend(self.pool.allocate(need))
         if take_state:

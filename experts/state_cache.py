@@ -21,6 +21,16 @@ import torch
 
 from .block_allocator import OutOfBlocks
 
+
+class OutOfStateSlots(OutOfBlocks):
+    """Every state slot is held; nothing was allocated (an OutOfBlocks, so callers that wait for room treat both
+    alike)."""
+
+    def __init__(self, slots: int):
+        RuntimeError.__init__(self, f"state cache: all {slots} sequence slots are in use")
+        self.wanted, self.free = 1, 0
+
+
 StateShapes = dict[str, tuple[int, ...]]  # state name -> per-sequence shape ("conv", "recurrent")
 FLOAT32_STATES = ("recurrent",)  # kept in at least float32 whatever the model dtype
 
@@ -61,7 +71,7 @@ class StatePool:
     def allocate(self) -> int:
         """A free slot, zeroed (a sequence's state starts at zero); OutOfBlocks when none is free."""
         if not self._free:
-            raise OutOfBlocks(f"state cache: all {self.slots} sequence slots are in use")
+            raise OutOfStateSlots(self.slots)
         slot = self._free.pop()
         for layer in self.storage:
             for t in layer.values():
