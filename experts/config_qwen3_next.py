@@ -57,6 +57,12 @@ class GatedDeltaDims:
         """Channels of the conv1d: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
 
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one sequence's state in one layer: the conv state at the model dtype, the recurrent state at
+        float32 (or wider, for a float64 model)."""
+        return (self.conv_dim * (self.conv_kernel - 1) * dtype_bytes
+                + self.num_v_heads * self.k_head_dim * self.v_head_dim * max(4, dtype_bytes))
+
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """What one sequence keeps per layer: the conv inputs (model dtype) and the recurrent matrix (float32)."""
         return {"conv": (self.conv_dim, self.conv_kernel - 1),
