@@ -120,18 +120,21 @@ class PagedKVPool:
         """A pool within settings.budget_bytes (default DEFAULT_CPU_KV_BYTES) and settings.max_tokens (default
         DEFAULT_MAX_SEQUENCES full contexts); at least one block. identity: what names the model (its config) in
         the prefix-cache keys, with the dtype, block size and specs. state_shapes: per layer, the linear-attention
-        states of one sequence (experts/state_cache.py); their settings.state_slots copies are taken from the
-        budget first, and prefix caching is off."""
+        states of one sequence (experts/state_cache.py); their settings.state_slots copies (at most half the budget)
+        are taken from the budget first, and prefix caching is off."""
         per_token = cls.bytes_per_token(specs, dtype)
         budget = DEFAULT_CPU_KV_BYTES if settings.budget_bytes is None else settings.budget_bytes
         states = None
         if state_shapes and any(state_shapes):
-            slots = settings.state_slots or DEFAULT_MAX_SEQUENCES
-            state_bytes = slots * state_bytes_per_sequence(state_shapes, dtype)
-            if state_bytes >= budget:
-                raise ValueError(f"kv cache: {slots} sequences' linear-attention states take "
-                                 f"{state_bytes / 2**30:.2f} GiB, more than the {budget / 2**30:.2f} GiB budget")
-            budget -= state_bytes
+            per_sequence = state_bytes_per_sequence(state_shapes, dtype)
+            if 2 * per_sequence > budget:
+                raise ValueError(f"kv cache: one sequence's linear-attention state takes "
+                                 f"{per_sequence / 2**20:.1f} MiB, more than half the {budget / 2**20:.1f} MiB "
+                                 "budget (router.kv_cache_gb / gpu_memory_utilization)")
+            # At most half the budget goes to states: fewer slots than asked (fewer sequences at once, admission
+            # waits) rather than no room left for the attention layers' blocks.
+            slots = min(settings.state_slots or DEFAULT_MAX_SEQUENCES, budget // 2 // per_sequence)
+            budget -= slots * per_sequence
             states = StatePool(state_shapes, slots, dtype, device)
         cap = DEFAULT_MAX_SEQUENCES * context if settings.max_tokens is None else settings.max_tokens
         by_budget = budget // max(1, per_token * settings.block_size)

@@ -70,7 +70,10 @@ def test_plan_takes_the_slots_out_of_the_budget_and_turns_prefix_caching_off():
     assert pool.states.slots == 3 and pool.num_blocks == 100 and pool.prefix_root is None
     plain = PagedKVPool.plan(specs, torch.float32, "cpu", 1 << 20, KVCacheSettings(4, budget, max_tokens=1 << 40))
     assert plain.states is None and plain.prefix_root is not None and plain.num_blocks > 100
-    with pytest.raises(ValueError, match="linear-attention states"):
+    few = PagedKVPool.plan(specs, torch.float32, "cpu", 1 << 20,  # 3 asked, room for 2 in half the budget
+                           KVCacheSettings(4, 5 * per_seq, max_tokens=1 << 40, state_slots=3), state_shapes=SHAPES)
+    assert few.states.slots == 2 and few.num_blocks == 3 * per_seq // (4 * 8 * 4)
+    with pytest.raises(ValueError, match="linear-attention state"):
         PagedKVPool.plan(specs, torch.float32, "cpu", 1 << 20,
                          KVCacheSettings(4, per_seq, max_tokens=1 << 40, state_slots=3), state_shapes=SHAPES)
 
