@@ -52,6 +52,7 @@ class ModelMemory:
     moe_layers: int
     experts: int
     kv_bytes_per_token: int  # all layers
+    state_bytes_per_sequence: int = 0  # linear-attention layers' conv + recurrent state (Qwen3-Next, Qwen3.5)
 
     @property
     def expert_bytes(self) -> int:
@@ -71,17 +72,27 @@ def model_memory(cfg: MoEModelConfig, dtype: str) -> ModelMemory:
     dense = sum(numel(shape) for shape in dense_tensor_names(cfg).values())
     shard = sum(numel(shape) for shape in expert_shard_names(cfg, [(cfg.moe_layers[0], 0)]).values())
     return ModelMemory(dense * size, shard * size, len(cfg.moe_layers), cfg.num_experts,
-                       kv_bytes_per_token(cfg, dtype))
+                       kv_bytes_per_token(cfg, dtype), state_bytes_per_sequence(cfg, dtype))
+
+
+def state_bytes_per_sequence(cfg: MoEModelConfig, dtype: str) -> int:
+    """What one sequence's linear-attention state takes over all its linear layers (experts/state_cache.py); it is
+    a fixed size whatever the sequence's length, and comes out of the router's KV cache budget."""
+    if not cfg.linear_layers:
+        return 0
+    return len(cfg.linear_layers) * cfg.gated_delta.state_bytes(DTYPE_BYTES[dtype])
 
 
 def kv_bytes_per_token(cfg: MoEModelConfig, dtype: str) -> int:
     """What one token stores in the KV cache over all layers: keys and values (GQA; MiMo-V2-Flash: per layer its own
-    KV heads, values v_head_dim wide), or MLA's latent + rope key."""
+    KV heads, values v_head_dim wide), or MLA's latent + rope key. Linear-attention layers store nothing per token
+    (their state is per sequence: state_bytes_per_sequence)."""
     size = DTYPE_BYTES[dtype]
     if cfg.attention_kind == "mla":
         return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
     v_dim = cfg.v_head_dim or cfg.head_dim
-    return sum(cfg.kv_heads(i) * (cfg.head_dim + v_dim) for i in range(cfg.num_layers)) * size
+    return sum(cfg.kv_heads(i) * (cfg.head_dim + v_dim) for i in range(cfg.num_layers)
+               if not cfg.is_linear_layer(i)) * size
 
 
 def slots_per_gpu(gpu_bytes: int, shard_bytes: int, layers: int, utilization: float = 0.9,

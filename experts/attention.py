@@ -107,5 +107,13 @@ def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> Att
         from .attention_llama4 import Llama4Attention
 
         return Llama4Attention(cfg, w, layer)
+    if cfg.is_linear_layer(layer):  # Qwen3-Next / Qwen3.5: a Gated DeltaNet, a state instead of a KV history
+        from .gated_delta import GatedDeltaNet
+
+        return GatedDeltaNet(cfg, w)
+    if cfg.attn_output_gate:  # Qwen3-Next / Qwen3.5 full attention: sigmoid output gate, zero-centred q/k norm
+        from .attention_qwen3_next import GatedAttention
+
+        return GatedAttention(cfg, w)
     window = cfg.sliding_window if layer in cfg.sliding_layers else None
     return GQAAttention(cfg, w, window)

@@ -34,6 +34,10 @@ from .config_minimax_m2 import ARCHITECTURES as _MINIMAX_ARCHITECTURES
 from .config_minimax_m2 import MODEL_TYPES as _MINIMAX_MODEL_TYPES
 from .config_minimax_m2 import minimax_m2_fields
 from .config_minimax_m2 import normalise as _minimax_normalise
+from .config_qwen3_next import ARCHITECTURES as _QWEN3_NEXT_ARCHITECTURES
+from .config_qwen3_next import MODEL_TYPES as _QWEN3_NEXT_MODEL_TYPES
+from .config_qwen3_next import GatedDeltaDims, qwen3_5_moe_family_fields, qwen3_next_family_fields
+from .config_qwen3_next import normalise as _qwen3_next_normalise
 from .errors import CheckpointError
 
 # HF architecture name -> our family name.
@@ -44,10 +48,10 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
 } | _DEEPSEEK_ARCHITECTURES | _MINIMAX_ARCHITECTURES | _ERNIE_ARCHITECTURES | _HUNYUAN_ARCHITECTURES \
-    | _LLAMA4_ARCHITECTURES | _MIMO_ARCHITECTURES
+    | _LLAMA4_ARCHITECTURES | _MIMO_ARCHITECTURES | _QWEN3_NEXT_ARCHITECTURES
 MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "qwen3_moe": "qwen3_moe",
                "gpt_oss": "gpt_oss"} | _DEEPSEEK_MODEL_TYPES | _MINIMAX_MODEL_TYPES | _ERNIE_MODEL_TYPES \
-    | _HUNYUAN_MODEL_TYPES | _LLAMA4_MODEL_TYPES | _MIMO_MODEL_TYPES
+    | _HUNYUAN_MODEL_TYPES | _LLAMA4_MODEL_TYPES | _MIMO_MODEL_TYPES | _QWEN3_NEXT_MODEL_TYPES
 # Families parsed in their own module (experts/config_<family>.py): family -> (normalise, fields). normalise maps the
 # family's key names onto the common ones; fields returns the MoEModelConfig arguments beyond the common ones,
 # RoPE included (the common rope parsing is skipped for them).
@@ -57,6 +61,8 @@ OWN_FAMILIES = {
     "hunyuan_v1_moe": (_hunyuan_normalise, hunyuan_v1_moe_fields),
     "llama4": (_llama4_normalise, llama4_fields),
     "mimo_v2_flash": (_mimo_normalise, mimo_v2_flash_fields),
+    "qwen3_next": (_qwen3_next_normalise, qwen3_next_family_fields),
+    "qwen3_5_moe": (_qwen3_next_normalise, qwen3_5_moe_family_fields),
 }
 _OWN_ROPE = (*_DEEPSEEK_FAMILIES, *OWN_FAMILIES)
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
@@ -120,7 +126,9 @@ class MoEModelConfig:
     router_norm_min: float = 0.0  # ERNIE ("softmax_biased"): the top-k weights are divided by max(sum, this)
     qk_norm_after_rope: bool = False  # Hunyuan: the per-head q/k RMSNorm runs after RoPE, not before
     # ---- Llama 4 (experts/config_llama4.py; router_kind "sigmoid_input": the score scales the expert input) ----
-    weight_prefix: str = ""  # before every tensor name: "language_model." in the multimodal wrapper checkpoint
+    # Llama 4: before every tensor name ("language_model." in the multimodal wrapper checkpoint); Qwen3-Next /
+    # Qwen3.5: the text model's prefix ("model.", or "model.language_model." in the VL wrapper; lm_head has none)
+    weight_prefix: str = ""
     nope_layers: tuple[int, ...] = ()  # layers without RoPE (Llama 4's global layers)
     chunked_layers: tuple[int, ...] = ()  # layers whose queries see only the keys of their own chunk ...
     attention_chunk_size: int | None = None  # ... of this many tokens (positions c*size .. (c+1)*size - 1)
@@ -131,6 +139,11 @@ class MoEModelConfig:
     sliding_rope_theta: float | None = None  # the sliding layers' RoPE base (None: rope_theta)
     sliding_kv_heads: int = 0  # the sliding layers' KV heads (0: num_kv_heads); the full layers have num_kv_heads
     attention_value_scale: float = 1.0  # values are multiplied by this before they are cached
+    # ---- Qwen3-Next / Qwen3.5-MoE (experts/config_qwen3_next.py; also rotary_dim, qk_norm_per_head) ----
+    linear_layers: tuple[int, ...] = ()  # Gated DeltaNet layers: a per-sequence state instead of a KV history
+    gated_delta: GatedDeltaDims | None = None  # their shape
+    norm_unit_offset: bool = False  # RMSNorm weights stored as offsets from 1: x_normed * (1 + w)
+    attn_output_gate: bool = False  # q_proj packs a per-head sigmoid gate on the attention output
     # ---- end DeepSeek-V2/V3 and GLM-4.5 ------------------------------------------------------------------------
     # ---- Qwen3-MoE and gpt-oss (issue 13 items 2-3; they also use qk_norm_per_head, yarn, router_kind) ----
     attention_sinks: bool = False  # gpt-oss: a learned per-head extra logit in the attention softmax
@@ -145,13 +158,18 @@ class MoEModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether layer `layer` is a Gated DeltaNet (no KV cache; a per-sequence state, experts/state_cache.py)."""
+        return layer in self.linear_layers
+
     def kv_heads(self, layer: int) -> int:
         """The KV heads of GQA layer `layer` (MiMo-V2-Flash's sliding layers have more than its full ones)."""
         return self.sliding_kv_heads if self.sliding_kv_heads and layer in self.sliding_layers else self.num_kv_heads
 
     @property
     def has_shared_expert(self) -> bool:
-        return (self.family in ("qwen2_moe", *_DEEPSEEK_FAMILIES, "ernie4_5_moe", "hunyuan_v1_moe", "llama4")
+        return (self.family in ("qwen2_moe", *_DEEPSEEK_FAMILIES, "ernie4_5_moe", "hunyuan_v1_moe", "llama4",
+                                "qwen3_next", "qwen3_5_moe")
                 and self.shared_expert_intermediate_size > 0)
 
     def expert_param_count(self) -> int:

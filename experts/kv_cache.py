@@ -37,6 +37,7 @@ import torch
 from .block_allocator import BlockAllocator, OutOfBlocks, blocks_for
 from .device_rule import tensor_on
 from .prefix_cache import block_keys, reusable_blocks, root_key
+from .state_cache import OutOfStateSlots, StatePool, StateShapes, state_bytes_per_sequence
 
 __all__ = ["KVCache", "PagedKVPool", "KVCacheSettings", "OutOfBlocks", "DEFAULT_CPU_KV_BYTES", "PrefixHit",
            "blocks_for", "settings_for"]
@@ -56,35 +57,43 @@ class KVCacheSettings:
     budget_bytes: int | None = None
     max_tokens: int | None = None
     prefix_caching: bool = True  # share full blocks between sequences by content (README: Prefix caching)
+    # Linear-attention models (experts/state_cache.py): sequences that can hold a state at once; None:
+    # DEFAULT_MAX_SEQUENCES. Their bytes come out of budget_bytes.
+    state_slots: int | None = None
 
 
 def settings_for(device: torch.device | str, kv_cache_gb: float | None, gpu_memory_utilization: float,
-                 block_size: int = 16, prefix_caching: bool = True) -> KVCacheSettings:
+                 block_size: int = 16, prefix_caching: bool = True, state_slots: int | None = None) -> KVCacheSettings:
     """The pool's size on `device` (README: Paged KV cache): kv_cache_gb when given (exactly, no token cap); else on
     CUDA what keeps the process within gpu_memory_utilization of the GPU's memory (call it after the weights are
     loaded: free now - (1 - utilization) × total); else DEFAULT_CPU_KV_BYTES capped at DEFAULT_MAX_SEQUENCES full
-    contexts."""
+    contexts. state_slots: sequences that can hold a linear-attention state at once (their bytes come out of the
+    budget; None: DEFAULT_MAX_SEQUENCES)."""
     device = torch.device(device)
     if kv_cache_gb is not None:
         return KVCacheSettings(block_size, int(kv_cache_gb * (1 << 30)), max_tokens=1 << 62,
-                               prefix_caching=prefix_caching)
+                               prefix_caching=prefix_caching, state_slots=state_slots)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - (1.0 - gpu_memory_utilization) * total)
         if budget <= 0:
             raise ValueError(f"gpu_memory_utilization: {gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves "
                              f"nothing for the KV cache ({free / 2**30:.1f} GiB free after the weights)")
-        return KVCacheSettings(block_size, budget, max_tokens=1 << 62, prefix_caching=prefix_caching)
-    return KVCacheSettings(block_size, prefix_caching=prefix_caching)
+        return KVCacheSettings(block_size, budget, max_tokens=1 << 62, prefix_caching=prefix_caching,
+                               state_slots=state_slots)
+    return KVCacheSettings(block_size, prefix_caching=prefix_caching, state_slots=state_slots)
 
 
 class PagedKVPool:
     def __init__(self, specs: list[CacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", prefix_root: bytes | None = None):
+                 device: torch.device | str = "cpu", prefix_root: bytes | None = None,
+                 states: StatePool | None = None):
         """specs: per layer, what one token stores. Allocates [num_blocks, block_size, *shape] per layer and entry.
         prefix_root: the root of the blocks' hash chain (experts/prefix_cache.py root_key); None: no prefix
-        caching (no block is ever shared)."""
+        caching (no block is ever shared). states: the linear-attention layers' per-sequence states, or None."""
         assert block_size >= 1 and num_blocks >= 1, (block_size, num_blocks)
+        assert states is None or prefix_root is None, "prefix caching cannot restore a linear layer's state"
+        self.states = states
         self.specs = specs
         self.prefix_root = prefix_root
         self.block_size = block_size
@@ -106,17 +115,33 @@ class PagedKVPool:
 
     @classmethod
     def plan(cls, specs: list[CacheSpec], dtype: torch.dtype, device: torch.device | str, context: int,
-             settings: KVCacheSettings = KVCacheSettings(), identity: object = None) -> PagedKVPool:
+             settings: KVCacheSettings = KVCacheSettings(), identity: object = None,
+             state_shapes: list[StateShapes] | None = None) -> PagedKVPool:
         """A pool within settings.budget_bytes (default DEFAULT_CPU_KV_BYTES) and settings.max_tokens (default
         DEFAULT_MAX_SEQUENCES full contexts); at least one block. identity: what names the model (its config) in
-        the prefix-cache keys, with the dtype, block size and specs."""
+        the prefix-cache keys, with the dtype, block size and specs. state_shapes: per layer, the linear-attention
+        states of one sequence (experts/state_cache.py); their settings.state_slots copies (at most half the budget)
+        are taken from the budget first, and prefix caching is off."""
         per_token = cls.bytes_per_token(specs, dtype)
         budget = DEFAULT_CPU_KV_BYTES if settings.budget_bytes is None else settings.budget_bytes
+        states = None
+        if state_shapes and any(state_shapes):
+            per_sequence = state_bytes_per_sequence(state_shapes, dtype)
+            if 2 * per_sequence > budget:
+                raise ValueError(f"kv cache: one sequence's linear-attention state takes "
+                                 f"{per_sequence / 2**20:.1f} MiB, more than half the {budget / 2**20:.1f} MiB "
+                                 "budget (router.kv_cache_gb / gpu_memory_utilization)")
+            # At most half the budget goes to states: fewer slots than asked (fewer sequences at once, admission
+            # waits) rather than no room left for the attention layers' blocks.
+            slots = min(settings.state_slots or DEFAULT_MAX_SEQUENCES, budget // 2 // per_sequence)
+            budget -= slots * per_sequence
+            states = StatePool(state_shapes, slots, dtype, device)
         cap = DEFAULT_MAX_SEQUENCES * context if settings.max_tokens is None else settings.max_tokens
         by_budget = budget // max(1, per_token * settings.block_size)
         num_blocks = max(1, min(by_budget, blocks_for(cap, settings.block_size)))
-        root = (root_key(identity, str(dtype), settings.block_size, specs) if settings.prefix_caching else None)
-        return cls(specs, num_blocks, settings.block_size, dtype, device, prefix_root=root)
+        prefix = settings.prefix_caching and states is None
+        root = root_key(identity, str(dtype), settings.block_size, specs) if prefix else None
+        return cls(specs, num_blocks, settings.block_size, dtype, device, prefix_root=root, states=states)
 
     @property
     def num_blocks(self) -> int:
@@ -225,8 +250,10 @@ class KVCache:
         # False once a step computed this sequence's tokens with moved or dropped expert slots (degrade, shedding,
         # capacity): from then on its blocks hold what a normal run would not, so none is registered.
         self.shareable = pool.prefix_root is not None
+        # The linear layers' state slot (experts/state_cache.py): [] or [slot], a list the finalizer holds.
+        self.state_slots: list[int] = []
         # A cache dropped without free() (a caller's loop that just lets go of it) still returns its blocks.
-        weakref.finalize(self, _release, pool.allocator, self.blocks)
+        weakref.finalize(self, _release, pool.allocator, self.blocks, pool.states, self.state_slots)
 
     @property
     def capacity(self) -> int:
@@ -236,16 +263,31 @@ class KVCache:
         """Blocks to allocate before `new_tokens` more tokens fit."""
         return max(0, blocks_for(self.length + new_tokens, self.pool.block_size) - len(self.blocks))
 
+    @property
+    def state_slot(self) -> int | None:
+        """The slot of this sequence's linear-attention state, None before its first tokens (or without one)."""
+        return self.state_slots[0] if self.state_slots else None
+
+    def needs_state(self) -> bool:
+        """Whether the next `reserve` takes a state slot (a linear-attention model's sequence that has none)."""
+        return self.pool.states is not None and not self.state_slots
+
     def reserve(self, new_tokens: int) -> None:
-        """Make room for `new_tokens` more tokens (OutOfBlocks, allocating nothing, when the pool cannot)."""
+        """Make room for `new_tokens` more tokens, and take a state slot with the first ones where the model has
+        linear layers (OutOfBlocks, allocating nothing, when the pool cannot)."""
         need = self.blocks_needed(new_tokens)
+        take_state = new_tokens > 0 and self.needs_state()
+        if take_state and self.pool.states.num_free == 0:
+            raise OutOfStateSlots(self.pool.states.slots)
         if need:
             self.blocks.extend(self.pool.allocate(need))
+        if take_state:
+            self.state_slots.append(self.pool.states.allocate())
 
     def free(self) -> None:
         """Return every block to the pool (registered ones stay cached); the cache is empty (length 0) and
         reusable."""
-        _release(self.pool.allocator, self.blocks)
+        _release(self.pool.allocator, self.blocks, self.pool.states, self.state_slots)
         self.length = 0
         self.keys = []
         self.shareable = self.pool.prefix_root is not None
@@ -302,7 +344,12 @@ class KVCache:
         return {name: t[0, :self.length].clone() for name, t in self.pool.gather(layer, table, "read").items()}
 
 
-def _release(allocator: BlockAllocator, blocks: list[int]) -> None:
+def _release(allocator: BlockAllocator, blocks: list[int], states: StatePool | None = None,
+             slots: list[int] | None = None) -> None:
     if blocks:
         allocator.free(blocks)
         blocks.clear()
+    if slots:
+        for slot in slots:
+            states.release(slot)
+        slots.clear()

@@ -35,7 +35,7 @@ from .device_rule import tensor_on, to_device
 from .ffn import activation, gated_mlp
 from .gating import Routing, concat_routings, route_for_model
 from .kv_cache import KVCache, KVCacheSettings, PagedKVPool
-from .norms import rms_norm
+from .norms import rms_norm, rms_norm_unit_offset
 from .rope import build_rope
 
 __all__ = ["ExpertBackend", "KVCache", "MoEDecoder", "StepTrace", "rms_norm"]
@@ -113,6 +113,8 @@ class MoEDecoder:
         self.capacity_factor = capacity_factor
         self.overlap = overlap  # ping-pong two micro-batches when the step (and the policy) and the backend allow it
         self.act = activation(cfg.hidden_act)
+        # Qwen3-Next / Qwen3.5 store their RMSNorm weights as offsets from 1
+        self._norm_fn = rms_norm_unit_offset if cfg.norm_unit_offset else rms_norm
         # Everything the decoder makes per step (positions, RoPE tables, masks) lives where its weights do.
         self.rope = build_rope(cfg, device=self.device)
         self.attention: list[AttentionLayer] = [
@@ -126,7 +128,7 @@ class MoEDecoder:
         # The config names the model in the prefix-cache keys (with dtype, block size, cache layout): a pool is this
         # decoder's alone, so this only guards against a pool ever being shared.
         self.kv_pool = PagedKVPool.plan(self.cache_specs(), self.dtype, self.device, cfg.max_position_embeddings,
-                                        kv_cache or KVCacheSettings(), identity=cfg)
+                                        kv_cache or KVCacheSettings(), identity=cfg, state_shapes=self.state_shapes())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -139,6 +141,15 @@ class MoEDecoder:
     def cache_specs(self) -> list[dict[str, tuple[int, ...]]]:
         """Per layer, what one token stores in the KV cache (its attention layer's cache_spec)."""
         return [dict(attn.cache_spec) for attn in self.attention]
+
+    def state_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per layer, the per-sequence state of a linear-attention layer (experts/state_cache.py); {} elsewhere."""
+        return [self.cfg.gated_delta.state_shapes() if self.cfg.is_linear_layer(i) else {}
+                for i in range(self.cfg.num_layers)]
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The family's RMSNorm of x [..., H] with `weight` [H]."""
+        return self._norm_fn(x, weight, self.cfg.rms_norm_eps)
 
     def new_cache(self) -> KVCache:
         """An empty sequence in the paged pool; it takes blocks as tokens arrive and gives them back on `free()`
@@ -205,7 +216,7 @@ class MoEDecoder:
                 counts.append(len(take))
                 offset += n
             x = x[tensor_on(picked, torch.int64, x.device)]  # [R, H]
-        x = rms_norm(x, self.w.final_norm, self.cfg.rms_norm_eps)
+        x = self.norm(x, self.w.final_norm)
         out = F.linear(x, self.w.lm_head).float()  # [R, V]
         if self.profile is not None:
             self.profile.since("model.lm_head", started)
@@ -277,9 +288,9 @@ class MoEDecoder:
         """Group g's dense part of layer i: attention, and either the dense MLP (a layer without experts: done,
         returns None) or the gate -> (h [T_g, H], routing) for the expert round."""
         cfg = self.cfg
-        h = rms_norm(g.x, layer.input_norm, cfg.rms_norm_eps)  # [T_g, H]
+        h = self.norm(g.x, layer.input_norm)  # [T_g, H]
         g.x = g.x + self._attention(i, h, g)
-        h = rms_norm(g.x, layer.post_attention_norm, cfg.rms_norm_eps)
+        h = self.norm(g.x, layer.post_attention_norm)
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
             return None
@@ -331,6 +342,11 @@ class MoEDecoder:
         """Layer `layer`'s attention for group g: project, write the new tokens to the paged cache, attend (decode
         rows in one call, prefill rows in another; attention_core.attend). h: [T_g, H]."""
         attn = self.attention[layer]
+        if getattr(attn, "is_linear", False):  # Gated DeltaNet: each sequence's state, no KV history
+            if g.caches is None:
+                return attn.forward(h, g.lengths, None, None)
+            states = self.kv_pool.states.views(layer, [c.state_slot for c in g.caches])
+            return attn.forward(h, g.lengths, states["conv"], states["recurrent"])
         if getattr(attn, "wants_positions", False):  # Llama 4: a query scale by position on its NoPE layers
             q, new = attn.project(h, g.cos, g.sin, g.positions)
         else:

@@ -44,6 +44,8 @@ from .weights_mimo_v2_flash import FAMILIES as MIMO_FAMILIES
 from .weights_mimo_v2_flash import load_mimo_dense_weights, mimo_dense_tensor_names
 from .weights_minimax_ernie_hunyuan import FAMILIES as SELECTION_BIAS_FAMILIES
 from .weights_minimax_ernie_hunyuan import family_dense_tensor_names, load_family_dense_weights
+from .weights_qwen3_next import FAMILIES as QWEN3_NEXT_FAMILIES
+from .weights_qwen3_next import load_qwen3_next_dense_weights, qwen3_next_dense_tensor_names, qwen3_next_expert_prefix
 
 Shard = tuple[int, int]  # (layer, expert)
 
@@ -70,6 +72,8 @@ def fused_expert_prefix(layer: int, cfg: MoEModelConfig | None = None) -> str:
     """Where transformers 5 keeps a layer's stacked experts (every family, Mixtral included; Llama 4 its own)."""
     if cfg is not None and cfg.family in LLAMA4_FAMILIES:
         return llama4_expert_prefix(cfg, layer)
+    if cfg is not None and cfg.family in QWEN3_NEXT_FAMILIES:  # under the VL wrapper's model.language_model.
+        return qwen3_next_expert_prefix(cfg, layer)
     return f"model.layers.{layer}.mlp.experts."
 
 
@@ -282,7 +286,9 @@ DENSE_FAMILIES: dict[str, DenseFamily] = {
     for family in DEEPSEEK_FAMILIES
 } | {family: DenseFamily(family_dense_tensor_names, load_family_dense_weights) for family in SELECTION_BIAS_FAMILIES} \
     | {family: DenseFamily(llama4_dense_tensor_names, load_llama4_dense_weights) for family in LLAMA4_FAMILIES} \
-    | {family: DenseFamily(mimo_dense_tensor_names, load_mimo_dense_weights) for family in MIMO_FAMILIES}
+    | {family: DenseFamily(mimo_dense_tensor_names, load_mimo_dense_weights) for family in MIMO_FAMILIES} \
+    | {family: DenseFamily(qwen3_next_dense_tensor_names, load_qwen3_next_dense_weights)
+       for family in QWEN3_NEXT_FAMILIES}
 
 
 def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:

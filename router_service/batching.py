@@ -9,7 +9,9 @@ Memory is the paged KV cache (experts/kv_cache.py): a waiting request is admitte
 decode step needs a block and none is free, the youngest running sequence is preempted: its blocks are freed and it
 goes back to the head of the queue, to be recomputed later from its prompt + the tokens it already generated (same
 tokens: the recompute's logits are the ones its next decode step would have had). A request that could never fit
-the cache is refused (RequestError naming the field and the limit).
+the cache is refused (RequestError naming the field and the limit). Models with linear-attention layers (Qwen3-Next,
+Qwen3.5) also need a free state slot to admit a sequence (experts/state_cache.py); preemption frees it with the
+blocks, and the recompute rebuilds the state.
 
 Prefix caching (README: Prefix caching): at admission a sequence starts from the cached blocks of its longest cached
 prefix and feeds only the rest (at least its last token, whose logits it needs), so a repeated system prompt is not
@@ -373,6 +375,11 @@ class ContinuousBatcher:
                 need += pool.allocator.free_among(shared)
             headroom = sum(s.cache.blocks_needed(1) for s in self._active if s.next_input.numel() == 1)
             if need + headroom > pool.allocator.num_free:
+                break
+            # Linear-attention models: a sequence also needs a state slot (experts/state_cache.py), taken with its
+            # first tokens; running sequences keep theirs, so no preemption ever waits on a slot.
+            states = getattr(pool, "states", None)
+            if states is not None and seq.cache.needs_state() and states.num_free == 0:
                 break
             if hit is not None:
                 reused = seq.cache.adopt(hit) if shared else 0

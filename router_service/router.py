@@ -107,8 +107,10 @@ class Router:
                                    device=self.device)
         log.info("router: %s weights on %s, %d torch threads (model.dtype %s)", self.dtype_name, self.device,
                  torch.get_num_threads(), spec.dtype)
+        # A linear-attention model's state slots: one per sequence the batcher runs at once (experts/state_cache.py)
         kv_cache = settings_for(dense.embed.device, settings.kv_cache_gb, settings.gpu_memory_utilization,
-                                settings.kv_block_size, settings.prefix_caching)
+                                settings.kv_block_size, settings.prefix_caching,
+                                state_slots=settings.batcher.max_active)
         self.model = MoEDecoder(self.model_config, dense, self.backend, settings.capacity_factor,
                                 overlap=self._overlap_setting(settings, len(spec.actor_shards)), kv_cache=kv_cache)
         prefetch = config.experts.prefetch_mode(self.transport_name)

@@ -90,6 +90,9 @@ def _fit(args: argparse.Namespace) -> int:
                "shard_mib": round(mem.shard_bytes / (1 << 20), 2), "moe_layers": mem.moe_layers,
                "experts": mem.experts, "kv_kib_per_token": round(mem.kv_bytes_per_token / 1024, 1), "fits": rows,
                "disk_bytes": disk}
+    if mem.state_bytes_per_sequence:  # linear-attention layers: a fixed state per sequence, from the KV budget
+        summary["state_bytes_per_sequence"] = mem.state_bytes_per_sequence
+        summary["state_sequences_in_kv_budget"] = int(args.kv_cache_gb * GIB // mem.state_bytes_per_sequence)
     latency = None
     if args.latency:
         from ...cluster.cost_profiles import shape_from_config
@@ -103,7 +106,11 @@ def _fit(args: argparse.Namespace) -> int:
     print(f"{args.model} ({cfg.family}) in {args.dtype}: {summary['dense_gib'] + summary['experts_gib']:.1f} GiB = "
           f"dense {summary['dense_gib']:.1f} GiB + experts {summary['experts_gib']:.1f} GiB ({mem.moe_layers} MoE "
           f"layers x {mem.experts} experts x {summary['shard_mib']:.1f} MiB); KV cache "
-          f"{summary['kv_kib_per_token']:.0f} KiB/token; {args.replicas} replica(s) per expert, {args.routers} "
+          f"{summary['kv_kib_per_token']:.0f} KiB/token"
+          + (f" + linear-attention state {mem.state_bytes_per_sequence / (1 << 20):.1f} MiB/sequence "
+             f"({summary['state_sequences_in_kv_budget']} sequences' states fill the {args.kv_cache_gb:g} GiB "
+             "KV budget)" if mem.state_bytes_per_sequence else "")
+          + f"; {args.replicas} replica(s) per expert, {args.routers} "
           f"router replica(s) x {args.router_gpus:g} GPU"
           f"{f' on {args.router_node_type}' if args.router_node_type else ''}", file=out)
     header = f"{'node type':<22}{'GPU':>12}{'GiB':>7}{'slots':>7}{'expert GPUs':>13}{'router GPUs':>13}" \

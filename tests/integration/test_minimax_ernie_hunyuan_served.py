@@ -2,7 +2,9 @@
 experts, softmax router with selection bias) and Hunyuan-A13B (transformers' stacked layout, shared MLP, NTK-alpha
 RoPE) and Llama 4 (the multimodal wrapper's text part under `language_model.`: chunked attention, NoPE layers with
 temperature, the router score scaling the expert input) and MiMo-V2-Flash (KV heads that differ by layer, sinks on
-the sliding layers, grouped sigmoid router) through the distributed router on one local Ray: served
+the sliding layers, grouped sigmoid router) and Qwen3.5-MoE (the VL wrapper's text part under
+`model.language_model.`: Gated DeltaNet layers whose conv + recurrent state lives in the router's state cache, gated
+full attention, shared expert with a sigmoid gate) through the distributed router on one local Ray: served
 logits and routings == the in-process reference bit for bit, greedy tokens equal the reference's and `transformers`'
 (on the unquantised twin for MiniMax-M2's FP8)."""
 
@@ -17,6 +19,8 @@ from tests.tiny_checkpoints import greedy_tokens
 from tests.tiny_fam1 import VOCAB, write_fam1_checkpoint
 from tests.tiny_llama4 import load_hf, write_llama4_checkpoint
 from tests.tiny_mimo_v2_flash import write_mimo_checkpoint
+from tests.tiny_qwen3_next import load_hf as load_hf_qwen3_next
+from tests.tiny_qwen3_next import write_qwen3_next_checkpoint
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
@@ -25,7 +29,8 @@ CASES = {"minimax_m2_fp8": ("minimax_m2", dict(fp8_block=(8, 8))),
          "ernie4_5_moe": ("ernie4_5_moe", {}),
          "hunyuan_v1_moe_fused": ("hunyuan_v1_moe", dict(fused=True)),
          "llama4_wrapper": ("llama4", dict(wrapper=True)),
-         "mimo_v2_flash": ("mimo_v2_flash", dict(n_routed_experts=4))}  # 4 actors: 2 groups of 2, one chosen
+         "mimo_v2_flash": ("mimo_v2_flash", dict(n_routed_experts=4)),  # 4 actors: 2 groups of 2, one chosen
+         "qwen3_5_moe_vl": ("qwen3_5_moe", {})}  # Qwen3_5MoeForConditionalGeneration, 4 experts: 4 actors
 
 
 def _write(kind: str, out, **options):
@@ -33,6 +38,8 @@ def _write(kind: str, out, **options):
         return write_llama4_checkpoint(out, seed=7, **options)
     if kind == "mimo_v2_flash":  # window 5: every sequence but the 4-token one outgrows it
         return write_mimo_checkpoint(out, seed=7, **options)
+    if kind == "qwen3_5_moe":  # 3 DeltaNet layers then a full-attention one; decode runs the recurrent form
+        return write_qwen3_next_checkpoint(out, "qwen3_5_vl", seed=7, **options)
     return write_fam1_checkpoint(kind, out, seed=7, **options)
 
 
@@ -80,6 +87,8 @@ def test_greedy_tokens_equal_transformers(folders, tmp_path):
             path = write_fam1_checkpoint(kind, tmp_path / kind, seed=7)
         if kind == "llama4":  # the wrapper's text model (its own generate needs the image path)
             hf = load_hf(path).language_model
+        elif kind == "qwen3_5_moe":  # the VL wrapper generates from text ids alone
+            hf = load_hf_qwen3_next(path)
         else:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():
