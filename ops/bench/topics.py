@@ -14,22 +14,29 @@ from __future__ import annotations
 import torch
 
 
-def make_topical(weights, num_experts: int, strength: float = 1.0, seed: int = 0) -> None:
-    """Bend DenseWeights in place (see the module doc). strength: added norm, against the weights' own scale."""
+def make_topical(weights, num_experts: int, strength: float = 3.0, seed: int = 0) -> None:
+    """Bend DenseWeights in place (see the module doc). strength: the added vector's norm in units of the tensor's
+    mean row norm (scale-free: the same on the tiny test model and the benchmark model)."""
     embed = weights.embed  # [V, H]
     vocab, hidden = embed.shape
     u = torch.randn(hidden, generator=torch.Generator().manual_seed(seed))
-    u = (u / u.norm()).to(embed.dtype).to(embed.device)  # [H]
-    sign_v = torch.where(torch.arange(vocab, device=embed.device) < vocab // 2, 1.0, -1.0).to(embed.dtype)  # [V]
-    sign_e = torch.where(torch.arange(num_experts) < num_experts // 2, 1.0, -1.0)  # [E]
+    u = u / u.norm()  # [H], float32 on the host
+    topic_v = torch.where(torch.arange(vocab) < vocab // 2, 1.0, -1.0)  # [V]: topic A +, topic B -
+    topic_e = torch.where(torch.arange(num_experts) < num_experts // 2, 1.0, -1.0)  # [E]: A's experts +, B's -
     with torch.no_grad():
-        embed += strength * sign_v[:, None] * u[None, :]
+        _add_direction(embed, topic_v, u, strength)
         for layer in weights.layers:
             if layer.router is not None:
-                layer.router += strength * sign_e.to(layer.router)[:, None] * u.to(layer.router)[None, :]
+                _add_direction(layer.router, topic_e, u, strength)
         head = weights.lm_head
         if head is not None and head.data_ptr() != embed.data_ptr():  # tied: the embeddings already carry it
-            head += strength * sign_v.to(head)[:, None] * u.to(head)[None, :]
+            _add_direction(head, topic_v, u, strength)
+
+
+def _add_direction(rows: torch.Tensor, signs: torch.Tensor, u: torch.Tensor, strength: float) -> None:
+    """rows [N, H] += strength × mean row norm × signs [N] ⊗ u [H], in the tensor's dtype and device."""
+    scale = strength * float(rows.float().norm(dim=1).mean())
+    rows += (scale * signs[:, None] * u[None, :]).to(rows.dtype).to(rows.device)
 
 
 def topic_prompt(topic: int, length: int, vocab: int, seed: int) -> list[int]:

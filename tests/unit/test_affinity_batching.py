@@ -22,7 +22,7 @@ TIMEOUT = 60.0
 @pytest.fixture(scope="module")
 def topical(checkpoints):
     model = load_reference_model(checkpoints["mixtral"])  # its own copy: the weights are bent in place
-    make_topical(model.w, model.cfg.num_experts, strength=1.5)
+    make_topical(model.w, model.cfg.num_experts)
     return model
 
 
@@ -119,3 +119,24 @@ def test_status_and_metrics_report_the_expert_loads():
     text = prometheus_text(FrontCounters(), {"expert_shard_calls": 45, "finished_requests": 3, "replica": "r"})
     assert 'expertmesh_router_expert_shard_calls_total{replica="r"} 45' in text
     assert 'expertmesh_router_finished_requests_total{replica="r"} 3' in text
+
+
+def test_bench_fifo_vs_affinity_on_a_mesh_double(checkpoints):
+    """ops/bench/offload_affinity.py on the in-process model standing in for a mesh (no actors: no tier counters):
+    the runs alternate, tokens equal FIFO's, affinity calls fewer shards, and the router's weights are put back."""
+    import torch
+
+    from expertmesh.ops.bench.offload_affinity import AffinityWorkload, serve_fifo_vs_affinity
+
+    model = load_reference_model(checkpoints["mixtral"])
+    embed = model.w.embed.clone()
+    mesh = SimpleNamespace(model=model, backend=SimpleNamespace(prefetcher="kept"))
+    zeros = dict.fromkeys(("hits", "misses", "bytes_moved", "stall_s", "prefetch_issued", "prefetch_useful",
+                           "compute_s"), 0.0)
+    workload = AffinityWorkload(requests=6, prompt=4, max_tokens=4, max_active=2, rounds=2)
+    result = serve_fifo_vs_affinity(mesh, lambda m: dict(zeros), workload)
+    assert [(r["admission"], r["round"]) for r in result["runs"]] == [
+        ("fifo", 0), ("affinity", 0), ("fifo", 1), ("affinity", 1)]
+    summary = result["summary"]
+    assert summary["same_tokens"] and summary["shard_calls_fewer_x"] >= 1.5, result
+    assert torch.equal(model.w.embed, embed) and mesh.backend.prefetcher == "kept"
