@@ -36,9 +36,11 @@ def prompt_signature(model, prompt_ids: list[int], keep: int) -> frozenset[int]:
 
 
 def reorder_waiting(waiting: deque, active: list, free: int, now: float, max_wait_s: float,
-                    signature_of: Callable[[object], frozenset[int]]) -> None:
+                    signature_of: Callable[[object], frozenset[int]], recent: frozenset[int] = frozenset()) -> None:
     """Reorder the batcher's queue in place so its head is what affinity admits into `free` slots. Sequences
-    admitted before (admitted ≥ 0) stay first, in queue order; the rest follow in arrival order."""
+    admitted before (admitted ≥ 0) stay first, in queue order; the rest follow in arrival order. recent: the experts
+    of the last running batch, the reference while none runs (its shards are the ones the actors hold now: the next
+    batch of the same topic loads nothing, one of the other topic reloads them)."""
     again = [s for s in waiting if s.admitted >= 0]
     fresh = [s for s in waiting if s.admitted < 0]
     slots = free - len(again)
@@ -46,7 +48,7 @@ def reorder_waiting(waiting: deque, active: list, free: int, now: float, max_wai
         return  # every fresh one that can be admitted now will be: the order changes nothing
     index = {id(s): i for i, s in enumerate(fresh)}
     candidates = [Waiting(index[id(s)], s.arrived, signature_of(s)) for s in fresh]
-    running = {i: signature_of(s) for i, s in enumerate(active)}
+    running = {i: signature_of(s) for i, s in enumerate(active)} if active else {-1: recent}
     chosen = admit(candidates, running, slots, now, max_wait_s)
     taken = set(chosen)
     order = again + [fresh[i] for i in chosen] + [s for i, s in enumerate(fresh) if i not in taken]

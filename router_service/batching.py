@@ -198,6 +198,7 @@ class ContinuousBatcher:
         self._admissions = 0
         self.expert_shard_calls = 0  # distinct (layer, expert) shards each step called, summed: expert loads
         self.finished_requests = 0
+        self._recent_experts: frozenset[int] = frozenset()  # affinity: the last running batch's predicted experts
         self.observer = None  # RouterObserver (router_service/observability.py): step spans; None = no tracing
         self.profile = StageClock()  # stage seconds (router_service/step_profile.py); shared with the router's
 
@@ -371,7 +372,7 @@ class ContinuousBatcher:
         free = self.config.max_active - len(self._active)
         if self.config.admission == "affinity" and len(self._waiting) > free > 0:
             reorder_waiting(self._waiting, self._active, free, time.monotonic(), self.config.affinity_max_wait_s,
-                            self._signature)
+                            self._signature, self._recent_experts)
         while self._waiting and len(self._active) < self.config.max_active:
             seq = self._waiting[0]
             pending = seq.next_input.numel()
@@ -395,6 +396,8 @@ class ContinuousBatcher:
             seq.cache.reserve(seq.next_input.numel())
             seq.admitted, self._admissions = self._admissions, self._admissions + 1
             self._active.append(self._waiting.popleft())
+        if self.config.admission == "affinity" and self._active:
+            self._recent_experts = frozenset().union(*(self._signature(s) for s in self._active))
 
     def _signature(self, seq: _Sequence) -> frozenset[int]:
         if seq.experts is None:

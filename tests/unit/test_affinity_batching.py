@@ -140,3 +140,11 @@ def test_bench_fifo_vs_affinity_on_a_mesh_double(checkpoints):
     summary = result["summary"]
     assert summary["same_tokens"] and summary["shard_calls_fewer_x"] >= 1.5, result
     assert torch.equal(model.w.embed, embed) and mesh.backend.prefetcher == "kept"
+
+
+def test_with_nothing_running_the_last_batchs_experts_are_the_reference():
+    sigs = {"a": {2, 3}, "b": {0, 1}, "c": {2, 3}}
+    waiting = deque([_seq("a", 1.0), _seq("b", 2.0), _seq("c", 3.0)])
+    reorder_waiting(waiting, [], free=1, now=4.0, max_wait_s=10.0,
+                    signature_of=lambda s: frozenset(sigs[s.name]), recent=frozenset({0, 1}))
+    assert [s.name for s in waiting] == ["b", "a", "c"]  # b's experts are still resident; a would reload
