@@ -11,7 +11,7 @@ class RouterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json", "dtype", "device", "threads", "preemptions", "kv_blocks_free", "kv_blocks_total", "stage_seconds", "shed_slots", "prefix_query_tokens", "prefix_hit_tokens", "kv_blocks_cached")
+    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json", "dtype", "device", "threads", "preemptions", "kv_blocks_free", "kv_blocks_total", "stage_seconds", "shed_slots", "prefix_query_tokens", "prefix_hit_tokens", "kv_blocks_cached", "expert_shard_calls", "finished_requests")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class RouterStats(_message.Message):
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_SHARD_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     live_kv_caches: int
     active_sequences: int
     waiting_requests: int
@@ -59,7 +61,9 @@ class RouterStats(_message.Message):
     prefix_query_tokens: int
     prefix_hit_tokens: int
     kv_blocks_cached: int
-    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., shed_slots: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ...) -> None: ...
+    expert_shard_calls: int
+    finished_requests: int
+    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., shed_slots: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., expert_shard_calls: _Optional[int] = ..., finished_requests: _Optional[int] = ...) -> None: ...
 
 class ClusterStateRequest(_message.Message):
     __slots__ = ()

@@ -39,6 +39,7 @@ import torch
 from ..experts.device_rule import routing_on_host
 from ..experts.kv_cache import KVCache, blocks_for
 from ..experts.modeling import MoEDecoder
+from .affinity_admission import prompt_signature, reorder_waiting, shards_called
 from .batching_config import BatcherConfig  # noqa: F401  (re-exported; defined there so the configuration imports no torch)
 from .errors import RequestError
 from .grammar_mask import GrammarState, TokenGrammar, mask_logits
@@ -122,6 +123,8 @@ class _Sequence:
     span: Any = None  # the request's OpenTelemetry span (tracing on), parent or link of its steps
     grammar: GrammarState | None = None  # where the sequence stands in its request's grammar (None: unconstrained)
     cached_tokens: int | None = None  # prompt tokens its first admission took from the prefix cache
+    arrived: float = field(default_factory=time.monotonic)  # affinity admission's fairness bound counts from here
+    experts: frozenset[int] | None = None  # its predicted experts (affinity admission), computed when first needed
 
 
 @dataclass
@@ -195,6 +198,9 @@ class ContinuousBatcher:
         self.prefix_query_tokens = 0  # prompt tokens of admitted requests (first admission)
         self.prefix_hit_tokens = 0  # of those, tokens taken from the prefix cache
         self._admissions = 0
+        self.expert_shard_calls = 0  # distinct (layer, expert) shards each step called, summed: expert loads
+        self.finished_requests = 0
+        self._recent_experts: frozenset[int] = frozenset()  # affinity: the last running batch's predicted experts
         self.observer = None  # RouterObserver (router_service/observability.py): step spans; None = no tracing
         self.profile = StageClock()  # stage seconds (router_service/step_profile.py); shared with the router's
 
@@ -219,7 +225,8 @@ class ContinuousBatcher:
                 "steps": self.steps, "max_batch_seen": self.max_batch_seen, "preemptions": self.preemptions,
                 "kv_blocks_free": pool.allocator.num_free, "kv_blocks_total": pool.num_blocks,
                 "kv_blocks_cached": pool.allocator.num_cached, "prefix_query_tokens": self.prefix_query_tokens,
-                "prefix_hit_tokens": self.prefix_hit_tokens}
+                "prefix_hit_tokens": self.prefix_hit_tokens, "expert_shard_calls": self.expert_shard_calls,
+                "finished_requests": self.finished_requests}
 
     # ---- requests --------------------------------------------------------------------------------------------
 
@@ -364,6 +371,10 @@ class ContinuousBatcher:
         immediate preemption. A sequence starts from its longest cached prefix (README: Prefix caching): those
         blocks are shared, not allocated, and their tokens are not fed again."""
         pool = self.model.kv_pool
+        free = self.config.max_active - len(self._active)
+        if self.config.admission == "affinity" and len(self._waiting) > free > 0:
+            reorder_waiting(self._waiting, self._active, free, time.monotonic(), self.config.affinity_max_wait_s,
+                            self._signature, self._recent_experts)
         while self._waiting and len(self._active) < self.config.max_active:
             seq = self._waiting[0]
             pending = seq.next_input.numel()
@@ -392,6 +403,13 @@ class ContinuousBatcher:
             seq.cache.reserve(seq.next_input.numel())
             seq.admitted, self._admissions = self._admissions, self._admissions + 1
             self._active.append(self._waiting.popleft())
+        if self.config.admission == "affinity" and self._active:
+            self._recent_experts = frozenset().union(*(self._signature(s) for s in self._active))
+
+    def _signature(self, seq: _Sequence) -> frozenset[int]:
+        if seq.experts is None:
+            seq.experts = prompt_signature(self.model, seq.request.prompt_ids, self.config.affinity_experts)
+        return seq.experts
 
     def _plan_step(self) -> list[tuple[_Sequence, int]]:
         """(sequence, tokens it feeds this step): every decoding sequence one token, then prompt chunks in admission
@@ -449,6 +467,7 @@ class ContinuousBatcher:
         for seq, start, n in zip(batch, starts, lengths):
             seq.routed = max(seq.routed, start + n)
         per_seq = step_routing(self.model.last_trace.routings, lengths, skip, self.model.cfg.num_experts)
+        self.expert_shard_calls += shards_called(self.model.last_trace.routings)
         last = [x[-1] if w == "last" else None for x, w in zip(logits, wanted)]
         sampled = time.perf_counter()
         draw = [i for i, (seq, x) in enumerate(zip(batch, last)) if x is not None and not seq.replaying]
@@ -518,6 +537,7 @@ class ContinuousBatcher:
                 rerouted=seq.rerouted, dropped=seq.dropped, degraded=seq.degraded, shed=seq.shed,
                 cached_tokens=seq.cached_tokens or 0,
             ))
+            self.finished_requests += 1
             self._finish(seq)
 
     def _new_text(self, seq: _Sequence) -> tuple[str, bool]:

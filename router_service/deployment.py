@@ -393,7 +393,8 @@ class RouterDeployment:
             preemptions=s.get("preemptions", 0), kv_blocks_free=s.get("kv_blocks_free", 0),
             kv_blocks_total=s.get("kv_blocks_total", 0), stage_seconds=self.router.profile.snapshot(),
             prefix_query_tokens=s.get("prefix_query_tokens", 0), prefix_hit_tokens=s.get("prefix_hit_tokens", 0),
-            kv_blocks_cached=s.get("kv_blocks_cached", 0),
+            kv_blocks_cached=s.get("kv_blocks_cached", 0), expert_shard_calls=s.get("expert_shard_calls", 0),
+            finished_requests=s.get("finished_requests", 0),
         )
 
     def _batcher_gauges(self) -> dict:
@@ -405,7 +406,9 @@ class RouterDeployment:
                 "expertmesh_kv_blocks_total": s.get("kv_blocks_total", 0),
                 "expertmesh_kv_blocks_cached": s.get("kv_blocks_cached", 0),
                 "expertmesh_prefix_cache_hit_rate":
-                    s.get("prefix_hit_tokens", 0) / max(1, s.get("prefix_query_tokens", 0))}
+                    s.get("prefix_hit_tokens", 0) / max(1, s.get("prefix_query_tokens", 0)),
+                "expertmesh_expert_shards_per_request":
+                    s.get("expert_shard_calls", 0) / max(1, s.get("finished_requests", 0))}
 
     async def load_snapshot(self) -> dict:
         """This replica's load statistics (plain dict; README: Load statistics)."""

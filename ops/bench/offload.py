@@ -35,6 +35,7 @@ import torch
 from ...router_service.config import MeshConfig
 from .checkpoints import MIXTRAL, write_bench_checkpoint
 from .common import all_cores, machine_info, say_to_stderr
+from .offload_affinity import AffinityWorkload, serve_fifo_vs_affinity
 from .offload_report import TIER_KEYS, counter_delta, rebase_on_best_resident, stall_removed_by_prefetch, tier_summary
 from .routing_trace import ROUTING_TRACE
 
@@ -51,6 +52,9 @@ class OffloadParams:
     layers: int = 4
     quant: tuple[str, ...] = ("none", "int8", "int4")
     perplexity: bool = True
+    # FIFO vs expert-affinity admission served on a two-topic workload (ops/bench/offload_affinity.py) in the first
+    # offloaded mesh: AffinityWorkload's fields to override; None: skip.
+    affinity: dict | None = field(default_factory=dict)
     ppl: dict = field(default_factory=dict)  # held_out_perplexity's tokens / window (default: its own)
     model: dict = field(default_factory=lambda: MIXTRAL)
     prefill: dict = field(default_factory=lambda: dict(sequences=2, tokens=128, repeats=3))
@@ -60,7 +64,8 @@ class OffloadParams:
     def from_args(cls, args) -> OffloadParams:
         return cls(tuple(float(r) for r in args.residency.split(",")), tuple(args.prefetch_modes.split(",")),
                    eviction=tuple(args.evictions.split(",")), layers=args.layers, quant=tuple(args.quant.split(",")),
-                   perplexity=not args.no_perplexity)
+                   perplexity=not args.no_perplexity,
+                   affinity=dict(requests=args.affinity_requests) if args.affinity_requests else None)
 
 
 def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = True,
@@ -121,6 +126,11 @@ def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = T
                             if baseline is None:
                                 baseline = run
                             result["runs"].append({k: v for k, v in run.items() if not k.startswith("_")})
+                        if offload and params.affinity is not None and "affinity" not in result:
+                            workload = AffinityWorkload(**params.affinity)
+                            say(f"  FIFO vs affinity admission, {workload.requests} two-topic requests ...")
+                            result["affinity"] = serve_fifo_vs_affinity(mesh, _actor_totals, workload) | {
+                                "residency": share, "eviction": eviction, "quant": q}
             if baseline is not None and baseline["residency"] >= 1.0:
                 # The resident mesh once more at the end: on a shared machine the load drifts over minutes, so
                 # the ratios use the better of the two resident runs (both are reported).

@@ -1,7 +1,8 @@
 """The chart of `expertmesh bench offload`: left, the eviction orders replayed on the recorded routing trace (shards
 moved per decode call, on demand and with gate prefetch, at 50 % and 25 % residency, batch 16); right, the measured
-decode throughput of each offloaded run against all-resident. `python -m expertmesh.ops.bench.offload_chart
-RESULT.json [OUT.png]`."""
+decode throughput of each offloaded run against all-resident; third, when the run has it, FIFO against expert-affinity
+admission on the two-topic burst (demand loads and shard calls per request, p99 latency).
+`python -m expertmesh.ops.bench.offload_chart RESULT.json [OUT.png]`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ def write_offload_chart(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    affinity = result.get("affinity")
+    fig, axes = plt.subplots(1, 3 if affinity else 2, figsize=(19 if affinity else 13, 4.5))
+    left, right = axes[0], axes[1]
     sim = (result.get("policy_simulation") or {}).get("rows", [])
     rows = [r for r in sim if r["batch"] == 16]
     policies = list(dict.fromkeys(r["policy"] for r in rows))
@@ -40,11 +43,32 @@ def write_offload_chart(result: dict, path: Path) -> Path:
     right.set_ylabel("decode tokens/s vs all-resident")
     right.set_title("measured (bench model, this machine)")
     right.legend(fontsize=8)
+    if affinity:
+        _affinity_panel(axes[2], affinity)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _affinity_panel(ax, affinity: dict) -> None:
+    """Per round, FIFO and affinity side by side: demand loads and shard calls per request; p99 on a twin axis."""
+    runs = affinity["runs"]
+    labels = [f"{r['admission']}\nround {r['round']}" for r in runs]
+    x = range(len(runs))
+    ax.bar([i - 0.2 for i in x], [r["demand_loads_per_request"] for r in runs], 0.4, label="demand loads / request")
+    ax.bar([i + 0.2 for i in x], [r["shard_calls_per_request"] for r in runs], 0.4, label="shard calls / request")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("per request")
+    twin = ax.twinx()
+    twin.plot(list(x), [r["latency_p99_s"] for r in runs], "o", color="#e6550d", label="p99 latency (s)")
+    twin.set_ylabel("p99 latency, s")
+    twin.set_ylim(bottom=0)
+    ax.set_title(f"FIFO vs affinity admission, {affinity['workload']['requests']} two-topic requests, "
+                 f"{affinity.get('residency', 0):.0%} resident", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    twin.legend(fontsize=7, loc="upper right")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,8 @@ def add_parser(sub) -> None:
     offload.add_argument("--evictions", default="layer-cycle", help="comma-separated experts.eviction orders, one "
                          "mesh each per offloaded level (all four are also replayed on the recorded routing trace)")
     offload.add_argument("--layers", type=int, default=4, help="layers of the benchmark model")
+    offload.add_argument("--affinity-requests", type=int, default=16, metavar="N", help="FIFO vs expert-affinity "
+                         "admission on a two-topic burst of N requests in the first offloaded mesh (0: skip)")
     offload.add_argument("--quant", default="none,int8,int4",
                          help="comma-separated expert quantisation modes (experts.quant), each against its own "
                          "all-resident run")

@@ -16,6 +16,7 @@ from ...cluster.controller_placement import CONTROLLER_PLACEMENTS
 from ...experts.devices import GPU_WITHOUT_CUDA
 from ...experts.errors import ConfigError
 from ...experts.setting_choices import EVICTION_POLICIES, PREFETCH_SETTINGS
+from ...router_service.batching_config import ADMISSION_POLICIES
 from ...router_service.config import DTYPES, EXPERT_LAYOUTS, MeshConfig
 from ...router_service.config_tree import replace_path
 from ...router_service.transports.base import TRANSPORT_SETTINGS
@@ -122,6 +123,11 @@ FLAGS: tuple[Flag, ...] = (
          "RESOURCE_EXHAUSTED", {"type": int}),
     Flag("--max-prefill-tokens", "router.batcher.max_prefill_tokens", "serve", "prompt tokens computed in one "
          "step: a longer prompt is prefilled in chunks while running streams keep decoding", {"type": int}),
+    Flag("--admission", "router.batcher.admission", "serve", "which waiting requests take free decode slots: "
+         "oldest first, or those whose predicted experts overlap most with the running batch (fewer shards per "
+         "step; README: Offload)", {"choices": ADMISSION_POLICIES}),
+    Flag("--affinity-max-wait", "router.batcher.affinity_max_wait_s", "serve", "affinity admission's fairness "
+         "bound: a request waiting this many seconds is admitted first, oldest first", {"type": float}),
     Flag("--no-replica-policy", "failover.no_replica_policy", "failover", "when every replica of an expert is "
          "down: hold its tokens until one is back (up to --wait-timeout, then UNAVAILABLE), or send them to the "
          "next-best expert and count them", {"choices": ("wait", "degrade")}),

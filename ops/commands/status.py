@@ -57,6 +57,7 @@ def status_lines(state) -> list[str]:
         f"router compute: {r.dtype or '?'} on {r.device or '?'}, {r.threads} threads; KV cache "
         f"{r.kv_blocks_free}/{r.kv_blocks_total} blocks free, {r.preemptions} preemptions",
         prefix_cache_line(r),
+        expert_loads_line(r),
     ]
     profile = status_profile_line(dict(r.stage_seconds), r.steps)
     if profile is not None:
@@ -80,6 +81,15 @@ def prefix_cache_line(r) -> str:
     rate = f"{100 * r.prefix_hit_tokens / r.prefix_query_tokens:.1f}%" if r.prefix_query_tokens else "-"
     return (f"prefix cache: {rate} of prompt tokens served from cache ({r.prefix_hit_tokens} of "
             f"{r.prefix_query_tokens}), {r.kv_blocks_cached} blocks cached")
+
+
+def expert_loads_line(r) -> str:
+    """Expert loads (README: Offload, expert-affinity admission): distinct shards called per step and per finished
+    request, since start."""
+    per_step = f"{r.expert_shard_calls / r.steps:.1f}" if r.steps else "-"
+    per_request = f"{r.expert_shard_calls / r.finished_requests:.1f}" if r.finished_requests else "-"
+    return (f"expert loads: {per_step} shards per step, {per_request} per finished request "
+            f"({r.expert_shard_calls} shard calls, {r.finished_requests} requests)")
 
 
 def tier_note(rep) -> str:

@@ -24,7 +24,8 @@ def test_offload_bench_reports_each_mode_against_its_own_resident_run():
     params = OffloadParams(residency=(1.0, 0.5), prefetch=("off", "gate"), layers=2, quant=("int8",),
                            ppl=dict(tokens=512, window=128), model=SMALL,
                            prefill=dict(sequences=2, tokens=32, repeats=1),
-                           decode=dict(sequences=4, context=8, steps=4))
+                           decode=dict(sequences=4, context=8, steps=4),
+                           affinity=dict(requests=4, prompt=4, max_tokens=4, max_active=2, rounds=1))
     result = run_offload_bench(params, verbose=False)
     assert result["layout"] == "per-expert"  # budgets are shares of what each of the per-expert actors hosts
     runs = result["runs"]
@@ -40,6 +41,12 @@ def test_offload_bench_reports_each_mode_against_its_own_resident_run():
     assert set(result["resident_again"]) == {"int8"}
     assert result["policy_simulation"]["rows"] and result["affinity_simulation"]  # the recorded-trace replays
     assert {s["quant"] for s in result["stall_removed_by_prefetch"]} <= {"int8"}
+    # FIFO vs expert-affinity admission served on the two-topic burst, in the first offloaded mesh: same tokens,
+    # fewer shards called per request (the two topics' experts are disjoint halves)
+    affinity = result["affinity"]
+    assert (affinity["residency"], affinity["quant"]) == (0.5, "int8")
+    assert affinity["summary"]["same_tokens"], affinity
+    assert affinity["summary"]["shard_calls_fewer_x"] >= 1.3, affinity
     ppl = result["perplexity"]
     assert set(ppl) == {"int8"}
     for row in ppl.values():

@@ -150,7 +150,13 @@ def test_single_greedy_stream_equals_plain_greedy_loop(model):
     assert batcher.steps == max_tokens and batcher.max_batch_seen == 1
     assert batcher.live_caches == 0
     pool = model.kv_pool
-    assert batcher.stats() == {"live_caches": 0, "active": 0, "waiting": 0, "steps": max_tokens,
+    stats = batcher.stats()
+    # distinct shards per step: each decode step top_k per layer; the prefill step between top_k and all experts
+    layers = len(model.cfg.moe_layers)
+    decode_calls = (max_tokens - 1) * layers * top_k
+    assert decode_calls + layers * top_k <= stats.pop("expert_shard_calls") <= decode_calls + layers * num_experts
+    assert stats.pop("finished_requests") == 1
+    assert stats == {"live_caches": 0, "active": 0, "waiting": 0, "steps": max_tokens,
                                "max_batch_seen": 1, "preemptions": 0, "kv_blocks_free": pool.num_blocks,
                                "kv_blocks_total": pool.num_blocks, "kv_blocks_cached": 0,  # 12 tokens: no full block
                                "prefix_query_tokens": len(prompt_ids), "prefix_hit_tokens": 0}

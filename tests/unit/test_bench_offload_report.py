@@ -70,3 +70,8 @@ def test_policy_and_affinity_figures_from_the_recorded_trace_and_the_chart(tmp_p
     runs = [_run("none", 0.5, "gate", 0.5) | {"decode_vs_resident": 0.7}]
     path = write_offload_chart({"policy_simulation": sim, "runs": runs}, tmp_path / "offload.png")
     assert path.stat().st_size > 1000
+    affinity = {"workload": {"requests": 16}, "residency": 0.5, "runs": [
+        {"admission": a, "round": 0, "demand_loads_per_request": d, "shard_calls_per_request": 2 * d,
+         "latency_p99_s": 1.0} for a, d in (("fifo", 40.0), ("affinity", 20.0))]}
+    path = write_offload_chart({"policy_simulation": sim, "runs": runs, "affinity": affinity}, tmp_path / "aff.png")
+    assert path.stat().st_size > 1000
