@@ -54,7 +54,7 @@ class OffloadParams:
     perplexity: bool = True
     # FIFO vs expert-affinity admission served on a two-topic workload (ops/bench/offload_affinity.py) in the first
     # offloaded mesh: AffinityWorkload's fields to override; None: skip.
-    affinity: dict | None = field(default_factory=dict)
+    affinity: dict | None = field(default_factory=lambda: {"requests": AffinityWorkload().requests})
     ppl: dict = field(default_factory=dict)  # held_out_perplexity's tokens / window (default: its own)
     model: dict = field(default_factory=lambda: MIXTRAL)
     prefill: dict = field(default_factory=lambda: dict(sequences=2, tokens=128, repeats=3))
