@@ -245,7 +245,7 @@ class Controller:
         started = time.time()
         if info is None:
             try:
-                handle = self.ops.spawn(reg.slots[name], reg.spec, reg.generations.get(name, 0) + 1)
+                handle = self.ops.spawn(reg.slot_of(name), reg.spec, reg.generations.get(name, 0) + 1)
                 info = await self.ops.ready(handle, self.config.restore_timeout_s)
             except Exception as exc:
                 self.history.event("undrain_failed", name, error=f"{type(exc).__name__}: {exc}"[:500])

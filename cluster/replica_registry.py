@@ -68,7 +68,19 @@ class ReplicaRegistry:
 
     def node_of(self, name: str) -> str:
         """The node it was last seen on, else its slot's."""
-        return self.nodes.get(name) or self.slots[name].node_id
+        return self.nodes.get(name) or self.slot_of(name).node_id
+
+    def slot_of(self, name: str) -> ActorSlot:
+        """Its slot; for an expected actor whose slot this incarnation never learnt, a stand-in guess: the most
+        common share among the known slots, on the node it was last seen on. Seen in the CI chaos drill: a
+        controller recreated at the same tick as a node loss raised KeyError here on every pass, so nothing was
+        restored and a new router replica, which looks its actors up by name, never started."""
+        if name in self.slots:
+            return self.slots[name]
+        shares = [(s.num_cpus, s.num_gpus) for s in self.slots.values()] or [(1.0, 0.0)]
+        cpus, gpus = max(set(shares), key=lambda share: (shares.count(share), share))
+        return ActorSlot(name=name, node_id=self.nodes.get(name, ""), num_cpus=cpus, num_gpus=gpus,
+                         gpu_slot=0 if gpus > 0 else None)
 
     def live_nodes(self) -> dict[Shard, set[str]]:
         """shard -> the nodes of its serving replicas (a second node loss should not take every one)."""
@@ -117,9 +129,9 @@ class ReplicaRegistry:
                      stand_in_name: Callable[[int], str]) -> RestorePlan:
         """Where the lost `names` come back (cluster/lost_restore.py). stand_in_name(serial): a stand-in's name."""
         # Its slot on the node it last ran on (a restore may have moved it from the slot's first node).
-        lost = [LostActor(replace(self.slots[n], node_id=self.node_of(n)), tuple(map(tuple, self.spec.actor_shards[n])))
-                for n in names]
-        normal = [self.slots[n] for n in self.expected() if n not in names and not self.is_stand_in(n)]
+        lost = [LostActor(replace(self.slot_of(n), node_id=self.node_of(n)),
+                          tuple(map(tuple, self.spec.actor_shards[n]))) for n in names]
+        normal = [self.slot_of(n) for n in self.expected() if n not in names and not self.is_stand_in(n)]
         normal += [ActorSlot(**d["slot"]) for d in self.displaced.values()]
         return plan_restore(lost, rooms, self.live_nodes(), normal,
                             lambda i: stand_in_name(self.stand_in_serial + i), min_cpus=min_cpus)
@@ -137,7 +149,7 @@ class ReplicaRegistry:
     def actors_view(self) -> dict[str, dict]:
         """get_state()'s "actors": every expected actor, its node, generation, slot and whether it is restoring."""
         return {name: {"node_id": self.nodes.get(name), "generation": self.generations.get(name, 0),
-                       "restoring": name in self.restoring, "slot": asdict(self.slots[name])}
+                       "restoring": name in self.restoring, "slot": asdict(self.slot_of(name))}
                 for name in self.expected()}
 
     def displaced_view(self) -> dict[str, dict]:

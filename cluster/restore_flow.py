@@ -88,7 +88,7 @@ class RestoreFlow:
             plan = self.reg.restore_plan(names, self.ops.rooms(), self.config.stand_in_min_cpus, stand_in_actor_name)
         except Exception:  # resource tables unreadable: restore as before, Ray places them where it can
             log.exception("restore re-plan failed")
-            plan = RestorePlan(full={n: self.reg.slots[n] for n in names})
+            plan = RestorePlan(full={n: self.reg.slot_of(n) for n in names})
         restores = [self.restore(n, plan.full[n]) for n in names if n in plan.full]
         if plan.displaced:
             restores.append(self.stand_in(plan))
@@ -100,7 +100,7 @@ class RestoreFlow:
         reg, started = self.reg, time.time()
         try:
             generation = reg.generations.get(name, 0) + 1
-            handle = await self._spawn_when_name_free(name, slot or reg.slots[name], generation)
+            handle = await self._spawn_when_name_free(name, slot or reg.slot_of(name), generation)
             info = await self.ops.ready(handle, self.config.restore_timeout_s)  # after warm-up
             if name not in reg.spec.actor_shards or name in reg.drained:
                 # A remap retired (or an operator drained) it while it was coming back: nobody routes to it.

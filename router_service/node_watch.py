@@ -87,7 +87,9 @@ class NodeWatch:
                 self._handed.extend(names)
         self.detections.append({"t": time.time(), "nodes": list(loss.dead_nodes), "actors": names})
         del self.detections[:-100]
-        log.warning("node watch: node(s) %s dead; expert actors on them: %s", list(loss.dead_nodes), names)
+        unplaced = sorted(name for (name, _), node in placements.items() if node is None)
+        log.warning("node watch: node(s) %s dead; expert actors on them: %s%s", list(loss.dead_nodes), names,
+                    f"; not located yet: {unplaced}" if unplaced else "")
         return names
 
     def take_lost(self) -> list[str]:

@@ -83,7 +83,12 @@ def test_node_removed_under_traffic_is_seen_within_2s_and_no_request_fails(drill
             watch = mesh.router.node_watch
             wait_for(lambda: watch.detections, 30, "the router's node watch sees the node dead", every=0.05)
             router_detect_s = watch.detections[0]["t"] - removed_wall
-            assert sorted(watch.detections[0]["actors"]) == lost
+            # Every lost actor handed over; usually in that first poll, but one the watch had not located yet (Ray
+            # still creating it on a loaded box) is found in a later one (router_service/node_watch.py actor_node).
+            seen = wait_for(lambda: set().union(*(d["actors"] for d in watch.detections)) >= set(lost) or None, 30,
+                            "the router's node watch hands over every lost actor",
+                            detail=lambda: watch.detections)
+            assert seen and set().union(*(d["actors"] for d in watch.detections)) == set(lost)
             wait_for(lambda: any(e["kind"] == "node_lost" for e in controller_state(mesh)["events"]), 30,
                      "the controller's node watch sees the node dead")
             events = controller_state(mesh)["events"]

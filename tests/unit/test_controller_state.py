@@ -127,6 +127,18 @@ def test_restore_plan_stands_in_when_no_node_has_room_and_counts_stand_ins_from_
     assert roomy.full == {"expert-e1-r0": slot("expert-e1-r0", "b")} and not roomy.stand_ins
 
 
+def test_a_lost_actor_whose_slot_the_controller_never_learnt_is_still_planned():
+    """A controller recreated at the tick a node went (CI chaos drill) raised KeyError on such an actor in every
+    pass and restored nothing: it now plans it at the most common share, on the node it was last seen on."""
+    reg = two_replicas()
+    del reg.slots["expert-e1-r0"]
+    reg.lost |= {"expert-e1-r0"}
+    assert reg.slot_of("expert-e1-r0") == slot("expert-e1-r0", "a") and reg.node_of("expert-e1-r0") == "a"
+    plan = reg.restore_plan(["expert-e1-r0"], [NodeRoom("b", 2.0)], 0.1, stand_in_actor_name)
+    assert plan.full == {"expert-e1-r0": slot("expert-e1-r0", "b")}
+    assert reg.actors_view()["expert-e1-r0"]["slot"]["num_cpus"] == 1.0
+
+
 # ---- operator refusals --------------------------------------------------------------------------------------------
 
 def test_kill_and_drain_refuse_to_take_a_shards_last_live_replica_unless_forced():
