@@ -120,6 +120,20 @@ def test_a_restore_finishing_after_a_drain_is_dropped():
     assert kinds(history) == ["restore_dropped"] and ("kill", "expert-e1-r0") in ops.log and reg.epoch == 0
 
 
+def test_a_batch_with_an_actor_a_remap_retired_meanwhile_restores_the_others_and_skips_it():
+    """CI chaos drill: a stand-in remap retired a lost actor while a restore pass held its name; planning it raised
+    KeyError and the whole batch fell back to the blind path. It is skipped now; the others are restored."""
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 4.0)])
+    reg.lost |= {"expert-e0-r1", "expert-e1-r0"}
+    reg.restoring |= {"expert-e0-r1", "expert-e1-r0"}
+    reg.spec = reg.spec.with_actor_shards({"expert-e0-r0": [[0, 0]], "expert-e1-r0": [[0, 1]]})  # e0-r1 retired
+
+    asyncio.run(flow.restore_lost(["expert-e0-r1", "expert-e1-r0"]))
+    assert kinds(history) == ["restored"] and [e["actor"] for e in history.events] == ["expert-e1-r0"]
+    assert not any(entry[:2] == ("spawn", "expert-e0-r1") for entry in ops.log)
+    assert not reg.restoring and "expert-e0-r1" not in reg.lost
+
+
 def test_with_no_room_the_lost_actor_gets_a_stand_in_published_live_and_the_normal_shape_is_asked_for():
     reg, ops, history, routers, _, flow = setup([NodeRoom("a", 0.5)])
     routers.ack("router-1", 1, now=1e18)  # switches at once (acks an epoch ahead)
