@@ -58,3 +58,10 @@ def mlp_names(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int]
         prefix + "up_proj.weight": (inter, hidden),
         prefix + "down_proj.weight": (hidden, inter),
     }
+
+
+def gated_mlp(t: dict[str, torch.Tensor], prefix: str) -> GatedMLPWeights:
+    """The gated MLP whose gate_proj / up_proj / down_proj weights sit under `prefix` in a loaded tensor map (the
+    layout every family's dense MLPs and shared experts use; mlp_names lists the same three)."""
+    return GatedMLPWeights.from_parts(t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"],
+                                      t[prefix + "down_proj.weight"])

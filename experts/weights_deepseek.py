@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import MoEModelConfig
-from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, mlp_names
-from .ffn import GatedMLPWeights
+from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, gated_mlp, mlp_names
 from .fp8 import read_weights
 
 
@@ -97,10 +96,6 @@ def load_deepseek_dense_weights(reader, dtype: torch.dtype, progress: str | None
     raw = read_weights(reader, deepseek_dense_tensor_names(cfg), cfg.fp8_block, progress=progress)
     t = {k: v.to(device=device, dtype=dtype) for k, v in raw.items()}
 
-    def mlp(prefix: str) -> GatedMLPWeights:
-        return GatedMLPWeights.from_parts(t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"],
-                                          t[prefix + "down_proj.weight"])
-
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -126,9 +121,9 @@ def load_deepseek_dense_weights(reader, dtype: torch.dtype, progress: str | None
             bias = raw.get(p + "mlp.gate.e_score_correction_bias")
             layer.router_correction_bias = None if bias is None else bias.to(device=device, dtype=torch.float32)
             if cfg.has_shared_expert:
-                layer.shared_expert = mlp(p + "mlp.shared_experts.")
+                layer.shared_expert = gated_mlp(t, p + "mlp.shared_experts.")
         else:
-            layer.dense_mlp = mlp(p + "mlp.")
+            layer.dense_mlp = gated_mlp(t, p + "mlp.")
         layers.append(layer)
     embed = t["model.embed_tokens.weight"]
     return DenseWeights(embed=embed, layers=layers, final_norm=t["model.norm.weight"],

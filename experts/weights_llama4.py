@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from .config import MoEModelConfig
-from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, mlp_names
-from .ffn import GatedMLPWeights
+from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, gated_mlp, mlp_names
 from .reproducible import aligned
 
 FAMILIES = ("llama4",)
@@ -58,10 +57,6 @@ def load_llama4_dense_weights(reader, dtype: torch.dtype, progress: str | None =
     # aligned: a few-row product's bits depend on where its weight starts (experts/reproducible.py)
     t = {k: aligned(raw.pop(k).to(device=device, dtype=dtype)) for k in list(raw)}
 
-    def mlp(prefix: str) -> GatedMLPWeights:
-        return GatedMLPWeights.from_parts(t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"],
-                                          t[prefix + "down_proj.weight"])
-
     pre = cfg.weight_prefix
     layers = []
     for i in range(cfg.num_layers):
@@ -76,9 +71,9 @@ def load_llama4_dense_weights(reader, dtype: torch.dtype, progress: str | None =
                              post_attention_norm=t[p + "post_attention_layernorm.weight"], attention=attention)
         if cfg.is_moe_layer(i):
             layer.router = t[f + "router.weight"]  # [E, H], model dtype
-            layer.shared_expert = mlp(f + "shared_expert.")  # ungated: added to the routed experts' output
+            layer.shared_expert = gated_mlp(t, f + "shared_expert.")  # ungated: added to the routed experts' output
         else:
-            layer.dense_mlp = mlp(f)
+            layer.dense_mlp = gated_mlp(t, f)
         layers.append(layer)
     embed = t[pre + "model.embed_tokens.weight"]
     return DenseWeights(embed=embed, layers=layers, final_norm=t[pre + "model.norm.weight"],

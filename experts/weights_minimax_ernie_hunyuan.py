@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 
 from .config import MoEModelConfig
-from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, mlp_names
-from .ffn import GatedMLPWeights
+from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, gated_mlp, mlp_names
 from .fp8 import read_weights
 from .reproducible import aligned
 
@@ -94,10 +93,6 @@ def load_family_dense_weights(reader, dtype: torch.dtype, progress: str | None =
     # weight starts (experts/reproducible.py): on a 64-byte boundary the router gives the same bits wherever it runs.
     t = {k: aligned(v.to(device=device, dtype=dtype)) for k, v in raw.items()}
 
-    def mlp(prefix: str) -> GatedMLPWeights:
-        return GatedMLPWeights.from_parts(t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"],
-                                          t[prefix + "down_proj.weight"])
-
     router_dtype = dtype if cfg.router_in_model_dtype else torch.float32
     layers = []
     for i in range(cfg.num_layers):
@@ -119,9 +114,9 @@ def load_family_dense_weights(reader, dtype: torch.dtype, progress: str | None =
                 bias = raw[router[1][0]].reshape(-1).to(device=device, dtype=router_dtype)
                 layer.router_correction_bias = bias.float()
             if cfg.has_shared_expert:
-                layer.shared_expert = mlp(p + _SHARED_PREFIX[cfg.family])
+                layer.shared_expert = gated_mlp(t, p + _SHARED_PREFIX[cfg.family])
         else:
-            layer.dense_mlp = mlp(p + "mlp.")
+            layer.dense_mlp = gated_mlp(t, p + "mlp.")
         layers.append(layer)
     embed = t["model.embed_tokens.weight"]
     return DenseWeights(embed=embed, layers=layers, final_norm=t["model.norm.weight"],

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import MoEModelConfig
-from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, mlp_names
-from .ffn import GatedMLPWeights
+from .dense_weights import AttentionWeights, DenseWeights, LayerWeights, gated_mlp, mlp_names
 from .reproducible import aligned
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
@@ -112,10 +111,6 @@ def load_qwen3_next_dense_weights(reader, dtype: torch.dtype, progress: str | No
     # aligned: a few-row product's bits depend on where its weight starts (experts/reproducible.py)
     t = {k: aligned(raw.pop(k).to(device=device, dtype=dtype)) for k in list(raw)}
 
-    def mlp(prefix: str) -> GatedMLPWeights:
-        return GatedMLPWeights.from_parts(t[prefix + "gate_proj.weight"], t[prefix + "up_proj.weight"],
-                                          t[prefix + "down_proj.weight"])
-
     pre = cfg.weight_prefix
     layers = []
     for i in range(cfg.num_layers):
@@ -142,10 +137,10 @@ def load_qwen3_next_dense_weights(reader, dtype: torch.dtype, progress: str | No
         if cfg.is_moe_layer(i):
             layer.router = t[p + "mlp.gate.weight"]  # [E, H], model dtype (a plain linear in transformers)
             if cfg.shared_expert_intermediate_size > 0:
-                layer.shared_expert = mlp(p + "mlp.shared_expert.")
+                layer.shared_expert = gated_mlp(t, p + "mlp.shared_expert.")
                 layer.shared_expert_gate = t[p + "mlp.shared_expert_gate.weight"]  # [1, H]: sigmoid gate
         else:
-            layer.dense_mlp = mlp(p + "mlp.")
+            layer.dense_mlp = gated_mlp(t, p + "mlp.")
         layers.append(layer)
     embed = t[pre + "embed_tokens.weight"]
     return DenseWeights(embed=embed, layers=layers, final_norm=t[pre + "norm.weight"],
