@@ -24,7 +24,7 @@ from expertmesh.experts.weights import (
     expert_shard_names,
     load_dense_weights,
 )
-from tests.tiny_checkpoints import hf_logits, max_diff
+from tests.tiny_checkpoints import chunked_logits, hf_logits, load_hf_model, max_diff
 from tests.tiny_deepseek import KINDS, VOCAB, write_deepseek_checkpoint
 
 TOL = 1e-4
@@ -34,21 +34,6 @@ WITH_MTP = ("deepseek_v3", "glm4_moe")  # published with multi-token-prediction 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _hf(folder: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def _incremental(model, ids: torch.Tensor, cuts: list[int]) -> torch.Tensor:
-    cache = model.new_cache()
-    pieces, prev = [], 0
-    for cut in [*cuts, ids.numel()]:
-        pieces.append(model.forward([ids[prev:cut]], [cache])[0])
-        prev = cut
-    return torch.cat(pieces)
 
 
 def _greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
@@ -70,7 +55,7 @@ def folders(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def models(folders) -> dict:
-    return {key: (load_reference_model(folder), _hf(folder)) for key, folder in folders.items()}
+    return {key: (load_reference_model(folder), load_hf_model(folder)) for key, folder in folders.items()}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -91,8 +76,8 @@ def test_incremental_and_batched_decode_equal_full_forward(models, kind, layout)
     model, _ = models[(kind, layout)]
     ids = _ids(15, 3)
     full = model.forward([ids])[0]
-    assert max_diff(_incremental(model, ids, [4, 5, 10, 11]), full) <= 1e-5
-    assert max_diff(_incremental(model, ids, list(range(1, 15))), full) <= 1e-5
+    assert max_diff(chunked_logits(model, ids, [4, 5, 10, 11]), full) <= 1e-5
+    assert max_diff(chunked_logits(model, ids, list(range(1, 15))), full) <= 1e-5
     a, b = _ids(9, 4), _ids(5, 5)
     ca, cb = model.new_cache(), model.new_cache()
     model.forward([a[:6]], [ca])
@@ -120,11 +105,11 @@ def test_greedy_decode_equals_transformers_generate(models, kind, layout):
 ])
 def test_switch_variants_match_transformers(tmp_path, kind, overrides):
     folder = write_deepseek_checkpoint(kind, tmp_path / kind, seed=21, **overrides)
-    model, hf = load_reference_model(folder), _hf(folder)
+    model, hf = load_reference_model(folder), load_hf_model(folder)
     ids = _ids(14, 22)
     theirs = hf_logits(hf, ids)
     assert max_diff(model.forward([ids])[0], theirs) <= TOL and theirs.std().item() > 0.05
-    assert max_diff(_incremental(model, ids, [5, 6, 9]), theirs) <= TOL
+    assert max_diff(chunked_logits(model, ids, [5, 6, 9]), theirs) <= TOL
 
 
 def test_fixture_configs_and_what_they_exercise(models):
@@ -221,7 +206,7 @@ def _hf_with_transformers_dequantisation(plain: Path, fp8: Path):
     from safetensors.torch import load_file
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    hf = _hf(plain)
+    hf = load_hf_model(plain)
     tensors = load_file(str(fp8 / "model.safetensors"))
     dequantised = {name[: -len("_scale_inv")]: Fp8Dequantize(None)._dequantize_one(
         tensors[name[: -len("_scale_inv")]], scale, torch.float32) for name, scale in tensors.items()
@@ -264,7 +249,7 @@ def test_fp8_checkpoint_equals_transformers_dequantised_model(tmp_path, kind, bl
         ours = dense.layers[1].attention.q
         name = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(ours, dequantised[name])
-    assert not torch.equal(ours, _hf(plain).state_dict()[name])  # FP8 did change the weights
+    assert not torch.equal(ours, load_hf_model(plain).state_dict()[name])  # FP8 did change the weights
     model = load_reference_model(fp8)
     ids = _ids(12, 12)
     assert max_diff(model.forward([ids])[0], hf_logits(hf, ids)) <= TOL
