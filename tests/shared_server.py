@@ -1,4 +1,5 @@
-"""One `expertmesh serve` of the tiny Mixtral shared by the integration modules that only need *a* running server
+"""Two `expertmesh serve`s shared by the integration modules that only need *a* running server. SHARED: the tiny
+Mixtral
 (issue 25: tests that boot less). Started on first use, stopped right after the last test that uses it (not at the
 end of the session: an idle Ray would take CPU from every module after it on the 2-core CI machine), and the
 modules that use it run one after another (tests/session_groups.py).
@@ -16,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from expertmesh.ops.server_process import ServerProcess
 from expertmesh.protos import admin_pb2, admin_pb2_grpc
 from expertmesh.router_service.admin_auth import ADMIN_TOKEN_KEY
-from tests.served import start_server
+from tests.served import ONE_ACTOR, start_server
 from tests.traffic import wait_for
 
 ADMIN_TOKEN = "adm1n-s3cret"
@@ -26,15 +27,15 @@ RESTORE_S = 120
 
 
 class SharedServer:
-    """The server, started lazily and stopped once (by the last user's teardown or the session's end)."""
+    """A server, started lazily with `args` and stopped once (by the last user's teardown or the session's end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *args: str) -> None:
+        self.args = args
         self.server: ServerProcess | None = None
 
-    def get(self, model_dir: str) -> ServerProcess:
+    def get(self, *more_args: str) -> ServerProcess:
         if self.server is None:
-            self.server = start_server("--model", model_dir, "--admin-token", ADMIN_TOKEN,
-                                       "--wait-timeout", str(WAIT_TIMEOUT_S))
+            self.server = start_server(*self.args, *more_args)
         return self.server
 
     def stop(self) -> None:
@@ -43,7 +44,11 @@ class SharedServer:
             assert server.stop() == 0, server.log()
 
 
-SHARED = SharedServer()
+SHARED = SharedServer("--admin-token", ADMIN_TOKEN, "--wait-timeout", str(WAIT_TIMEOUT_S))  # + --model <tiny Mixtral>
+# The embedded model with every setting at its default (16 MiB messages, no token) and the OpenAI front on a free
+# port, one actor: the OpenAI parameter tests and the hostile-client tests only read from it (each started its own
+# until CI went over its 45-minute bound; a server start is 30-50 s there).
+SHARED_HTTP = SharedServer("--http-port", "0", *ONE_ACTOR)
 
 
 def wait_until_restored(target: str) -> None:

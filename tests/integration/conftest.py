@@ -11,7 +11,7 @@ import pytest
 from expertmesh.experts.reference import load_reference_model
 from tests.session_groups import LastUserStops, group_users
 from tests.shared_ray import SHARED_RAY
-from tests.shared_server import SHARED
+from tests.shared_server import SHARED, SHARED_HTTP
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +38,25 @@ def channel(served):
 @pytest.fixture(scope="session")
 def shared_server(checkpoints):
     """The tiny Mixtral served once for the modules that only need a running server (tests/shared_server.py)."""
-    yield SHARED.get(str(checkpoints["mixtral"]))
+    yield SHARED.get("--model", str(checkpoints["mixtral"]))
     SHARED.stop()
 
 
-_LAST_USER_STOPS = LastUserStops({"shared_server": SHARED.stop, "local_ray": SHARED_RAY.stop})
+@pytest.fixture(scope="session")
+def shared_http_server():
+    """The embedded model served once with the OpenAI front, for modules that only read from it
+    (tests/shared_server.py)."""
+    yield SHARED_HTTP.get()
+    SHARED_HTTP.stop()
+
+
+_LAST_USER_STOPS = LastUserStops({"shared_server": SHARED.stop, "shared_http_server": SHARED_HTTP.stop,
+                                   "local_ray": SHARED_RAY.stop})
 
 
 def pytest_collection_modifyitems(config, items):
     group_users(items, "shared_server")
+    group_users(items, "shared_http_server")
     group_users(items, "local_ray")
 
 

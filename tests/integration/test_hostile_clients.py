@@ -34,7 +34,6 @@ from expertmesh.ops.cli import main
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc, kserve_v2_pb2, kserve_v2_pb2_grpc
 from tests.hostile_http import BODY_ERRORS, NOT_HTTP, PARSER_ERRORS, send_raw
-from tests.served import ONE_ACTOR, start_server
 from tests.traffic import wait_for
 
 TOL = 1e-4
@@ -43,11 +42,10 @@ BIG = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_l
 
 
 @pytest.fixture(scope="module")
-def served():
-    # The embedded model, every setting at its default (16 MiB messages), and the HTTP front on a free port.
-    server = start_server("--http-port", "0", *ONE_ACTOR)
-    yield server
-    assert server.stop() == 0, server.log()
+def served(shared_http_server):
+    # The embedded model, every setting at its default (16 MiB messages), and the HTTP front on a free port: shared
+    # with the OpenAI parameter tests (tests/shared_server.py).
+    return shared_http_server
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,6 @@ from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
 from expertmesh.router_service.batching import GenerationRequest
 from expertmesh.router_service.sampling import SamplingParams, adjust_logits, sample_next
-from tests.served import ONE_ACTOR, server_on_own_ray
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra (pip install -e '.[test]')")
 
@@ -44,9 +43,8 @@ PROMPT = "The river"  # its greedy continuation repeats tokens, so every penalty
 
 
 @pytest.fixture(scope="module")
-def served():
-    with server_on_own_ray("--http-port", "0", *ONE_ACTOR) as server:
-        yield server
+def served(shared_http_server):
+    return shared_http_server  # the embedded model with the OpenAI front, shared (tests/shared_server.py)
 
 
 @pytest.fixture(scope="module")

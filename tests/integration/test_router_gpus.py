@@ -98,7 +98,9 @@ def test_serve_refusing_exits_with_the_line(node8, checkpoints):
     assert _expert_actors() == []
 
 
-@pytest.mark.parametrize("routers", [1, 2])
+# Two replicas, not also one: each must hold a GPU of its own beside the experts' (the one-replica run this replaced
+# checked a subset of that, for 45 s of CI).
+@pytest.mark.parametrize("routers", [2])
 def test_serve_with_router_gpus_on_one_eight_gpu_node(node8, checkpoints, expected, routers):
     server = start_server(*FAKE_GPU_FLAGS, "--address", node8.address, "--model", str(checkpoints["mixtral"]),
                           "--router-gpus", "1", "--router-replicas", str(routers))

@@ -84,9 +84,14 @@ def test_the_readme_keeps_its_first_screen_and_ci_runs_its_test_command():
     readme = (REPO / "README.md").read_text()
     first_screen = "\n".join(readme.splitlines()[:25])
     assert 'bash ops/setup.sh && bash ops/quickstart.sh "def parse(self, text):"' in first_screen
-    assert "bash ops/setup.sh && .venv/bin/pytest" in first_screen
+    assert "bash ops/setup.sh && bash ops/test.sh" in first_screen
     ci = (REPO / ".ci" / "run").read_text()
-    assert "bash ops/setup.sh" in ci and ".venv/bin/pytest" in ci
+    assert "bash ops/setup.sh" in ci and "bash ops/test.sh" in ci
+    runs = (REPO / "ops" / "test.sh").read_text()
+    assert ".venv/bin/pytest tests/unit -n auto" in runs and ".venv/bin/pytest tests/integration tests/gpu" in runs
+    # Between them, the two runs collect every test folder (a new one would be missed by both).
+    assert {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "unit", "integration", "gpu"}
     assert "mkdocs build --strict" in ci
 
 
