@@ -1,6 +1,6 @@
 """Each entry point takes the one configuration tree: a setting from a config file (and a flag over it) reaches a
 served expertmesh started from the command line. The Serve YAML path is tests/integration/test_serve_config.py,
-the drill's tests/unit/test_drill_report.py (serve_args) and tests/integration/test_drill.py, the Python API's
+the drill's tests/unit/test_drill_report.py (serve_args) and tests/integration/test_drill_scale.py, the Python API's
 every ExpertMesh test."""
 
 from __future__ import annotations
