@@ -26,7 +26,7 @@ from ray import serve
 
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.protos import inference_pb2_grpc
-from tests.served import router_replicas, server_on_own_ray
+from tests.served import ONE_ACTOR, router_replicas, server_on_own_ray
 from tests.traffic import StreamsInFlight, wait_for
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59, 4], [1, 41, 42, 13, 56, 23]]
@@ -60,7 +60,8 @@ def with_word_tokenizer(source: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def served(checkpoints, tmp_path_factory):
     model = with_word_tokenizer(checkpoints["mixtral"], tmp_path_factory.mktemp("resume") / "mixtral-words")
-    with server_on_own_ray("--model", str(model), "--router-replicas", "2", "--http-port", "0") as server:
+    with server_on_own_ray(*ONE_ACTOR, "--model", str(model), "--router-replicas", "2",
+                           "--http-port", "0") as server:
         yield server
 
 

@@ -18,7 +18,7 @@ from expertmesh.experts.reference import load_reference_model
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.router_service.shedding import ShedConfig, ShedPolicy, apply_shed
-from tests.served import start_server
+from tests.served import ONE_ACTOR, start_server
 from tests.tiny_checkpoints import write_direct_mixtral
 
 PROMPT = [5, 17, 29, 41, 53, 3, 77, 12, 90, 64, 8, 31]
@@ -28,8 +28,9 @@ SHED = ShedConfig(enabled=True, replica_tokens_per_step=6, window_s=0.0, off_thr
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model = write_direct_mixtral(tmp_path_factory.mktemp("served_shed") / "model", seed=5)
-    server = start_server("--model", str(model), "--no-controller", "--shed-overload", "--shed-capacity", "6",
-                          "--shed-window-s", "0", "--shed-off-threshold", "0.95", "--shed-off-window-s", "0")
+    server = start_server(*ONE_ACTOR, "--model", str(model), "--no-controller", "--shed-overload",
+                          "--shed-capacity", "6", "--shed-window-s", "0", "--shed-off-threshold", "0.95",
+                          "--shed-off-window-s", "0")
     server.model_dir = model
     yield server
     assert server.stop() == 0, server.log()
