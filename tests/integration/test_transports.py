@@ -205,27 +205,36 @@ def test_killing_an_actor_under_the_compiled_graph_fails_over_then_rebuilds(rout
     assert transport.compiled_rounds > rounds
 
 
-@pytest.mark.parametrize(("name", "victim"), [("grpc", "expert-e1-r0"), ("socket", "expert-e2-r0")])
-def test_grpc_and_socket_transports_reconnect_after_a_restore(routers, expected, name, victim):
-    router = routers[name]
-    transport: GrpcTransport | SocketTransport = router.transport
-    assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
-    old = transport.connections[victim]
-    kill_and_wait(victim)
-    assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
-    assert victim in router.backend.dead  # a refused/reset connection was reported as Ray's actor death
+def test_grpc_and_socket_transports_reconnect_after_a_restore(routers, expected):
+    # One victim per transport, killed together so their restores overlap (each is an actor process importing torch:
+    # the two waits one after another were ~40 s each on CI).
+    victims = {"grpc": "expert-e1-r0", "socket": "expert-e2-r0"}
+    old = {}
+    for name, victim in victims.items():
+        assert routers[name].generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
+        old[name] = routers[name].transport.connections[victim]
+    for victim in victims.values():
+        kill_and_wait(victim)
+    for name, victim in victims.items():
+        router = routers[name]
+        assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
+        assert victim in router.backend.dead  # a refused/reset connection was reported as Ray's actor death
 
-    def reconnected() -> bool:
-        assert router.generate(token_ids=PROMPT, max_tokens=2).token_ids == expected[:2]
-        conn = transport.connections.get(victim)
-        return not router.backend.dead and conn is not None and conn.actor_id != old.actor_id
+    for name, victim in victims.items():
+        router, transport = routers[name], routers[name].transport
+        wait_for(lambda r=router, v=victim, o=old[name]: _reconnected(r, v, o.actor_id, expected), 90,
+                 f"the {name} transport to dial the restored actor", every=0.2)
+        new = transport.connections[victim]
+        assert new.actor_id == ray.get_actor(victim, namespace=NAMESPACE)._actor_id
+        calls = ray.get(ray.get_actor(victim, namespace=NAMESPACE).info.remote())["calls"]
+        assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
+        assert ray.get(ray.get_actor(victim, namespace=NAMESPACE).info.remote())["calls"] >= calls
 
-    wait_for(reconnected, 90, f"the {name} transport to dial the restored actor", every=0.2)
-    new = transport.connections[victim]
-    assert new.actor_id == ray.get_actor(victim, namespace=NAMESPACE)._actor_id
-    calls = ray.get(ray.get_actor(victim, namespace=NAMESPACE).info.remote())["calls"]
-    assert router.generate(token_ids=PROMPT, max_tokens=MAX_TOKENS).token_ids == expected
-    assert ray.get(ray.get_actor(victim, namespace=NAMESPACE).info.remote())["calls"] >= calls
+
+def _reconnected(router, victim: str, old_actor_id, expected: list[int]) -> bool:
+    assert router.generate(token_ids=PROMPT, max_tokens=2).token_ids == expected[:2]
+    conn = router.transport.connections.get(victim)
+    return not router.backend.dead and conn is not None and conn.actor_id != old_actor_id
 
 
 def test_rdt_fails_over_under_traffic_and_reads_from_the_restored_replica(routers, expected):
