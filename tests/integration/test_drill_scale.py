@@ -68,7 +68,7 @@ def test_chaos_on_four_nodes_loses_no_request(tmp_path, checkpoints):
     report = _drill(["--kill", "chaos", "--model", str(checkpoints["mixtral"]), "--nodes", "3", "--node-cpus", "2",
                      "--expert-layout", "per-expert",
                      "--replicas-per-expert", "2", "--every", "6", "--duration", "12", "--baseline", "6",
-                     "--concurrency", "4", "--fraction", "0.1", "--sample-every", "1", "--settle", "120"],
+                     "--concurrency", "4", "--fraction", "0.1", "--sample-every", "1", "--settle", "60"],
                     tmp_path / "chaos",
                     timeout_s=900)
     _assert_no_request_lost(report)
