@@ -116,3 +116,16 @@ def test_the_view_lists_live_claims_with_their_age():
 def test_claim_ttl_must_be_a_positive_finite_number(ttl):
     with pytest.raises(ValueError, match="claim_ttl_s"):
         ControllerConfig(claim_ttl_s=ttl).validate()
+
+
+def test_expertmesh_status_shows_the_live_claims_only_while_there_are_some():
+    from expertmesh.ops.commands.status import status_lines
+    from expertmesh.protos import admin_pb2
+
+    def claims_lines(count: int) -> list[str]:
+        state = admin_pb2.ClusterState(model="m", router=admin_pb2.RouterStats(), placement_claims=count)
+        return [line for line in status_lines(state) if line.startswith("placements starting")]
+
+    assert claims_lines(0) == []
+    assert claims_lines(2) == ["placements starting: 2 planned actors not yet in Ray's free table (counted as used "
+                               "by the controller's plans)"]
