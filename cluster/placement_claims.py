@@ -33,7 +33,7 @@ until the first of:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from .actor_slots import ActorSlot
@@ -58,6 +58,9 @@ class Claim:
     # own share. None: the plan read no table (a remap given its slots): only release or the deadline end it.
     seen_free: tuple[float, float] | None = None
     ahead: tuple[float, float] = (0.0, 0.0)
+    # The actor restarts on the node it last ran on, in the share its dead incarnation gave back: it takes no room
+    # another lost actor's own share could be, so it does not stop their in-place restores (NodeRoom.claimed_cpus).
+    reuses_share: bool = False
 
 
 class ClaimLedger:
@@ -75,10 +78,11 @@ class ClaimLedger:
     def __contains__(self, name: str) -> bool:
         return name in self._claims
 
-    def claim(self, slots: Iterable[ActorSlot], rooms: Sequence[NodeRoom] | None, by: str) -> list[str]:
+    def claim(self, slots: Iterable[ActorSlot], rooms: Sequence[NodeRoom] | None, by: str,
+              reuse: Collection[str] = ()) -> list[str]:
         """Claim each slot's share on its node. rooms: the raw free table (not netted) the plan read, or None when it
-        read none. -> the names newly claimed (a name already claimed keeps its first claim; a slot that reserves
-        nothing is not claimed)."""
+        read none; reuse: the names restarting on the node they last ran on. -> the names newly claimed (a name
+        already claimed keeps its first claim; a slot that reserves nothing is not claimed)."""
         seen = {r.node_id: (r.free_cpus, r.free_gpus) for r in rooms} if rooms is not None else None
         now, made = self.clock(), []
         for slot in slots:
@@ -87,7 +91,7 @@ class ClaimLedger:
             ahead = self._claimed_on(slot.node_id)  # live claims there; the plan netted them from what it read
             free = seen.get(slot.node_id) if seen is not None else None
             self._claims[slot.name] = Claim(slot.name, slot.node_id, float(slot.num_cpus), float(slot.num_gpus), now,
-                                            by, free, ahead)
+                                            by, free, ahead, slot.name in reuse)
             made.append(slot.name)
         return made
 
@@ -124,11 +128,17 @@ class ClaimLedger:
 
     def net(self, rooms: Sequence[NodeRoom]) -> list[NodeRoom]:
         """The free room a plan should read: `rooms` (the raw free table) after expiring and reconciling the claims,
-        less every live claim on each node (may go below 0: a node is claimed past what Ray shows free)."""
+        less every live claim on each node (may go below 0: a node is claimed past what Ray shows free), with what
+        the claims of actors new to the node hold in claimed_cpus/claimed_gpus (a lost actor's own node is then no
+        sure place for it)."""
         self.expire()
         self.reconcile(rooms)
-        return [replace(r, free_cpus=r.free_cpus - used[0], free_gpus=r.free_gpus - used[1])
-                if (used := self._claimed_on(r.node_id)) != (0.0, 0.0) else r for r in rooms]
+        out = []
+        for r in rooms:
+            used, new = self._claimed_on(r.node_id), self._claimed_on(r.node_id, reused=False)
+            out.append(replace(r, free_cpus=r.free_cpus - used[0], free_gpus=r.free_gpus - used[1],
+                               claimed_cpus=new[0], claimed_gpus=new[1]) if used != (0.0, 0.0) else r)
+        return out
 
     def view(self) -> dict:
         """For the controller's state: {"live": count, "claims": [{name, node_id, cpus, gpus, by, age_s}], "ended":
@@ -140,7 +150,8 @@ class ClaimLedger:
                                                                                  key=lambda c: c.name)],
                 "ended": dict(self.ended)}
 
-    def _claimed_on(self, node_id: str) -> tuple[float, float]:
-        cpus = sum(c.cpus for c in self._claims.values() if c.node_id == node_id)
-        gpus = sum(c.gpus for c in self._claims.values() if c.node_id == node_id)
-        return cpus, gpus
+    def _claimed_on(self, node_id: str, reused: bool | None = None) -> tuple[float, float]:
+        """The claims on node_id (reused False: only those of actors new to it)."""
+        mine = [c for c in self._claims.values()
+                if c.node_id == node_id and (reused is None or c.reuses_share == reused)]
+        return sum(c.cpus for c in mine), sum(c.gpus for c in mine)

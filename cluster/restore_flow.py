@@ -104,7 +104,8 @@ class RestoreFlow:
             log.exception("restore re-plan failed")
             raw, plan = None, RestorePlan(full={n: self.reg.slot_of(n) for n in names})
         # Claimed before the first await, so a plan that runs while these start sees them.
-        claims.claim(plan.full.values(), raw, by="restore")
+        home = {n for n, s in plan.full.items() if s.node_id == self.reg.node_of(n)}  # restarting in their own share
+        claims.claim(plan.full.values(), raw, by="restore", reuse=home)
         claims.claim((s.slot for s in plan.stand_ins.values()), raw, by="stand_in")
         restores = [self.restore(n, plan.full[n]) for n in names if n in plan.full]
         if plan.displaced:

@@ -195,3 +195,48 @@ def test_the_moved_back_actors_are_claimed_until_they_are_up():
 
     asyncio.run(run())
     assert "moved_back" in kinds(history) and len(reg.claims) == 0
+
+
+def test_an_in_place_restore_does_not_go_home_when_another_plan_took_its_returned_share():
+    """The CI chaos drill's known gap: a node's re-plan put a lost actor into the share another actor's death gave
+    back on a survivor; that actor's in-place restore (its own node: a share assumed to come back) then waited
+    PENDING. Its own node holds a claim now, so it must fit there by what is left, like anywhere else."""
+    rooms = [NodeRoom("a", 1.0), NodeRoom("b", 1.0)]  # a: e0-r0's share, free since it was killed
+    reg, ops, history, _, flow, _ = setup(rooms)
+    reg.nodes["expert-e0-r0"] = "a"
+    ops.held = {"expert-e1-r0", "expert-e0-r0"}
+
+    async def run():
+        node_plan = asyncio.create_task(flow.restore_lost(["expert-e1-r0"]))  # the node watch's re-plan: onto a
+        await until(lambda: any(e[:2] == ("spawn", "expert-e1-r0") for e in ops.log))
+        reg.lost.add("expert-e0-r0")
+        reg.restoring.add("expert-e0-r0")
+        in_place = asyncio.create_task(flow.restore_lost(["expert-e0-r0"]))  # the probe pass finds e0-r0 gone
+        await until(lambda: any(e[:2] == ("spawn", "expert-e0-r0") for e in ops.log))
+        ops.gate.set()
+        await asyncio.gather(node_plan, in_place)
+
+    asyncio.run(run())
+    assert ("spawn", "expert-e1-r0", "a", 1, True) in ops.log
+    assert ("spawn", "expert-e0-r0", "b", 1, True) in ops.log  # without the claim check: home, a, oversubscribed
+
+
+def test_two_in_place_restores_on_one_node_both_go_home():
+    """Claims of actors restarting in their own returned share do not take another's: both still restart at home,
+    even though the free table (not caught up) shows no room there."""
+    reg, ops, history, _, flow, _ = setup([NodeRoom("a", 0.0)])
+    for name in ("expert-e1-r0", "expert-e2-r0"):
+        reg.nodes[name] = "a"  # killed in place on a, found by two passes
+    ops.held = {"expert-e1-r0", "expert-e2-r0"}
+
+    async def run():
+        first = asyncio.create_task(flow.restore_lost(["expert-e1-r0"]))
+        await until(lambda: any(e[:2] == ("spawn", "expert-e1-r0") for e in ops.log))
+        second = asyncio.create_task(flow.restore_lost(["expert-e2-r0"]))
+        await until(lambda: any(e[:2] == ("spawn", "expert-e2-r0") for e in ops.log))
+        assert [c["by"] for c in reg.claims.view()["claims"]] == ["restore", "restore"]
+        ops.gate.set()
+        await asyncio.gather(first, second)
+
+    asyncio.run(run())
+    assert spawned_cpus(ops) == {"a": 2.0} and "restore_replanned" not in kinds(history)

@@ -129,3 +129,11 @@ def test_expertmesh_status_shows_the_live_claims_only_while_there_are_some():
     assert claims_lines(0) == []
     assert claims_lines(2) == ["placements starting: 2 planned actors not yet in Ray's free table (counted as used "
                                "by the controller's plans)"]
+
+
+def test_net_tells_apart_the_claims_of_actors_new_to_a_node_from_those_restarting_in_their_own_share():
+    ledger = ClaimLedger(ttl_s=10.0, clock=Clock())
+    ledger.claim([slot("home", "a", 1.0), slot("new", "a", 0.5, 0.5)], None, by="restore", reuse={"home"})
+    (room,) = ledger.net([NodeRoom("a", 2.0, 1.0, True)])
+    assert (room.free_cpus, room.free_gpus) == (0.5, 0.5)  # both count against the free room
+    assert (room.claimed_cpus, room.claimed_gpus) == (0.5, 0.5)  # only the new one may have taken a returned share
