@@ -32,6 +32,7 @@ until the first of:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -64,12 +65,14 @@ class Claim:
 
 
 class ClaimLedger:
-    """The live claims, by actor name (one per actor: a second claim for the same name keeps the first)."""
+    """The live claims, by actor name (one per actor: a second claim for the same name keeps the first). Thread-safe:
+    the controller's elastic loop remaps from its own thread and event loop while the watch restores on another."""
 
     def __init__(self, ttl_s: float = DEFAULT_CLAIM_TTL_S, clock: Callable[[], float] = time.monotonic):
         assert ttl_s > 0, "ttl_s must be > 0"
         self.ttl_s, self.clock = ttl_s, clock
         self._claims: dict[str, Claim] = {}
+        self._lock = threading.RLock()
         self.ended: dict[str, int] = {}  # why claims ended, counted: alive, failed, retired, reflected, expired
 
     def __len__(self) -> int:
@@ -83,72 +86,78 @@ class ClaimLedger:
         """Claim each slot's share on its node. rooms: the raw free table (not netted) the plan read, or None when it
         read none; reuse: the names restarting on the node they last ran on. -> the names newly claimed (a name
         already claimed keeps its first claim; a slot that reserves nothing is not claimed)."""
-        seen = {r.node_id: (r.free_cpus, r.free_gpus) for r in rooms} if rooms is not None else None
-        now, made = self.clock(), []
-        for slot in slots:
-            if slot.name in self._claims or (slot.num_cpus <= 0 and slot.num_gpus <= 0):
-                continue  # an unreserved actor (a stand-in on a full node) takes nothing Ray counts
-            ahead = self._claimed_on(slot.node_id)  # live claims there; the plan netted them from what it read
-            free = seen.get(slot.node_id) if seen is not None else None
-            self._claims[slot.name] = Claim(slot.name, slot.node_id, float(slot.num_cpus), float(slot.num_gpus), now,
-                                            by, free, ahead, slot.name in reuse)
-            made.append(slot.name)
-        return made
+        with self._lock:
+            seen = {r.node_id: (r.free_cpus, r.free_gpus) for r in rooms} if rooms is not None else None
+            now, made = self.clock(), []
+            for slot in slots:
+                if slot.name in self._claims or (slot.num_cpus <= 0 and slot.num_gpus <= 0):
+                    continue  # an unreserved actor (a stand-in on a full node) takes nothing Ray counts
+                ahead = self._claimed_on(slot.node_id)  # live claims there; the plan netted them from what it read
+                free = seen.get(slot.node_id) if seen is not None else None
+                self._claims[slot.name] = Claim(slot.name, slot.node_id, float(slot.num_cpus), float(slot.num_gpus),
+                                                now, by, free, ahead, slot.name in reuse)
+                made.append(slot.name)
+            return made
 
     def release(self, name: str, reason: str) -> bool:
         """End `name`'s claim (reason: alive | failed | retired); False when it had none (already ended)."""
-        if self._claims.pop(name, None) is None:
-            return False
-        self.ended[reason] = self.ended.get(reason, 0) + 1
-        return True
+        with self._lock:
+            if self._claims.pop(name, None) is None:
+                return False
+            self.ended[reason] = self.ended.get(reason, 0) + 1
+            return True
 
     def expire(self) -> list[str]:
         """End the claims older than ttl_s. -> their names."""
-        now = self.clock()
-        old = sorted(n for n, c in self._claims.items() if now - c.made_at >= self.ttl_s)
-        for name in old:
-            self.release(name, "expired")
-        return old
+        with self._lock:
+            now = self.clock()
+            old = sorted(n for n, c in self._claims.items() if now - c.made_at >= self.ttl_s)
+            for name in old:
+                self.release(name, "expired")
+            return old
 
     def reconcile(self, rooms: Sequence[NodeRoom]) -> list[str]:
         """End the claims that the raw free table `rooms` shows: on their node, free room has fallen by their share
         and the unseen claims ahead of them since their plan read it. -> their names."""
-        free = {r.node_id: (r.free_cpus, r.free_gpus) for r in rooms}
-        shown = []
-        for name, c in sorted(self._claims.items(), key=lambda kv: (kv[1].made_at, kv[0])):
-            if c.seen_free is None or c.node_id not in free:
-                continue
-            now_cpus, now_gpus = free[c.node_id]
-            if now_cpus <= c.seen_free[0] - c.ahead[0] - c.cpus + _EPS and \
-                    now_gpus <= c.seen_free[1] - c.ahead[1] - c.gpus + _EPS:
-                shown.append(name)
-        for name in shown:
-            self.release(name, "reflected")
-        return shown
+        with self._lock:
+            free = {r.node_id: (r.free_cpus, r.free_gpus) for r in rooms}
+            shown = []
+            for name, c in sorted(self._claims.items(), key=lambda kv: (kv[1].made_at, kv[0])):
+                if c.seen_free is None or c.node_id not in free:
+                    continue
+                now_cpus, now_gpus = free[c.node_id]
+                if now_cpus <= c.seen_free[0] - c.ahead[0] - c.cpus + _EPS and \
+                        now_gpus <= c.seen_free[1] - c.ahead[1] - c.gpus + _EPS:
+                    shown.append(name)
+            for name in shown:
+                self.release(name, "reflected")
+            return shown
 
     def net(self, rooms: Sequence[NodeRoom]) -> list[NodeRoom]:
         """The free room a plan should read: `rooms` (the raw free table) after expiring and reconciling the claims,
         less every live claim on each node (may go below 0: a node is claimed past what Ray shows free), with what
         the claims of actors new to the node hold in claimed_cpus/claimed_gpus (a lost actor's own node is then no
         sure place for it)."""
-        self.expire()
-        self.reconcile(rooms)
-        out = []
-        for r in rooms:
-            used, new = self._claimed_on(r.node_id), self._claimed_on(r.node_id, reused=False)
-            out.append(replace(r, free_cpus=r.free_cpus - used[0], free_gpus=r.free_gpus - used[1],
-                               claimed_cpus=new[0], claimed_gpus=new[1]) if used != (0.0, 0.0) else r)
-        return out
+        with self._lock:
+            self.expire()
+            self.reconcile(rooms)
+            out = []
+            for r in rooms:
+                used, new = self._claimed_on(r.node_id), self._claimed_on(r.node_id, reused=False)
+                out.append(replace(r, free_cpus=r.free_cpus - used[0], free_gpus=r.free_gpus - used[1],
+                                   claimed_cpus=new[0], claimed_gpus=new[1]) if used != (0.0, 0.0) else r)
+            return out
 
     def view(self) -> dict:
         """For the controller's state: {"live": count, "claims": [{name, node_id, cpus, gpus, by, age_s}], "ended":
         {reason: count}}."""
-        now = self.clock()
-        return {"live": len(self._claims),
-                "claims": [{"name": c.name, "node_id": c.node_id, "cpus": c.cpus, "gpus": c.gpus, "by": c.by,
-                            "age_s": round(now - c.made_at, 3)} for c in sorted(self._claims.values(),
-                                                                                 key=lambda c: c.name)],
-                "ended": dict(self.ended)}
+        with self._lock:
+            now = self.clock()
+            return {"live": len(self._claims),
+                    "claims": [{"name": c.name, "node_id": c.node_id, "cpus": c.cpus, "gpus": c.gpus, "by": c.by,
+                                "age_s": round(now - c.made_at, 3)} for c in sorted(self._claims.values(),
+                                                                                     key=lambda c: c.name)],
+                    "ended": dict(self.ended)}
 
     def _claimed_on(self, node_id: str, reused: bool | None = None) -> tuple[float, float]:
         """The claims on node_id (reused False: only those of actors new to it)."""
