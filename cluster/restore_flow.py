@@ -116,18 +116,17 @@ class RestoreFlow:
         """Start `name` again under its own name. slot: where (its normal share on a node with room); None: its own
         slot."""
         reg, started = self.reg, time.time()
-        ended = "failed"  # why its placement claim ends (if Ray's table has not shown it already)
         try:
             generation = reg.generations.get(name, 0) + 1
             handle = await self._spawn_when_name_free(name, slot or reg.slot_of(name), generation)
             info = await self.ops.ready(handle, self.config.restore_timeout_s)  # after warm-up
             if name not in reg.spec.actor_shards or name in reg.drained:
                 # A remap retired (or an operator drained) it while it was coming back: nobody routes to it.
-                ended = "retired"
+                reg.claims.release(name, "retired")
                 self.ops.kill(handle)
                 self.history.event("restore_dropped", name)
                 return
-            ended = "alive"
+            reg.claims.release(name, "alive")  # before the event: whoever sees "restored" sees no claim for it
             reg.seen(name, {**info, "generation": generation})
             reg.epoch += 1
             self.ops.persist()
@@ -136,7 +135,7 @@ class RestoreFlow:
         except Exception as exc:
             self.history.event("restore_failed", name, error=f"{type(exc).__name__}: {exc}"[:500])
         finally:
-            reg.claims.release(name, ended)
+            reg.claims.release(name, "failed")  # no-op once it ended above (or Ray's table showed it)
             reg.restoring.discard(name)
 
     async def _spawn_when_name_free(self, name: str, slot: ActorSlot, generation: int):

@@ -240,3 +240,21 @@ def test_two_in_place_restores_on_one_node_both_go_home():
 
     asyncio.run(run())
     assert spawned_cpus(ops) == {"a": 2.0} and "restore_replanned" not in kinds(history)
+
+
+def test_a_remaps_claim_ends_when_the_free_table_shows_its_actor_still_loading():
+    reg, ops, history, remapper, flow, _ = setup([NodeRoom("a", 2.0)])
+    ops.held = {"expert-e0-r1"}
+    added = {"expert-e0-r1": {"node_id": "a", "num_cpus": 1.0, "num_gpus": 0.0, "gpu_slot": None}}
+
+    async def run():
+        remap = asyncio.create_task(remapper.remap({**PLACEMENT, "expert-e0-r1": [[0, 0]]}, added))
+        await until(lambda: any(e[:2] == ("spawn", "expert-e0-r1") for e in ops.log))
+        ops.room_list = [NodeRoom("a", 1.0)]  # Ray scheduled it; it is still loading its weights
+        await flow.restore_lost(["expert-e1-r0"])  # the 1.0 left is real: restored there, no stand-in
+        ops.gate.set()
+        return await remap
+
+    assert asyncio.run(run())["ok"]
+    assert ("spawn", "expert-e1-r0", "a", 1, True) in ops.log and "restore_replanned" not in kinds(history)
+    assert reg.claims.ended == {"reflected": 1, "alive": 1}
