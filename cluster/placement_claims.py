@@ -75,6 +75,11 @@ class ClaimLedger:
         self._lock = threading.RLock()
         self.ended: dict[str, int] = {}  # why claims ended, counted: alive, failed, retired, reflected, expired
 
+    def planning(self) -> threading.RLock:
+        """Hold it from reading the free table to claiming what was planned from it (`with ledger.planning():`), so
+        a plan on another thread cannot claim in between and go unseen."""
+        return self._lock
+
     def __len__(self) -> int:
         return len(self._claims)
 

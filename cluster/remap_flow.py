@@ -53,12 +53,13 @@ class Remapper:
         # Claimed (if the plan that chose these slots has not claimed them already) until Ray's free table shows
         # each, or it is up or failed, so a restore planned meanwhile does not put its actors into the same room
         # (cluster/placement_claims.py). The table read here is what the claims are later checked against.
-        try:
-            raw = self.ops.rooms()
-            reg.claims.net(raw)  # end the claims this table already shows, so the new ones count only the others
-        except Exception:  # unreadable: the claims then end when the actors are up, fail, or at their deadline
-            raw = None
-        reg.claims.claim((new_slots[n] for n in added), raw, by="remap")
+        with reg.claims.planning():
+            try:
+                raw = self.ops.rooms()
+                reg.claims.net(raw)  # end the claims this table already shows: the new ones count only the others
+            except Exception:  # unreadable: the claims then end when the actors are up, fail, or at their deadline
+                raw = None
+            reg.claims.claim((new_slots[n] for n in added), raw, by="remap")
         handles = {}
         try:
             for name in added:

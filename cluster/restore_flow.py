@@ -95,18 +95,20 @@ class RestoreFlow:
             if not names:
                 return
         claims = self.reg.claims
-        try:
-            # Free room net of what earlier plans placed but Ray does not count yet (cluster/placement_claims.py):
-            # another pass's restores or a remap's new actors, still starting, must not be planned into twice.
-            raw = self.ops.rooms()
-            plan = self.reg.restore_plan(names, claims.net(raw), self.config.stand_in_min_cpus, stand_in_actor_name)
-        except Exception:  # resource tables unreadable: restore as before, Ray places them where it can
-            log.exception("restore re-plan failed")
-            raw, plan = None, RestorePlan(full={n: self.reg.slot_of(n) for n in names})
-        # Claimed before the first await, so a plan that runs while these start sees them.
-        home = {n for n, s in plan.full.items() if s.node_id == self.reg.node_of(n)}  # restarting in their own share
-        claims.claim(plan.full.values(), raw, by="restore", reuse=home)
-        claims.claim((s.slot for s in plan.stand_ins.values()), raw, by="stand_in")
+        with claims.planning():  # no claim from another thread (the elastic loop's remap) between read and claim
+            try:
+                # Free room net of what earlier plans placed but Ray does not count yet (cluster/placement_claims.py):
+                # another pass's restores or a remap's new actors, still starting, must not be planned into twice.
+                raw = self.ops.rooms()
+                plan = self.reg.restore_plan(names, claims.net(raw), self.config.stand_in_min_cpus,
+                                             stand_in_actor_name)
+            except Exception:  # resource tables unreadable: restore as before, Ray places them where it can
+                log.exception("restore re-plan failed")
+                raw, plan = None, RestorePlan(full={n: self.reg.slot_of(n) for n in names})
+            # Claimed before the first await, so a plan that runs while these start sees them.
+            home = {n for n, s in plan.full.items() if s.node_id == self.reg.node_of(n)}  # in their own share
+            claims.claim(plan.full.values(), raw, by="restore", reuse=home)
+            claims.claim((s.slot for s in plan.stand_ins.values()), raw, by="stand_in")
         restores = [self.restore(n, plan.full[n]) for n in names if n in plan.full]
         if plan.displaced:
             restores.append(self.stand_in(plan))
@@ -191,13 +193,14 @@ class RestoreFlow:
         the stand-ins they had go (one live remap). With none displaced any more, the resource request goes."""
         reg, returning = self.reg, {}
         try:
-            raw = self.ops.rooms()
-            back = plan_return(return_groups(reg.displaced), reg.claims.net(raw), reg.live_nodes())
-            if not back:
-                return
-            move = move_back(back, reg.spec.actor_shards, reg.drained, reg.displaced)
-            returning = move.returning
-            reg.claims.claim(returning.values(), raw, by="return")
+            with reg.claims.planning():
+                raw = self.ops.rooms()
+                back = plan_return(return_groups(reg.displaced), reg.claims.net(raw), reg.live_nodes())
+                if not back:
+                    return
+                move = move_back(back, reg.spec.actor_shards, reg.drained, reg.displaced)
+                returning = move.returning
+                reg.claims.claim(returning.values(), raw, by="return")
             result = await self.remapper.remap(move.placement, {n: asdict(s) for n, s in move.returning.items()})
             if not result.get("ok"):
                 return

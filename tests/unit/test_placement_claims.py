@@ -137,3 +137,18 @@ def test_net_tells_apart_the_claims_of_actors_new_to_a_node_from_those_restartin
     (room,) = ledger.net([NodeRoom("a", 2.0, 1.0, True)])
     assert (room.free_cpus, room.free_gpus) == (0.5, 0.5)  # both count against the free room
     assert (room.claimed_cpus, room.claimed_gpus) == (0.5, 0.5)  # only the new one may have taken a returned share
+
+
+def test_no_claim_from_another_thread_lands_between_a_plans_read_and_its_claim():
+    import threading
+
+    ledger = ClaimLedger(ttl_s=10.0, clock=Clock())
+    other = threading.Thread(target=lambda: ledger.claim([slot("elastic", "a")], None, by="remap"))
+    with ledger.planning():
+        before = ledger.net([NodeRoom("a", 1.0)])
+        other.start()
+        other.join(timeout=0.2)
+        assert other.is_alive() and len(ledger) == 0  # the elastic loop's remap waits for this plan's claim
+        ledger.claim([slot("restored", "a")], before, by="restore")
+    other.join(timeout=5)
+    assert not other.is_alive() and len(ledger) == 2
