@@ -22,10 +22,15 @@ until the first of:
     a release path not taken). While a stale claim lives it makes its node look fuller than it is, and a plan may then
     make a stand-in that was not needed; the deadline bounds how long that can happen.
 
+A lost actor restarting on the node it last ran on is planned there without checking free room (its dead share comes
+back there); `net` also reports what claims of actors *new* to a node hold (NodeRoom.claimed_cpus), and while there
+are any, the restart must fit in what is left like anywhere else: such a plan may have taken that returned share.
+
     ledger = ClaimLedger(ttl_s=10.0)
-    rooms = ledger.net(raw_rooms)            # expire + reconcile against raw_rooms, then subtract live claims
-    plan = plan_restore(..., rooms, ...)
-    ledger.claim(planned_slots, raw_rooms, by="restore")
+    with ledger.planning():                  # no other thread's claim between this read and this claim
+        rooms = ledger.net(raw_rooms)        # expire + reconcile against raw_rooms, then subtract live claims
+        plan = plan_restore(..., rooms, ...)
+        ledger.claim(planned_slots, raw_rooms, by="restore", reuse=restarting_at_home)
     ...
     ledger.release(name, "alive")
 """
