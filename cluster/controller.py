@@ -40,6 +40,7 @@ from .controller_config import ControllerConfig
 from .controller_placement import ControllerPlacement, choose_controller_placement
 from .controller_record import clear_record, load_record
 from .elastic import ElasticConfig, ElasticState
+from .placement_claims import ClaimLedger
 from .pool_spec import PoolSpec
 from .ray_ops import RayActorOps, alive_nodes
 from .remap_flow import Remapper
@@ -62,7 +63,8 @@ class Controller:
         self.reservation = RouterReservation.from_dict(reservation)
         self.config = (config or ControllerConfig()).validate()
         record, self.restarted = load_record(spec.mesh_id)  # restarted: a previous incarnation left a record
-        self.reg = ReplicaRegistry.resume(spec, slots, read_table(spec.mesh_id), record)
+        self.reg = ReplicaRegistry.resume(spec, slots, read_table(spec.mesh_id), record,
+                                          ClaimLedger(self.config.claim_ttl_s))
         self.routers = RouterReports()
         self.history = ActivityLog()
         self.ops = RayActorOps(self.reg, self.reservation)
@@ -127,6 +129,9 @@ class Controller:
             "requested_gpus": reg.requested_gpus,
             "displaced": reg.displaced_view(),
             "restore_request": list(reg.restore_request),
+            # Placements planned but not yet counted by Ray (cluster/placement_claims.py): live count, each claim,
+            # and how the ended ones ended.
+            "claims": reg.claims.view(),
         }
 
     async def report_load(self, router_id: str, snapshot: dict) -> None:

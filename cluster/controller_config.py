@@ -28,13 +28,20 @@ class ControllerConfig:
     # How often the controller reads Ray's node table: actors on a node Ray calls dead are restored at once, not
     # after their probes time out (cluster/node_loss.py). 0: off (probes only).
     node_poll_s: float = 0.5
+    # How long a planned placement counts against its node's free room at most (cluster/placement_claims.py): it
+    # ends sooner when Ray's free table shows the actor, when it is up, fails or is retired. Long enough for Ray to
+    # schedule an actor and report its node's new free room (about a second; several on a loaded machine); a claim
+    # Ray never shows (the actor landed elsewhere) makes its node look fuller than it is for this long.
+    claim_ttl_s: float = 10.0
     elastic: ElasticConfig | None = None  # rebalancing / autoscaling from load (README: Elasticity); None: off
 
     def validate(self) -> ControllerConfig:
         for name in ("check_interval_s", "ping_timeout_s", "restore_timeout_s", "drain_timeout_s", "router_ttl_s",
-                     "stand_in_min_cpus", "return_check_s"):
+                     "stand_in_min_cpus", "return_check_s", "claim_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.claim_ttl_s == float("inf"):  # a claim that never expires could keep a node looking full for good
+            raise ValueError(f"claim_ttl_s: must be finite, got {self.claim_ttl_s}")
         if self.placement not in CONTROLLER_PLACEMENTS:
             raise ValueError(f"placement: must be one of {CONTROLLER_PLACEMENTS}, got {self.placement!r}")
         for name in ("num_cpus", "node_poll_s"):

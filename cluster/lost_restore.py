@@ -5,8 +5,9 @@ free. When no live node has it (every share is given out, as after a node loss o
 re-plans the lost shards onto the survivors instead:
 
   1. an actor that fits somewhere at its normal share is restored as usual (`full`): on its own node while that is
-     alive (Ray gives a dead actor's share back to its node, even if the free table does not show it yet), else on a
-     node with that much free;
+     alive (Ray gives a dead actor's share back to its node, even if the free table does not show it yet) and no
+     other plan's placement claim is on it (one may have taken that share: then its own node must show the room
+     like any other), else on a node with that much free;
   2. an actor all of whose shards still have a live replica elsewhere waits for capacity (`deferred`): the shard runs
      with fewer replicas for a while, which costs nothing but headroom;
   3. every other lost actor gets a stand-in on a survivor: a new actor hosting its shards with a smaller share of
@@ -44,6 +45,11 @@ class NodeRoom:
     free_cpus: float
     free_gpus: float = 0.0
     has_gpus: bool = False  # the node declares GPUs at all (a GPU slot never goes to a node without)
+    # What live placement claims of actors new to this node hold there, already taken out of free_* (with the claims
+    # of actors restarting in their own share: cluster/placement_claims.py). Such a plan may have put its actor into
+    # a lost actor's returned share, so the lost actor's own node is no longer sure to have room for it.
+    claimed_cpus: float = 0.0
+    claimed_gpus: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,14 +162,19 @@ def plan_return(displaced: Mapping[str, Sequence[LostActor]], rooms: Sequence[No
 
 def _place_full(actors: Sequence[LostActor], rooms: Sequence[NodeRoom], free: dict[str, list[float]],
                 hosted: dict[str, set], home_fits: bool) -> dict[str, ActorSlot]:
-    """Each actor that fits somewhere at its normal share: with home_fits, on its own node while that is alive (the
-    share it held comes back there; `free` may go below 0 until Ray's table shows it), else on the fitting node with
-    no replica of its shards if any, then the most free CPU; `free` and `hosted` are updated in place."""
+    """Each actor that fits somewhere at its normal share: with home_fits, on its own node while that is alive and
+    unclaimed (the share it held comes back there; `free` may go below 0 until Ray's table shows it), else on the
+    fitting node with no replica of its shards if any, then the most free CPU; `free` and `hosted` are updated in
+    place."""
     placed = {}
     alive = {r.node_id: r for r in rooms}
     for actor in actors:
         slot = actor.slot
         home = alive.get(slot.node_id) if home_fits else None
+        if home is not None and (home.claimed_cpus > _EPS or home.claimed_gpus > _EPS):
+            # A plan made since it died may have put an actor into its returned share (the CI chaos drill: the
+            # node's re-plan took it and this in-place restore then waited PENDING): fit by what is left instead.
+            home = None
         fits = [home] if home is not None and (slot.num_gpus <= 0 or home.has_gpus) else [
             r for r in rooms if free[r.node_id][0] + _EPS >= slot.num_cpus
             and (slot.num_gpus <= 0 or (r.has_gpus and free[r.node_id][1] + _EPS >= slot.num_gpus))]

@@ -50,13 +50,30 @@ class Remapper:
         added, retired = change.added, change.retired
         started = self.clock()
         new_slots = {n: ActorSlot(**{**slots[n], "name": n}) for n in added}  # the key names the actor
+        # Claimed (if the plan that chose these slots has not claimed them already) until Ray's free table shows
+        # each, or it is up or failed, so a restore planned meanwhile does not put its actors into the same room
+        # (cluster/placement_claims.py). The table read here is what the claims are later checked against.
+        with reg.claims.planning():
+            try:
+                raw = self.ops.rooms()
+                reg.claims.net(raw)  # end the claims this table already shows: the new ones count only the others
+            except Exception:  # unreadable: the claims then end when the actors are up, fail, or at their deadline
+                raw = None
+            reg.claims.claim((new_slots[n] for n in added), raw, by="remap")
         handles = {}
-        for name in added:
-            reg.slots[name] = new_slots[name]
-            handles[name] = self.ops.spawn(new_slots[name], target_spec, 0, soft)
+        try:
+            for name in added:
+                reg.slots[name] = new_slots[name]
+                handles[name] = self.ops.spawn(new_slots[name], target_spec, 0, soft)
+        except Exception:  # Ray refused one: its claim, and those of the ones not started, must not linger
+            for name in added:
+                reg.claims.release(name, "failed")
+            raise
         infos = await asyncio.gather(*(self.ops.ready(h, self.config.restore_timeout_s) for h in handles.values()),
                                      return_exceptions=True)
         failed = {n: i for n, i in zip(handles, infos) if isinstance(i, BaseException)}
+        for name in added:
+            reg.claims.release(name, "failed" if failed else "alive")  # a failed remap kills every one it started
         if failed:
             for name, handle in handles.items():
                 self.ops.kill(handle)
@@ -80,6 +97,7 @@ class Remapper:
         for name in retired:
             self.ops.kill_named(name)
             reg.slots.pop(name, None)
+            reg.claims.release(name, "retired")  # an actor still starting for a restore when this retired it
             self.history.event("retired", name, epoch=epoch)
         return {"ok": True, "epoch": epoch, "added": added, "retired": retired, "ready_s": ready_s,
                 "switch_s": round(self.clock() - started - ready_s, 3), "routers_behind": behind}

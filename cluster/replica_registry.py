@@ -15,12 +15,14 @@ from dataclasses import asdict, replace
 from .actor_slots import ActorSlot
 from .controller_record import ControllerRecord
 from .lost_restore import LostActor, NodeRoom, RestorePlan, plan_restore
+from .placement_claims import ClaimLedger
 from .pool_spec import PoolSpec
 from .routing_table import Shard
 
 
 class ReplicaRegistry:
-    def __init__(self, spec: PoolSpec, slots: dict[str, ActorSlot], record: ControllerRecord | None = None):
+    def __init__(self, spec: PoolSpec, slots: dict[str, ActorSlot], record: ControllerRecord | None = None,
+                 claims: ClaimLedger | None = None):
         record = record or ControllerRecord()
         self.spec = spec  # replaced (not mutated) when the placement changes
         self.slots = dict(slots)
@@ -36,17 +38,20 @@ class ReplicaRegistry:
         self.stand_in_serial = record.stand_in_serial
         self.restore_request: list[dict] = list(record.restore_request)  # bundles asked for the displaced actors
         self.requested_gpus = 0  # one-GPU bundles the elastic loop asked Ray's autoscaler for (not persisted)
+        # Planned placements Ray does not count yet (cluster/placement_claims.py); not persisted: a new incarnation
+        # plans from Ray's table, and a claim outlives its plan by at most claim_ttl_s anyway.
+        self.claims = claims if claims is not None else ClaimLedger()
 
     @classmethod
     def resume(cls, spec: PoolSpec, slots: Sequence[ActorSlot], published: dict | None,
-               record: ControllerRecord) -> ReplicaRegistry:
+               record: ControllerRecord, claims: ClaimLedger | None = None) -> ReplicaRegistry:
         """The state a (re)started controller begins with: its first arguments, overridden by the last published
         table (Ray restarts a crashed controller with its first arguments; the placement may have changed since)."""
         by_name = {s.name: s for s in slots}
         if published is not None:
             spec = spec.with_actor_shards(published["actor_shards"])
             by_name.update({name: ActorSlot(**slot) for name, slot in published["slots"].items()})
-        return cls(spec, by_name, record)
+        return cls(spec, by_name, record, claims)
 
     def record(self) -> ControllerRecord:
         return ControllerRecord(self.epoch, set(self.drained), self.displaced, self.stand_in_serial,

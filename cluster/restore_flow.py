@@ -94,11 +94,21 @@ class RestoreFlow:
             names = [n for n in names if n not in retired]
             if not names:
                 return
-        try:
-            plan = self.reg.restore_plan(names, self.ops.rooms(), self.config.stand_in_min_cpus, stand_in_actor_name)
-        except Exception:  # resource tables unreadable: restore as before, Ray places them where it can
-            log.exception("restore re-plan failed")
-            plan = RestorePlan(full={n: self.reg.slot_of(n) for n in names})
+        claims = self.reg.claims
+        with claims.planning():  # no claim from another thread (the elastic loop's remap) between read and claim
+            try:
+                # Free room net of what earlier plans placed but Ray does not count yet (cluster/placement_claims.py):
+                # another pass's restores or a remap's new actors, still starting, must not be planned into twice.
+                raw = self.ops.rooms()
+                plan = self.reg.restore_plan(names, claims.net(raw), self.config.stand_in_min_cpus,
+                                             stand_in_actor_name)
+            except Exception:  # resource tables unreadable: restore as before, Ray places them where it can
+                log.exception("restore re-plan failed")
+                raw, plan = None, RestorePlan(full={n: self.reg.slot_of(n) for n in names})
+            # Claimed before the first await, so a plan that runs while these start sees them.
+            home = {n for n, s in plan.full.items() if s.node_id == self.reg.node_of(n)}  # in their own share
+            claims.claim(plan.full.values(), raw, by="restore", reuse=home)
+            claims.claim((s.slot for s in plan.stand_ins.values()), raw, by="stand_in")
         restores = [self.restore(n, plan.full[n]) for n in names if n in plan.full]
         if plan.displaced:
             restores.append(self.stand_in(plan))
@@ -114,9 +124,11 @@ class RestoreFlow:
             info = await self.ops.ready(handle, self.config.restore_timeout_s)  # after warm-up
             if name not in reg.spec.actor_shards or name in reg.drained:
                 # A remap retired (or an operator drained) it while it was coming back: nobody routes to it.
+                reg.claims.release(name, "retired")
                 self.ops.kill(handle)
                 self.history.event("restore_dropped", name)
                 return
+            reg.claims.release(name, "alive")  # before the event: whoever sees "restored" sees no claim for it
             reg.seen(name, {**info, "generation": generation})
             reg.epoch += 1
             self.ops.persist()
@@ -125,6 +137,7 @@ class RestoreFlow:
         except Exception as exc:
             self.history.event("restore_failed", name, error=f"{type(exc).__name__}: {exc}"[:500])
         finally:
+            reg.claims.release(name, "failed")  # no-op once it ended above (or Ray's table showed it)
             reg.restoring.discard(name)
 
     async def _spawn_when_name_free(self, name: str, slot: ActorSlot, generation: int):
@@ -171,17 +184,23 @@ class RestoreFlow:
         except Exception as exc:
             self.history.event("restore_failed", ",".join(displaced), error=f"{type(exc).__name__}: {exc}"[:500])
         finally:
+            for name in plan.stand_ins:  # the remap ended them (alive or failed) unless it never started them
+                reg.claims.release(name, "failed")
             reg.restoring.difference_update(displaced)
 
     async def return_displaced(self) -> None:
         """Displaced actors that fit at their normal share now (a node joined) start again under their own names;
         the stand-ins they had go (one live remap). With none displaced any more, the resource request goes."""
-        reg = self.reg
+        reg, returning = self.reg, {}
         try:
-            back = plan_return(return_groups(reg.displaced), self.ops.rooms(), reg.live_nodes())
-            if not back:
-                return
-            move = move_back(back, reg.spec.actor_shards, reg.drained, reg.displaced)
+            with reg.claims.planning():
+                raw = self.ops.rooms()
+                back = plan_return(return_groups(reg.displaced), reg.claims.net(raw), reg.live_nodes())
+                if not back:
+                    return
+                move = move_back(back, reg.spec.actor_shards, reg.drained, reg.displaced)
+                returning = move.returning
+                reg.claims.claim(returning.values(), raw, by="return")
             result = await self.remapper.remap(move.placement, {n: asdict(s) for n, s in move.returning.items()})
             if not result.get("ok"):
                 return
@@ -195,6 +214,8 @@ class RestoreFlow:
         except Exception:
             log.exception("moving displaced actors back failed")
         finally:
+            for name in returning:  # the remap ended them (alive or failed) unless it never started them
+                reg.claims.release(name, "failed")
             self._returning = False
 
     def set_restore_request(self, bundles: list[dict]) -> None:

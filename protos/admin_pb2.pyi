@@ -134,7 +134,7 @@ class ClusterEvent(_message.Message):
     def __init__(self, time: _Optional[float] = ..., kind: _Optional[str] = ..., actor: _Optional[str] = ..., detail_json: _Optional[str] = ...) -> None: ...
 
 class ClusterState(_message.Message):
-    __slots__ = ("epoch", "controller_alive", "replicas", "shards", "events", "router", "no_replica_policy", "model", "load_json", "control_json", "requested_gpus")
+    __slots__ = ("epoch", "controller_alive", "replicas", "shards", "events", "router", "no_replica_policy", "model", "load_json", "control_json", "requested_gpus", "placement_claims")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_ALIVE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class ClusterState(_message.Message):
     LOAD_JSON_FIELD_NUMBER: _ClassVar[int]
     CONTROL_JSON_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_GPUS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_CLAIMS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     controller_alive: bool
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaState]
@@ -157,7 +158,8 @@ class ClusterState(_message.Message):
     load_json: str
     control_json: str
     requested_gpus: int
-    def __init__(self, epoch: _Optional[int] = ..., controller_alive: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., router: _Optional[_Union[RouterStats, _Mapping]] = ..., no_replica_policy: _Optional[str] = ..., model: _Optional[str] = ..., load_json: _Optional[str] = ..., control_json: _Optional[str] = ..., requested_gpus: _Optional[int] = ...) -> None: ...
+    placement_claims: int
+    def __init__(self, epoch: _Optional[int] = ..., controller_alive: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaState, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[ShardReplicas, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ClusterEvent, _Mapping]]] = ..., router: _Optional[_Union[RouterStats, _Mapping]] = ..., no_replica_policy: _Optional[str] = ..., model: _Optional[str] = ..., load_json: _Optional[str] = ..., control_json: _Optional[str] = ..., requested_gpus: _Optional[int] = ..., placement_claims: _Optional[int] = ...) -> None: ...
 
 class ReplicaRequest(_message.Message):
     __slots__ = ("actor", "force")

@@ -472,6 +472,7 @@ async def cluster_state(router: Router, stats: admin_pb2.RouterStats, model_name
     state.load_json = json.dumps(merged) if merged is not None else stats.load_json
     state.control_json = json.dumps(controller_state.get("control", []))
     state.requested_gpus = int(controller_state.get("requested_gpus", 0))
+    state.placement_claims = int(controller_state.get("claims", {}).get("live", 0))
     drained = set(controller_state.get("drained", []))
     restoring = {n for n, a in controller_state.get("actors", {}).items() if a.get("restoring")}
 

@@ -64,6 +64,9 @@ def status_lines(state) -> list[str]:
         lines.append(profile)
     lines += load_lines(json.loads(state.load_json) if state.load_json else None)
     lines += control_lines(json.loads(state.control_json) if state.control_json else [], state.requested_gpus)
+    if state.placement_claims:
+        lines.append(f"placements starting: {state.placement_claims} planned actors not yet in Ray's free table "
+                     "(counted as used by the controller's plans)")
     lines.append(f"{'actor':<16}{'node':<14}{'gpu':<6}{'device':<8}{'dtype':<10}{'state':<10}{'gen':>4}  "
                  f"{'breaker':<10}{'calls':>8}{'tokens':>10}")
     for rep in state.replicas:

@@ -99,6 +99,11 @@ class TestControllerRestores:
         assert restored[0]["generation"] == 1
         assert state["actors"][victim]["generation"] == 1 and state["epoch"] == 1
         assert [e["kind"] for e in state["events"] if e["actor"] == victim] == ["lost", "restored"]
+        # Its placement claim (cluster/placement_claims.py) ended: Ray's free table showed it, or it came up.
+        claims = state["claims"]
+        assert claims["live"] == 0, claims
+        if state["actors"][victim]["slot"]["num_cpus"] > 0:
+            assert set(claims["ended"]) <= {"reflected", "alive"} and sum(claims["ended"].values()) == 1, claims
 
     def test_controller_restarted_by_ray_resumes_restoring(self, mesh):
         victim = "expert-e1-r0"

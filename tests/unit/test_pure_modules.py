@@ -163,6 +163,7 @@ PURE_MODULES = (
     "expertmesh.cluster.node_loss",  # which nodes died and which actors were on them, from node-table snapshots
     "expertmesh.cluster.controller_placement",
     "expertmesh.cluster.placement_change",
+    "expertmesh.cluster.placement_claims",  # placements planned but not yet in Ray's free table
     "expertmesh.cluster.remap_flow",  # the live remap's steps, Ray reached through an ops object
     "expertmesh.cluster.replica_registry",
     "expertmesh.cluster.restore_flow",  # the watch and restores, Ray reached through an ops object
