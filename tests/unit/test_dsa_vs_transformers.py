@@ -105,6 +105,19 @@ def test_chunked_prefill_and_batched_decode_equal_one_shot(models, kind):
     assert max_diff(step[1], model.forward([b])[0][10:]) <= 1e-5
 
 
+def test_overlap_schedule_equals_the_plain_one(folders, models):
+    """Two micro-batches taking turns (each keeps its own selection for GLM-5's shared layers) == one batch."""
+    model, _ = models["glm_moe_dsa"]
+    other = load_reference_model(folders["glm_moe_dsa"], overlap=True)
+    seqs = [_ids(n, 30 + n) for n in (20, 9, 25, 1)]
+    ca, cb = [model.new_cache() for _ in seqs], [other.new_cache() for _ in seqs]
+    for x, y in zip(model.forward(seqs, ca), other.forward(seqs, cb)):
+        assert max_diff(x, y) <= 1e-5
+    nxt = [s[-1:] for s in seqs]
+    for x, y in zip(model.forward(nxt, ca), other.forward(nxt, cb)):
+        assert max_diff(x, y) <= 1e-5
+
+
 @pytest.mark.parametrize("kind", DSA_KINDS)
 def test_greedy_decode_equals_transformers_generate(models, kind):
     model, hf = models[kind]
