@@ -43,12 +43,26 @@ def index_projections(w: IndexerWeights, h: torch.Tensor, q_resid: torch.Tensor,
     return q, k, weights
 
 
-def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+# Per-head scores are [B, S, nh_i, L] float32 before the heads are summed: a long prompt chunk against a long
+# history would take GBs at once (DeepSeek-V3.2: 512 queries x 64 heads x 128k keys = 17 GB), so queries go in pieces
+# whose per-head scores stay under this many bytes (the same sums; BLAS may block a smaller matmul differently, so
+# equal to float rounding, not bit for bit: the tiny tests never reach a second piece).
+SCORE_PIECE_BYTES = 256 << 20
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
+                 piece_bytes: int = SCORE_PIECE_BYTES) -> torch.Tensor:
     """q [B, S, nh_i, d_i], k [B, L, d_i], weights [B, S, nh_i] -> scores [B, S, L] (float32), summed over heads
     in transformers' order (a matmul over the heads axis)."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)[:, None]) * q.shape[-1] ** -0.5  # [B, S, nh_i, L]
-    scores = F.relu(scores)
-    return torch.matmul(weights[..., None, :], scores)[..., 0, :]  # [B, S, L]
+    b, s, heads, d = q.shape
+    rows = max(1, piece_bytes // max(1, b * heads * k.shape[1] * 4))  # query rows per piece
+    keys = k.float().transpose(-1, -2)[:, None]  # [B, 1, d_i, L]
+    out = []
+    for lo in range(0, s, rows):
+        scores = torch.matmul(q[:, lo:lo + rows].float(), keys) * d ** -0.5  # [B, s', nh_i, L]
+        scores = F.relu(scores)
+        out.append(torch.matmul(weights[:, lo:lo + rows, None, :], scores)[..., 0, :])  # [B, s', L]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
 
 def top_k_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:

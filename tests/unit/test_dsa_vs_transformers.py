@@ -13,7 +13,7 @@ import torch
 
 from expertmesh.experts.checkpoint import CheckpointReader
 from expertmesh.experts.config import config_from_dict, load_model_config
-from expertmesh.experts.dsa_indexer import top_k_mask
+from expertmesh.experts.dsa_indexer import index_scores, top_k_mask
 from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.weights import load_dense_weights
@@ -156,6 +156,15 @@ def test_top_k_mask_keeps_only_allowed_keys():
     picked = top_k_mask(scores, allowed, 2)
     assert picked.tolist() == [[[True, False, True, False], [True, True, False, False]]]
     assert top_k_mask(scores, allowed, 10).tolist() == allowed.tolist()  # fewer allowed keys than k: all of them
+
+
+def test_index_scores_in_query_pieces_equal_one_piece():
+    gen = torch.Generator().manual_seed(0)
+    q, k, w = torch.randn(2, 7, 4, 16, generator=gen), torch.randn(2, 11, 16, generator=gen), torch.randn(2, 7, 4)
+    whole = index_scores(q, k, w)
+    assert whole.shape == (2, 7, 11)
+    assert max_diff(index_scores(q, k, w, piece_bytes=2 * 4 * 11 * 4 * 3), whole) <= 1e-5  # pieces of 3 query rows
+    assert max_diff(index_scores(q, k, w, piece_bytes=1), whole) <= 1e-5  # one row at a time
 
 
 def test_config_errors_name_the_key():
