@@ -105,6 +105,39 @@ def test_chunked_prefill_and_batched_decode_equal_one_shot(models, kind):
     assert max_diff(step[1], model.forward([b])[0][10:]) <= 1e-5
 
 
+@pytest.mark.parametrize("blocks", [64, 9])
+def test_continuous_batching_chunked_prefill_and_preemption_equal_solo_runs(models, blocks):
+    """GLM-5 through the continuous batcher: prompts past the top-k prefilled in chunks of at most 7 tokens shared
+    with other streams' decode rows; with 9 blocks of 4 decode outgrows the pool and the youngest is preempted
+    (recomputed on resume, index keys included). Every stream equals its solo greedy run; every block comes back."""
+    import asyncio
+
+    from expertmesh.experts.kv_cache import KVCacheSettings
+    from expertmesh.experts.modeling import MoEDecoder
+    from expertmesh.router_service.batching import BatcherConfig, ContinuousBatcher, DoneEvent, GenerationRequest
+
+    reference, _ = models["glm_moe_dsa"]
+    model = MoEDecoder(reference.cfg, reference.w, reference.experts,
+                       kv_cache=KVCacheSettings(4, max_tokens=blocks * 4))
+    prompts, max_tokens = [_ids(n, 40 + n).tolist() for n in (12, 17, 9, 14)], 8
+    solos = [_greedy(reference, torch.tensor(p), max_tokens)[len(p):] for p in prompts]
+
+    async def collect(stream) -> list[int]:
+        return [t for event in [e async for e in stream] if not isinstance(event, DoneEvent) for t in event.token_ids]
+
+    async def main():
+        batcher = ContinuousBatcher(model, None, BatcherConfig(max_prefill_tokens=7))
+        got = await asyncio.wait_for(asyncio.gather(
+            *(collect(batcher.stream(GenerationRequest(p, max_tokens))) for p in prompts)), 60)
+        return batcher, got
+
+    batcher, got = asyncio.run(main())
+    assert got == solos
+    if blocks < 16:
+        assert batcher.preemptions >= 1
+    assert model.kv_pool.allocator.num_free == blocks
+
+
 def test_overlap_schedule_equals_the_plain_one(folders, models):
     """Two micro-batches taking turns (each keeps its own selection for GLM-5's shared layers) == one batch."""
     model, _ = models["glm_moe_dsa"]
