@@ -93,8 +93,9 @@ def dsa_fields(family: str, raw: dict, layers: int, rope_dim: int, need, source:
         shared = tuple(i for i in range(layers) if kinds[i] == "shared")
     return dict(index_n_heads=need("index_n_heads"), index_head_dim=index_dim, index_topk=need("index_topk"),
                 index_shared_layers=shared,
-                # DeepSeek-V3.2's indexer rotates the two halves; GLM-5's rotates interleaved pairs.
-                index_rope_interleaved=family == "glm_moe_dsa")
+                # DeepSeek-V3.2's indexer rotates the two halves; GLM-5's rotates interleaved pairs (its published
+                # configs say so with `indexer_rope_interleave`, which transformers does not read: honoured here)
+                index_rope_interleaved=family == "glm_moe_dsa" and bool(raw.get("indexer_rope_interleave", True)))
 
 
 def deepseek_family_fields(family: str, raw: dict, common: dict, need, source: str) -> dict:

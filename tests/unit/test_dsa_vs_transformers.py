@@ -209,6 +209,12 @@ def test_config_errors_name_the_key():
     assert config_from_dict(base).index_shared_layers == ()  # transformers' default schedule: every layer full
     assert config_from_dict(base | {"index_topk_freq": 2}).index_shared_layers == (2,)
     assert config_from_dict(base | {"index_topk_pattern": "FSFS"}).index_shared_layers == (1, 3)
+    # a later GLM-5.x schedule (index_topk_freq 4, index_skip_topk_offset 3 over 78 layers): layers 0-2 full, then
+    # every 4th from 6; the rest reuse the top-k before them
+    later = config_from_dict(base | {"num_hidden_layers": 78, "index_topk_freq": 4, "index_skip_topk_offset": 3})
+    assert [i for i in range(78) if later.has_indexer(i)] == [0, 1, 2, *range(6, 78, 4)]
+    assert config_from_dict(base).index_rope_interleaved
+    assert not config_from_dict(base | {"indexer_rope_interleave": False}).index_rope_interleaved
     with pytest.raises(CheckpointError, match="index_topk_pattern"):
         config_from_dict(base | {"index_topk_pattern": "FXFS"})
     with pytest.raises(CheckpointError, match="indexer_types"):
