@@ -35,9 +35,11 @@ from .kv_cache import KVCache, PagedKVPool
 # A layer's map from cache entries ({name: [B, L, *shape]}) to keys [B, L, kvh, Dqk] and values [B, L, kvh, Dv].
 KeysValues = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
 # A sparse-attention selection (DSA): (layout, group "decode" | "prefill", the rows' query tokens [B, S] in [T],
-# the keys' cache entries {name: [B, L, *shape]}, the allowed mask [B, 1, S, L]) -> the mask to attend with
-# [B, 1, S, L], within the allowed one.
-Select = Callable[["StepLayout", str, torch.Tensor, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+# the keys' cache entries {name: [B, L, *shape]}, the allowed mask [B, 1, S, L]) -> (the mask to attend with
+# [B, 1, S, L], within the allowed one; the picked key positions [B, S, k] or None). Decode rows whose picks are
+# fewer than their history attend the picked keys only (gathered before keys_values expands them).
+Select = Callable[["StepLayout", str, torch.Tensor, dict[str, torch.Tensor], torch.Tensor],
+                  tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def default_scale(head_dim: int) -> float:
@@ -219,11 +221,13 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (token index [n], o [n, nh, Dv])
     if layout.decode_rows:
         cached = layout.pool.gather(layer, layout.decode_table, "decode")
-        k, v = keys_values(cached)  # [Bd, L, kvh, D]
         qd = q[layout.decode_index][:, :, None, :]  # [Bd, nh, 1, D]
         mask = layout.decode_mask(window, chunk)  # [Bd, 1, 1, L]
         if select is not None:
-            mask = select(layout, "decode", layout.decode_index[:, None], cached, mask)
+            mask, picks = select(layout, "decode", layout.decode_index[:, None], cached, mask)
+            if picks is not None and picks.shape[-1] < mask.shape[-1]:
+                cached, mask = _take_picked(cached, mask, picks[:, 0])  # L -> k keys per row
+        k, v = keys_values(cached)  # [Bd, L, kvh, D]
         o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), mask, False, scale, sinks)
         parts.append((layout.decode_index, o[:, :, 0, :]))  # [Bd, nh, Dv]
     if layout.prefill_rows:
@@ -238,8 +242,8 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
             o = _sdpa(qp, k, v, None, True, scale, None)  # [1, nh, S, Dv]
         else:
             mask = layout.prefill_mask(window, k.shape[2], chunk)  # [Bp, 1, S, L]
-            if select is not None:
-                mask = select(layout, "prefill", layout.prefill_index, cached, mask)
+            if select is not None:  # prefill rows' picks differ per query: the keys stay whole, masked
+                mask, _ = select(layout, "prefill", layout.prefill_index, cached, mask)
             o = _sdpa(qp, k, v, mask, False, scale, sinks)  # [Bp, nh, S, Dv]
         o = o.transpose(1, 2).flatten(0, 1).index_select(0, layout.prefill_flat)  # [T_p, nh, Dv] real queries
         parts.append((layout.prefill_tokens, o))
@@ -252,6 +256,17 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
         for index, o in parts:
             out[index] = o
     return out.reshape(t, -1)
+
+
+def _take_picked(cached: dict[str, torch.Tensor], mask: torch.Tensor, picks: torch.Tensor
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Decode rows' cache entries {name: [B, L, *shape]} and mask [B, 1, 1, L] -> the same at the picked positions
+    picks [B, k] only: {name: [B, k, *shape]}, [B, 1, 1, k]. A pick outside the allowed keys stays masked."""
+    out = {}
+    for name, e in cached.items():
+        index = picks.view(*picks.shape, *([1] * (e.dim() - 2))).expand(*picks.shape, *e.shape[2:])
+        out[name] = torch.gather(e, 1, index)  # [B, k, *shape]
+    return out, torch.gather(mask[:, 0, 0], 1, picks)[:, None, None, :]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,

@@ -8,7 +8,10 @@ The indexer (per layer, small: nh_i heads of d_i dims, one shared key per token)
   w     = weights_proj(h) * nh_i^-0.5      [T, nh_i]        float32 (transformers keeps weights_proj float32)
   score = sum_h w_h * relu(q_i,h . k_i * d_i^-0.5)          [T, L] over the history, in float32
 Each query keeps its top `index_topk` scores among the keys causality allows (all of them while the history is
-shorter), and MLA attends those only: the boolean mask is the causal mask AND the selection. GLM-5's "shared"
+shorter), and MLA attends those only: the boolean mask is the causal mask AND the selection. A decode row whose
+history is longer than index_topk gathers only its picked latents and expands those (attention_core._take_picked):
+kv_b_proj runs over k tokens instead of the whole history, which is where DSA saves work on long contexts; prefill
+rows (different picks per query) attend the whole history under the mask. GLM-5's "shared"
 layers run no indexer and reuse the selection of the layer before (kept on the step's StepLayout per row group,
 so micro-batches and decode / prefill groups each keep theirs).
 
@@ -65,12 +68,18 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
 
-def top_k_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [B, S, L], allowed [B, S, L] bool -> bool [B, S, L]: each query's top k allowed keys (all allowed keys
-    when fewer). Disallowed keys score -inf, so a top-k that reaches them adds nothing once ANDed with `allowed`."""
+def top_k_picks(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [B, S, L], allowed [B, S, L] bool -> (mask [B, S, L] bool: each query's top k allowed keys, all of them
+    when fewer; picks [B, S, min(k, L)] their positions). Disallowed keys score -inf, so a top-k that reaches them
+    adds nothing once ANDed with `allowed`."""
     masked = scores.masked_fill(~allowed, float("-inf"))
-    picked = masked.topk(min(k, scores.shape[-1]), dim=-1).indices  # [B, S, k]
-    return torch.zeros_like(allowed).scatter_(-1, picked, True) & allowed
+    picks = masked.topk(min(k, scores.shape[-1]), dim=-1).indices  # [B, S, k]
+    return torch.zeros_like(allowed).scatter_(-1, picks, True) & allowed, picks
+
+
+def top_k_mask(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+    """top_k_picks' mask alone."""
+    return top_k_picks(scores, allowed, k)[0]
 
 
 class DSAAttention(MLAAttention):
@@ -101,12 +110,12 @@ class DSAAttention(MLAAttention):
         topk = self.index_topk
 
         def select(layout, group: str, rows: torch.Tensor, keys: dict[str, torch.Tensor],
-                   allowed: torch.Tensor) -> torch.Tensor:
+                   allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """rows [B, S] token of [T] per query; keys {name: [B, L, *shape]}; allowed [B, 1, S, L]."""
             scores = index_scores(iq[rows], keys["index_k"], iw[rows])  # [B, S, L]
-            mask = top_k_mask(scores, allowed[:, 0], topk)[:, None]  # [B, 1, S, L]
-            layout.selections[group] = mask
-            return mask
+            mask, picks = top_k_picks(scores, allowed[:, 0], topk)  # [B, S, L], [B, S, k]
+            layout.selections[group] = (mask[:, None], picks)
+            return layout.selections[group]
 
         return q, entries, select
 
@@ -123,6 +132,6 @@ class DSAAttention(MLAAttention):
 
 
 def _reuse_selection(layout, group: str, rows: torch.Tensor, keys: dict[str, torch.Tensor],
-                     allowed: torch.Tensor) -> torch.Tensor:
+                     allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GLM-5's shared layer: the selection the previous layer made for this row group (same rows, same keys)."""
     return layout.selections[group]

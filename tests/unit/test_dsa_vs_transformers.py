@@ -88,13 +88,21 @@ def test_the_top_k_mask_changes_attention_past_k_tokens(models, kind):
 
 
 @pytest.mark.parametrize("kind", DSA_KINDS)
-def test_chunked_prefill_and_batched_decode_equal_one_shot(models, kind):
-    """The indexer's keys come from the paged cache (index_k beside the latent) once a prompt has history."""
+def test_chunked_prefill_and_batched_decode_equal_one_shot(models, kind, monkeypatch):
+    """The indexer's keys come from the paged cache (index_k beside the latent) once a prompt has history; decode
+    rows attend only their top-k latents, gathered (the one-shot prefill attends all of them under the mask)."""
+    from expertmesh.experts import attention_core
+
+    taken = []
+    real = attention_core._take_picked
+    monkeypatch.setattr(attention_core, "_take_picked", lambda c, m, p: taken.append(p.shape) or real(c, m, p))
     model, _ = models[kind]
     ids = _ids(26, 3)
     full = model.forward([ids])[0]
     assert max_diff(chunked_logits(model, ids, [5, 9, 17, 21]), full) <= 1e-5
+    assert not taken
     assert max_diff(chunked_logits(model, ids, list(range(10, 26))), full) <= 1e-5  # decode past the top-k
+    assert taken and all(shape == (1, TOPK) for shape in taken)
     a, b = _ids(21, 4), _ids(13, 5)
     ca, cb = model.new_cache(), model.new_cache()
     model.forward([a[:18]], [ca])
