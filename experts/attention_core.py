@@ -227,7 +227,7 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
             mask, picks = select(layout, "decode", layout.decode_index[:, None], cached, mask)
             if picks is not None and picks.shape[-1] < mask.shape[-1]:
                 cached, mask = _take_picked(cached, mask, picks[:, 0])  # L -> k keys per row
-        k, v = keys_values(cached)  # [Bd, L, kvh, D]
+        k, v = keys_values(cached)  # [Bd, L (or k picked), kvh, D]
         o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), mask, False, scale, sinks)
         parts.append((layout.decode_index, o[:, :, 0, :]))  # [Bd, nh, Dv]
     if layout.prefill_rows:
