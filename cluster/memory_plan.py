@@ -85,11 +85,13 @@ def state_bytes_per_sequence(cfg: MoEModelConfig, dtype: str) -> int:
 
 def kv_bytes_per_token(cfg: MoEModelConfig, dtype: str) -> int:
     """What one token stores in the KV cache over all layers: keys and values (GQA; MiMo-V2-Flash: per layer its own
-    KV heads, values v_head_dim wide), or MLA's latent + rope key. Linear-attention layers store nothing per token
+    KV heads, values v_head_dim wide), or MLA's latent + rope key, plus the DSA indexer's key on the layers that
+    run an indexer (DeepSeek-V3.2 all, GLM-5 its "full" ones). Linear-attention layers store nothing per token
     (their state is per sequence: state_bytes_per_sequence)."""
     size = DTYPE_BYTES[dtype]
     if cfg.attention_kind == "mla":
-        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
+        index = sum(cfg.index_head_dim for i in range(cfg.num_layers) if cfg.has_indexer(i))
+        return (cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + index) * size
     v_dim = cfg.v_head_dim or cfg.head_dim
     return sum(cfg.kv_heads(i) * (cfg.head_dim + v_dim) for i in range(cfg.num_layers)
                if not cfg.is_linear_layer(i)) * size

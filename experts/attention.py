@@ -95,6 +95,10 @@ class GQAAttention:
 
 def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> AttentionLayer:
     """The attention layer of model layer `layer`."""
+    if cfg.attention_kind == "mla" and cfg.index_n_heads:  # DeepSeek-V3.2 / GLM-5: MLA + DSA top-k
+        from .dsa_indexer import DSAAttention
+
+        return DSAAttention(cfg, w)
     if cfg.attention_kind == "mla":  # DeepSeek-V2/V3
         from .mla_attention import MLAAttention
 

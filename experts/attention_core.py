@@ -34,6 +34,12 @@ from .kv_cache import KVCache, PagedKVPool
 
 # A layer's map from cache entries ({name: [B, L, *shape]}) to keys [B, L, kvh, Dqk] and values [B, L, kvh, Dv].
 KeysValues = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+# A sparse-attention selection (DSA): (layout, group "decode" | "prefill", the rows' query tokens [B, S] in [T],
+# the keys' cache entries {name: [B, L, *shape]}, the allowed mask [B, 1, S, L]) -> (the mask to attend with
+# [B, 1, S, L], within the allowed one; the picked key positions [B, S, k] or None). Decode rows whose picks are
+# fewer than their history attend the picked keys only (gathered before keys_values expands them).
+Select = Callable[["StepLayout", str, torch.Tensor, dict[str, torch.Tensor], torch.Tensor],
+                  tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def default_scale(head_dim: int) -> float:
@@ -120,6 +126,9 @@ class StepLayout:
     prefill_table: torch.Tensor | None  # [Bp, nb] when a row has history; None: keys are the new tokens
     prefill_kv_len: torch.Tensor  # [Bp] keys each row attends (start + S_i)
     _masks: dict = field(default_factory=dict)  # (group, window, chunk, ..) -> mask, built once per step
+    # DSA (experts/dsa_indexer.py): the last indexer's selection per row group ("decode" / "prefill"), which GLM-5's
+    # shared layers reuse
+    selections: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, lengths: list[int], starts: list[int], caches: list[KVCache] | None,
@@ -201,32 +210,41 @@ class StepLayout:
 
 def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, torch.Tensor],
            keys_values: KeysValues, scale: float, window: int | None,
-           sinks: torch.Tensor | None, chunk: int | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None, chunk: int | None = None, select: Select | None = None) -> torch.Tensor:
     """One layer's attention for the step. q: [T, nh, Dqk]; entries: the new tokens' cache entries
     ({name: [T, *shape]}), written to the pool first. chunk: attend within `chunk`-token blocks of positions.
-    Returns o [T, nh * Dv] in token order."""
+    select: narrows each query's keys further (DSA's top-k). Returns o [T, nh * Dv] in token order."""
     if layout.pool is not None:
         layout.pool.write(layer, layout.slots, entries)
     t, nh = q.shape[0], q.shape[1]
     out: torch.Tensor | None = None
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (token index [n], o [n, nh, Dv])
     if layout.decode_rows:
-        k, v = keys_values(layout.pool.gather(layer, layout.decode_table, "decode"))  # [Bd, L, kvh, D]
+        cached = layout.pool.gather(layer, layout.decode_table, "decode")
         qd = q[layout.decode_index][:, :, None, :]  # [Bd, nh, 1, D]
-        o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), layout.decode_mask(window, chunk), False, scale, sinks)
+        mask = layout.decode_mask(window, chunk)  # [Bd, 1, 1, L]
+        if select is not None:
+            mask, picks = select(layout, "decode", layout.decode_index[:, None], cached, mask)
+            if picks is not None and picks.shape[-1] < mask.shape[-1]:
+                cached, mask = _take_picked(cached, mask, picks[:, 0])  # L -> k keys per row
+        k, v = keys_values(cached)  # [Bd, L (or k picked), kvh, D]
+        o = _sdpa(qd, k.transpose(1, 2), v.transpose(1, 2), mask, False, scale, sinks)
         parts.append((layout.decode_index, o[:, :, 0, :]))  # [Bd, nh, Dv]
     if layout.prefill_rows:
         qp = q[layout.prefill_index].transpose(1, 2)  # [Bp, nh, S, D]
         if layout.prefill_table is None:
-            new = {name: e[layout.prefill_index] for name, e in entries.items()}  # [Bp, S, *shape]
-            k, v = keys_values(new)
+            cached = {name: e[layout.prefill_index] for name, e in entries.items()}  # [Bp, S, *shape]
         else:
-            k, v = keys_values(layout.pool.gather(layer, layout.prefill_table, "prefill"))  # [Bp, L, kvh, D]
+            cached = layout.pool.gather(layer, layout.prefill_table, "prefill")  # [Bp, L, *shape]
+        k, v = keys_values(cached)  # [Bp, L, kvh, D]
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [Bp, kvh, L, D]
-        if layout.plain_causal(window, sinks, chunk):
+        if select is None and layout.plain_causal(window, sinks, chunk):
             o = _sdpa(qp, k, v, None, True, scale, None)  # [1, nh, S, Dv]
         else:
-            o = _sdpa(qp, k, v, layout.prefill_mask(window, k.shape[2], chunk), False, scale, sinks)  # [Bp, nh, S, Dv]
+            mask = layout.prefill_mask(window, k.shape[2], chunk)  # [Bp, 1, S, L]
+            if select is not None:  # prefill rows' picks differ per query: the keys stay whole, masked
+                mask, _ = select(layout, "prefill", layout.prefill_index, cached, mask)
+            o = _sdpa(qp, k, v, mask, False, scale, sinks)  # [Bp, nh, S, Dv]
         o = o.transpose(1, 2).flatten(0, 1).index_select(0, layout.prefill_flat)  # [T_p, nh, Dv] real queries
         parts.append((layout.prefill_tokens, o))
     if len(parts) == 1:
@@ -238,6 +256,17 @@ def attend(layout: StepLayout, layer: int, q: torch.Tensor, entries: dict[str, t
         for index, o in parts:
             out[index] = o
     return out.reshape(t, -1)
+
+
+def _take_picked(cached: dict[str, torch.Tensor], mask: torch.Tensor, picks: torch.Tensor
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Decode rows' cache entries {name: [B, L, *shape]} and mask [B, 1, 1, L] -> the same at the picked positions
+    picks [B, k] only: {name: [B, k, *shape]}, [B, 1, 1, k]. A pick outside the allowed keys stays masked."""
+    out = {}
+    for name, e in cached.items():
+        index = picks.view(*picks.shape, *([1] * (e.dim() - 2))).expand(*picks.shape, *e.shape[2:])
+        out[name] = torch.gather(e, 1, index)  # [B, k, *shape]
+    return out, torch.gather(mask[:, 0, 0], 1, picks)[:, None, None, :]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,

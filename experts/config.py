@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .config_deepseek import ARCHITECTURES as _DEEPSEEK_ARCHITECTURES
 from .config_deepseek import FAMILIES as _DEEPSEEK_FAMILIES
+from .config_deepseek import MLA_FAMILIES as _MLA_FAMILIES
 from .config_deepseek import MODEL_TYPES as _DEEPSEEK_MODEL_TYPES
 from .config_deepseek import YarnScaling, deepseek_family_fields, rope_settings
 from .config_ernie4_5_moe import ARCHITECTURES as _ERNIE_ARCHITECTURES
@@ -121,6 +122,12 @@ class MoEModelConfig:
     shared_expert_gated: bool = True  # Qwen2-MoE's shared expert has a sigmoid gate; DeepSeek/GLM's have none
     qk_norm_per_head: bool = False  # GLM-4.5 use_qk_norm: RMSNorm over each head's q and k (head_dim weights)
     fp8_block: tuple[int, int] | None = None  # quant_method "fp8": weights stored e4m3 with per-block scale_inv
+    # ---- DeepSeek-V3.2 and GLM-5: DeepSeek Sparse Attention's lightning indexer (experts/dsa_indexer.py) ----
+    index_n_heads: int = 0  # 0 = no indexer (plain MLA)
+    index_head_dim: int = 0  # width of its queries and of the key it caches per token
+    index_topk: int = 0  # past tokens each query attends (of those its causal mask allows)
+    index_shared_layers: tuple[int, ...] = ()  # GLM-5: layers without an indexer, reusing the previous top-k
+    index_rope_interleaved: bool = False  # GLM-5: the indexer rotates (x0,x1).. pairs; V3.2: the two halves
     # ---- MiniMax-M2, ERNIE 4.5 MoE, Hunyuan-A13B (experts/config_<family>.py) ----
     router_in_model_dtype: bool = False  # MiniMax-M2: the sigmoid router's gate runs in the model dtype, not float32
     router_norm_min: float = 0.0  # ERNIE ("softmax_biased"): the top-k weights are divided by max(sum, this)
@@ -161,6 +168,10 @@ class MoEModelConfig:
     def is_linear_layer(self, layer: int) -> bool:
         """Whether layer `layer` is a Gated DeltaNet (no KV cache; a per-sequence state, experts/state_cache.py)."""
         return layer in self.linear_layers
+
+    def has_indexer(self, layer: int) -> bool:
+        """Whether layer `layer` runs a DSA lightning indexer (and caches its key per token)."""
+        return self.index_n_heads > 0 and layer not in self.index_shared_layers
 
     def kv_heads(self, layer: int) -> int:
         """The KV heads of GQA layer `layer` (MiMo-V2-Flash's sliding layers have more than its full ones)."""
@@ -206,7 +217,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
     hidden = need("hidden_size")
     heads = need("num_attention_heads")
     layers = need("num_hidden_layers")
-    mla = family in ("deepseek_v2", "deepseek_v3")  # MLA: num_key_value_heads and head_dim do not apply
+    mla = family in _MLA_FAMILIES  # MLA: num_key_value_heads and head_dim do not apply
     kv_heads = heads if mla else raw.get("num_key_value_heads") or heads
     head_dim = raw.get("head_dim") or hidden // heads
     if heads % kv_heads:

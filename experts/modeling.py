@@ -347,12 +347,15 @@ class MoEDecoder:
                 return attn.forward(h, g.lengths, None, None)
             states = self.kv_pool.states.views(layer, [c.state_slot for c in g.caches])
             return attn.forward(h, g.lengths, states["conv"], states["recurrent"])
+        select = None
         if getattr(attn, "wants_positions", False):  # Llama 4: a query scale by position on its NoPE layers
             q, new = attn.project(h, g.cos, g.sin, g.positions)
+        elif getattr(attn, "sparse_index", False):  # DSA: the indexer's top-k narrows each query's keys
+            q, new, select = attn.project(h, g.cos, g.sin)
         else:
             q, new = attn.project(h, g.cos, g.sin)  # [T_g, nh, Dqk], {name: [T_g, *shape]}
         out = attend(g.layout, layer, q, new, attn.keys_values, attn.scale, attn.window, attn.sinks,
-                     attn.chunk)  # [T_g, nh*Dv]
+                     attn.chunk, select)  # [T_g, nh*Dv]
         return attn.output(out)  # [T_g, H]
 
 

@@ -1,4 +1,5 @@
-"""On-disk names and the dense loader of DeepSeek-V2/V3 (MLA) and GLM-4.5 (GQA) checkpoints.
+"""On-disk names and the dense loader of DeepSeek-V2/V3/V3.2 and GLM-5 (MLA; V3.2 and GLM-5 with the DSA indexer's
+`self_attn.indexer.*`) and GLM-4.5 (GQA) checkpoints.
 
 Routed experts use the common per-expert names (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`, see
 `weights.expert_tensor_names`); everything else is named here. FP8 checkpoints (`cfg.fp8_block`) are dequantised on
@@ -17,6 +18,17 @@ from .fp8 import read_weights
 
 
 @dataclass
+class IndexerWeights:
+    """DeepSeek Sparse Attention's lightning indexer of one layer (transformers' DeepseekV32Indexer)."""
+
+    wq_b: torch.Tensor  # [nh_i*d_i, q_r] index queries from the q-LoRA latent
+    wk: torch.Tensor  # [d_i, H] the one index key per token
+    k_norm: torch.Tensor  # [d_i] LayerNorm weight ...
+    k_norm_bias: torch.Tensor  # [d_i] ... and bias
+    weights_proj: torch.Tensor  # [nh_i, H] per-head weights of the scores; float32, as transformers keeps it
+
+
+@dataclass
 class MLAWeights:
     """One Multi-head Latent Attention layer (transformers' DeepseekV2Attention / DeepseekV3Attention)."""
 
@@ -31,6 +43,15 @@ class MLAWeights:
     q_a_bias: torch.Tensor | None = None  # attention_bias
     kv_a_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    indexer: IndexerWeights | None = None  # DeepSeek-V3.2 / GLM-5 (not on GLM-5's "shared" layers)
+
+
+def _indexer_names(cfg: MoEModelConfig, x: str) -> dict[str, tuple[int, ...]]:
+    """The DSA indexer's tensors under `x` (`...self_attn.indexer.`)."""
+    d = cfg.index_head_dim
+    return {x + "wq_b.weight": (cfg.index_n_heads * d, cfg.q_lora_rank), x + "wk.weight": (d, cfg.hidden_size),
+            x + "k_norm.weight": (d,), x + "k_norm.bias": (d,),
+            x + "weights_proj.weight": (cfg.index_n_heads, cfg.hidden_size)}
 
 
 def _attention_names(cfg: MoEModelConfig, a: str) -> dict[str, tuple[int, ...]]:
@@ -77,6 +98,8 @@ def deepseek_dense_tensor_names(cfg: MoEModelConfig) -> dict[str, tuple[int, ...
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)}
         names |= _attention_names(cfg, p + "self_attn.")
+        if cfg.has_indexer(i):
+            names |= _indexer_names(cfg, p + "self_attn.indexer.")
         if cfg.is_moe_layer(i):
             names[p + "mlp.gate.weight"] = (cfg.num_experts, hidden)
             if cfg.router_correction_bias:
@@ -108,6 +131,12 @@ def load_deepseek_dense_weights(reader, dtype: torch.dtype, progress: str | None
                 q_b=t.get(a + "q_b_proj.weight"), q_a_bias=t.get(a + "q_a_proj.bias"),
                 kv_a_bias=t.get(a + "kv_a_proj_with_mqa.bias"), o_bias=t.get(a + "o_proj.bias"),
             )
+            if cfg.has_indexer(i):
+                x = a + "indexer."
+                attention.indexer = IndexerWeights(
+                    wq_b=t[x + "wq_b.weight"], wk=t[x + "wk.weight"], k_norm=t[x + "k_norm.weight"],
+                    k_norm_bias=t[x + "k_norm.bias"],
+                    weights_proj=raw[x + "weights_proj.weight"].to(device=device, dtype=torch.float32))
         else:
             attention = AttentionWeights(
                 q=t[a + "q_proj.weight"], k=t[a + "k_proj.weight"], v=t[a + "v_proj.weight"],

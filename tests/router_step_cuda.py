@@ -37,7 +37,8 @@ from tests.router_step import (  # noqa: E402
 )
 
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2_grouped", "glm4_moe", "many_experts",
-            "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "llama4", "mimo_v2_flash", "qwen3_next")
+            "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "llama4", "mimo_v2_flash", "qwen3_next",
+            "deepseek_v32", "glm_moe_dsa")
 
 
 def write_checkpoint(family: str, out: Path) -> Path:
@@ -49,7 +50,7 @@ def write_checkpoint(family: str, out: Path) -> Path:
     from tests.tiny_mimo_v2_flash import write_mimo_checkpoint
     from tests.tiny_qwen3_next import write_qwen3_next_checkpoint
 
-    if family.startswith("deepseek") or family == "glm4_moe":
+    if family.startswith("deepseek") or family in ("glm4_moe", "glm_moe_dsa"):
         return write_deepseek_checkpoint(family, out)
     if family in FAM1_KINDS:  # MiniMax-M2, ERNIE 4.5 MoE, Hunyuan-A13B
         return write_fam1_checkpoint(family, out)

@@ -15,10 +15,14 @@ import torch
 
 VOCAB = 96
 KINDS = ("deepseek_v2", "deepseek_v2_lora", "deepseek_v2_grouped", "deepseek_v3", "glm4_moe")
+DSA_KINDS = ("deepseek_v32", "glm_moe_dsa")  # MLA + DSA indexer; index_topk 8, so prompts past 8 tokens select
+# The indexer's shape in the tiny DSA checkpoints: 8 heads keep the score of a key exactly 0 (every head's ReLU
+# zero, a tie topk could break either way) rare.
+DSA = dict(index_topk=8, index_head_dim=16, index_n_heads=8)
 
 
 def hf_config(kind: str, **overrides):
-    from transformers import DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig
+    from transformers import DeepseekV2Config, DeepseekV3Config, DeepseekV32Config, Glm4MoeConfig, GlmMoeDsaConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
                   max_position_embeddings=256, initializer_range=0.15, eos_token_id=None, bos_token_id=None,
@@ -38,6 +42,17 @@ def hf_config(kind: str, **overrides):
         return DeepseekV3Config(**(common | mla | dict(
             n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
             q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=yarn) | overrides))
+    if kind == "deepseek_v32":
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+        return DeepseekV32Config(**(common | mla | DSA | dict(
+            n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+            q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=yarn) | overrides))
+    if kind == "glm_moe_dsa":  # layer 1 "shared": reuses layer 0's top-k
+        return GlmMoeDsaConfig(**(common | mla | DSA | dict(
+            num_hidden_layers=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
+            topk_group=1, q_lora_rank=24, routed_scaling_factor=1.5, rms_norm_eps=1e-5,
+            indexer_types=["full", "shared", "full", "shared"]) | overrides))
     if kind == "glm4_moe":
         return Glm4MoeConfig(**(common | dict(
             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -58,7 +73,7 @@ def write_deepseek_checkpoint(kind: str, out: Path, seed: int = 0, mtp: bool = F
     model = AutoModelForCausalLM.from_config(hf_config(kind, **overrides))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith("k_norm.bias"):
                 param.add_(torch.randn_like(param) * 0.2)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -89,8 +104,9 @@ def _rewrite(out: Path, num_layers: int, mtp: bool, fp8_block: tuple[int, int] |
     if fp8_block:
         for name in list(tensors):
             t = tensors[name]
+            # DeepSeek-V3.2 publishes its indexer's weights_proj in bf16 (wq_b and wk in FP8)
             if (t.dim() == 2 and name.endswith(".weight") and "norm" not in name and not name.endswith("gate.weight")
-                    and name not in ("model.embed_tokens.weight", "lm_head.weight")):
+                    and "weights_proj" not in name and name not in ("model.embed_tokens.weight", "lm_head.weight")):
                 tensors[name], tensors[name + "_scale_inv"] = quantize(t, fp8_block)
         config = json.loads((out / "config.json").read_text())
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

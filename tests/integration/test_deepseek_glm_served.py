@@ -1,6 +1,7 @@
-"""DeepSeek-V3 (MLA, YaRN, sigmoid group-limited routing, shared experts, MTP layer in the checkpoint) and GLM-4.5
-(GQA with partial RoPE and per-head q/k norm, the same router) through the distributed router on one local Ray:
-distributed == in-process reference bit for bit, and greedy tokens equal `transformers`."""
+"""DeepSeek-V3 (MLA, YaRN, sigmoid group-limited routing, shared experts, MTP layer in the checkpoint), GLM-4.5
+(GQA with partial RoPE and per-head q/k norm, the same router), DeepSeek-V3.2 and GLM-5 (MLA with the DSA indexer's
+top-k, index_topk 8 < the prompts; GLM-5 with shared-indexer layers) through the distributed router on one local
+Ray: distributed == in-process reference bit for bit, and greedy tokens equal `transformers`."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import torch
 
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
-from tests.tiny_deepseek import VOCAB, write_deepseek_checkpoint
+from tests.tiny_deepseek import DSA_KINDS, VOCAB, write_deepseek_checkpoint
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 
 # 8 routed experts (one actor each) keeps the module's actor start-up short on 2 cores; groups still limit routing.
 SMALL = {"deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2),
-         "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)}
+         "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1),
+         "deepseek_v32": dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2),
+         "glm_moe_dsa": {}}
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +42,12 @@ def test_distributed_equals_reference_bit_for_bit_and_transformers(folders, kind
     seqs = _sequences()
     want = reference.forward([torch.tensor(s) for s in seqs])
     want_routing = {layer: r.experts.clone() for layer, r in reference.last_trace.routings.items()}
-    prompt = seqs[0][:6]
+    prompt = seqs[0][:10] if kind in DSA_KINDS else seqs[0][:6]  # DSA: decode past index_topk
     with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(path)}, "controller": {"enabled": False}})) as mesh:
         got = mesh.score_batch(seqs)
         routings = {layer: r.experts.clone() for layer, r in mesh.model.last_trace.routings.items()}
         result = mesh.generate(token_ids=prompt, max_tokens=8)
-    assert sorted(routings) == [1, 2]  # layer 0 is dense (first_k_dense_replace)
+    assert sorted(routings) == list(range(1, reference.cfg.num_layers))  # layer 0 is dense (first_k_dense_replace)
     for layer in routings:
         assert torch.equal(routings[layer], want_routing[layer])
     for ours, theirs in zip(got, want):

@@ -40,7 +40,9 @@ def families(checkpoints, tmp_path_factory) -> dict[str, MoEDecoder]:
     return {"mixtral": load_reference_model(checkpoints["mixtral"]),
             # sliding window 4 on every other layer (shorter than the prefix), attention sinks
             "gpt_oss": load_reference_model(write_hf_checkpoint("gpt_oss", root / "gpt_oss", seed=5)),
-            "deepseek_v3": load_reference_model(mla)}  # MLA latents
+            "deepseek_v3": load_reference_model(mla),  # MLA latents
+            # MLA + the DSA indexer's keys in the same blocks; top-8 of a 41-token prefix, shared-indexer layers
+            "glm_moe_dsa": load_reference_model(write_deepseek_checkpoint("glm_moe_dsa", root / "glm_moe_dsa", seed=4))}
 
 
 def decoder(reference: MoEDecoder, caching: bool, blocks: int = 64) -> MoEDecoder:
@@ -91,7 +93,7 @@ def assert_same(cached: list, plain: list) -> float:
     return worst
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "deepseek_v3", "glm_moe_dsa"])
 def test_shared_prefix_hits_and_outputs_equal_the_uncached_ones(families, family):
     """A 41-token system prompt: the first request computes it, the next three (together) start from its 10 cached
     blocks and compute only their own suffixes; tokens and logits equal a run with caching off."""

@@ -72,6 +72,7 @@ PURE_MODULES = (
     "expertmesh.experts.kv_cache",
     "expertmesh.experts.load_progress",  # actors' load progress records (the KV store passed in)
     "expertmesh.experts.mla_attention",
+    "expertmesh.experts.dsa_indexer",
     "expertmesh.experts.model_source",  # folders and Hub repo ids (huggingface_hub imported on use)
     "expertmesh.experts.modeling",
     "expertmesh.experts.eviction",  # eviction orders of the expert tier: lru, lfru, arc, layer-cycle (fake clock)
