@@ -153,8 +153,9 @@ def expert_shard_bytes(reader: CheckpointReader, shards: list[Shard]) -> int:
     hosted: dict[int, int] = {}
     for layer, _ in shards:
         hosted[layer] = hosted.get(layer, 0) + 1
-    return sum(reader.nbytes(expert_shard_names(cfg, [(layer, 0)], layout)) * count // cfg.num_experts
-               for layer, count in hosted.items())
+    # a stacked tensor's share: its bytes per row x rows hosted (LongCat's gate_up_proj has identity rows too)
+    return sum(reader.nbytes({name: shape}) // shape[0] * count for layer, count in hosted.items()
+               for name, shape in expert_shard_names(cfg, [(layer, 0)], layout).items())
 
 
 def _check_shards(cfg: MoEModelConfig, shards: list[Shard]) -> None:

@@ -11,10 +11,13 @@ Tolerance: max |Δlogits| ≤ 1e-4 in float32 (logits of order 1); bf16 within a
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
+from safetensors import safe_open
 
+from expertmesh.cluster.memory_plan import model_memory, stored_bytes
 from expertmesh.experts.config import config_from_dict
 from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.gating import DROPPED, route_softmax_scaled, split_identity
@@ -215,3 +218,52 @@ def test_config_refusals_name_the_key(key, value, match):
     raw = hf_config().to_dict() | {key: value}
     with pytest.raises(CheckpointError, match=match):
         config_from_dict(raw)
+
+
+# ---------------------------------------------------------------- memory and plan-cluster
+
+
+def test_model_bytes_and_kv_per_token_equal_the_checkpoint(folders):
+    """plan-cluster counts real experts only: the checkpoint less the identity experts' gate/up rows, which
+    transformers allocates and saves but never uses; the stacked share per shard is the same."""
+    from expertmesh.experts.checkpoint import CheckpointReader
+
+    folder = folders["per_expert"]
+    cfg = load_reference_model(folder).cfg
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        stored = sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    unused = 2 * ZERO_EXPERTS * 2 * 16 * 32  # 2 layers x Z identity experts x gate+up [16, 32]
+    mem = model_memory(cfg, "float32")
+    assert (mem.moe_layers, mem.experts) == (2, EXPERTS)
+    assert mem.total_bytes == 4 * (stored - unused)
+    assert mem.kv_bytes_per_token == 4 * 4 * (8 + 4)  # 4 sublayers x (latent 8 + rope key 4)
+    per_expert = stored_bytes(CheckpointReader(folder))
+    fused = stored_bytes(CheckpointReader(folders["fused"]))
+    assert per_expert.shard == fused.shard == 4 * 3 * 16 * 32 and per_expert.experts == EXPERTS
+
+
+def test_plan_cluster_cli(folders, capsys):
+    import json
+
+    from expertmesh.ops.cli import main
+
+    assert main(["plan-cluster", "--model", str(folders["fused"]), "--gpu-type", "L4", "--gpus-per-node", "4",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["family"] == "longcat_flash"
+
+
+def test_published_config_gives_transformers_parameter_count():
+    """LongCat-Flash-Chat's size-setting values (transformers' defaults are the published model's): ours is the
+    transformers state dict less the identity experts' unused gate/up rows."""
+    from transformers import LongcatFlashConfig, LongcatFlashForCausalLM
+
+    raw = LongcatFlashConfig().to_dict() | {"architectures": ["LongcatFlashForCausalLM"]}
+    cfg = config_from_dict(raw)
+    mem = model_memory(cfg, "bfloat16")
+    with torch.device("meta"):
+        hf = LongcatFlashForCausalLM(LongcatFlashConfig())
+    unused = 28 * 256 * 2 * 2048 * 6144  # layers x identity experts x gate+up rows x hidden
+    assert mem.total_bytes == 2 * (sum(t.numel() for t in hf.state_dict().values()) - unused)
+    assert (mem.moe_layers, mem.experts) == (28, 512)
+    assert mem.total_bytes / 2 / 1e9 == pytest.approx(560.66, abs=0.01)  # published: "560B total parameters"
