@@ -245,13 +245,23 @@ class MoEDecoder:
         return best
 
     def _run_layers(self, g: _Group) -> StepTrace:
-        """Every layer in order over one group, each expert round waited for at once."""
+        """Every layer in order over one group, each expert round waited for at once; LongCat's shortcut round is
+        submitted at its sublayer and waited for only after the next sublayer's attention and dense MLP, the work
+        the shortcut connection was designed to hide the expert round behind."""
         trace = StepTrace()
+        defer = self.cfg.shortcut_moe and hasattr(self.experts, "submit")
+
+        def collect() -> None:
+            self._collect(g, trace.routings.__setitem__)
+
         for i, layer in enumerate(self.w.layers):
-            routed = self._dense(i, layer, g)
+            routed = self._dense(i, layer, g, collect)
             if routed is None:
                 continue
             h, routing, identity = routed
+            if defer:
+                g.pending = (i, h, routing, identity, self.experts.submit(i, *self._expert_input(h, routing)))
+                continue
             mlp = self.experts.run(i, *self._expert_input(h, routing))  # [T, H]
             # The backend may have served a different routing (degraded around a lost expert): trace that one.
             trace.routings[i] = self.experts.effective_routing(i, routing)
@@ -263,26 +273,32 @@ class MoEDecoder:
         layer i and submits its round; then B does the same. So B's dense work runs while A's round is in flight,
         and A's next dense work while B's is."""
         parts: dict[int, list[Routing | None]] = {}
+
+        def recorder(n: int) -> Callable[[int, Routing], None]:
+            return lambda i, routing: parts.setdefault(i, [None, None]).__setitem__(n, routing)
+
         for i, layer in enumerate(self.w.layers):
             for n, g in enumerate(groups):
-                if g.pending is not None:
-                    self._collect(g, n, parts)
-                routed = self._dense(i, layer, g)
+                # LongCat: a shortcut round is collected inside the next sublayer, after its dense MLP
+                if g.pending is not None and not self.cfg.shortcut_moe:
+                    self._collect(g, recorder(n))
+                routed = self._dense(i, layer, g, lambda g=g, n=n: self._collect(g, recorder(n)))
                 if routed is not None:
                     h, routing, identity = routed
                     g.pending = (i, h, routing, identity, self.experts.submit(i, *self._expert_input(h, routing)))
         for n, g in enumerate(groups):
             if g.pending is not None:
-                self._collect(g, n, parts)
+                self._collect(g, recorder(n))
         # One routing per layer for the whole step, tokens in the original order (A's then B's).
         return StepTrace(routings={i: concat_routings(p) for i, p in sorted(parts.items())})
 
-    def _collect(self, g: _Group, n: int, parts: dict[int, list[Routing | None]]) -> None:
-        """Wait for group g's pending expert round and finish that layer for it (shared expert, residual)."""
+    def _collect(self, g: _Group, record: Callable[[int, Routing], None]) -> None:
+        """Wait for group g's pending expert round and finish that layer for it (shared expert, residual);
+        record(layer, routing) keeps the routing the backend served for the step's trace."""
         i, h, routing, identity, pending = g.pending
         g.pending = None
         mlp = self.experts.wait(pending)  # [T_g, H]
-        parts.setdefault(i, [None, None])[n] = self.experts.effective_routing(i, routing)
+        record(i, self.experts.effective_routing(i, routing))
         self._add_moe(g, self.w.layers[i], h, mlp, identity)
 
     def _add_moe(self, g: _Group, layer, h: torch.Tensor, mlp: torch.Tensor, identity: torch.Tensor | None) -> None:
@@ -296,18 +312,22 @@ class MoEDecoder:
         else:
             g.x = g.x + out
 
-    def _dense(self, i: int, layer, g: _Group) -> tuple[torch.Tensor, Routing, torch.Tensor | None] | None:
+    def _dense(self, i: int, layer, g: _Group, collect: Callable[[], None] | None = None
+               ) -> tuple[torch.Tensor, Routing, torch.Tensor | None] | None:
         """Group g's dense part of layer i: attention, and either the dense MLP (a layer without experts: done,
         returns None) or the gate -> (h [T_g, H], routing, identity) for the expert round; identity [T_g] float32:
         LongCat's summed identity-expert weight per token (those slots are DROPPED in the routing: no actor serves
         them), else None. LongCat's MoE sublayer also runs its dense MLP; the sublayer after it adds the MoE
-        output (g.shortcut) after its own MLP, as transformers' LongcatFlashDecoderLayer does."""
+        output (g.shortcut) after its own MLP, as transformers' LongcatFlashDecoderLayer does; a round still in
+        flight (g.pending) is collected right then, by `collect`."""
         cfg = self.cfg
         h = self.norm(g.x, layer.input_norm)  # [T_g, H]
         g.x = g.x + self._attention(i, h, g)
         h = self.norm(g.x, layer.post_attention_norm)
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
+            if cfg.shortcut_moe and g.pending is not None:
+                collect()  # sets g.shortcut
             if g.shortcut is not None:  # residual + mlp + shortcut, in that order
                 g.x, g.shortcut = g.x + g.shortcut, None
             return None

@@ -133,6 +133,41 @@ def test_identity_experts_are_computed_by_the_decoder_never_the_backend(models):
     assert model.predict_experts(0, torch.randn(6, cfg.hidden_size)).max() < EXPERTS
 
 
+class _Logged:
+    """A submit/wait expert backend that logs the order of its rounds."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def submit(self, layer, hidden, routing):
+        self.log.append(("submit", layer))
+        return layer, self.inner.run(layer, hidden, routing)
+
+    def wait(self, pending):
+        self.log.append(("wait", pending[0]))
+        return pending[1]
+
+    def run(self, layer, hidden, routing):
+        raise AssertionError("a shortcut round is submitted, not run")
+
+    def effective_routing(self, layer, routing):
+        return routing
+
+
+def test_shortcut_round_is_waited_for_after_the_next_sublayer(models):
+    """The expert round of sublayer 2L stays in flight through sublayer 2L+1's attention and dense MLP."""
+    model, hf = models["per_expert"]
+    log = []
+    decoder = MoEDecoder(model.cfg, model.w, _Logged(model.experts, log))
+    attention = decoder._attention
+    decoder._attention = lambda i, h, g: log.append(("attention", i)) or attention(i, h, g)
+    ids = _ids(9, 8)
+    assert max_diff(decoder.forward([ids])[0], hf_logits(hf, ids)) <= TOL
+    assert log == [("attention", 0), ("submit", 0), ("attention", 1), ("wait", 0),
+                   ("attention", 2), ("submit", 2), ("attention", 3), ("wait", 2)]
+    assert sorted(decoder.last_trace.routings) == [0, 2]
+
+
 def test_router_matches_transformers_module():
     from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashTopkRouter
 
