@@ -15,7 +15,8 @@ expert (id >= n_routed_experts) returns its input: the decoder computes it (weig
 Attention: DeepSeek-V3's MLA with a q LoRA, interleaved RoPE over `qk_rope_head_dim` dims, and LongCat's LoRA scaling
 (q x sqrt(hidden / q_lora_rank), the normed KV latent x sqrt(hidden / kv_lora_rank)). The MTP layers (`model.mtp.*`)
 are not read. Refused, naming the key: RoPE types other than default / yarn, `head_dim` != `qk_rope_head_dim` (the
-RoPE tables are `head_dim` wide), a `qk_head_dim` other than nope + rope, no q LoRA, zero routed experts.
+RoPE tables are `head_dim` wide), a `qk_head_dim` other than nope + rope, no q LoRA, zero routed experts, the
+original config's `mla_scale_q_lora` / `mla_scale_kv_lora` false or a `zero_expert_type` other than identity.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def longcat_flash_fields(raw: dict, common: dict, need, source: str) -> dict:
     if not isinstance(zero, int) or isinstance(zero, bool) or zero < 0:
         raise CheckpointError(f"{source}: key 'zero_expert_num' must be a non-negative integer, got {zero!r}")
     experts = need("num_experts")
+    for key in ("mla_scale_q_lora", "mla_scale_kv_lora"):  # the original config's switches; transformers always scales
+        if raw.get(key) is False:
+            raise CheckpointError(f"{source}: key '{key}'=false is not supported for longcat_flash (transformers "
+                                  "always applies the LoRA scaling)")
+    if raw.get("zero_expert_type") not in (None, "identity"):
+        raise CheckpointError(f"{source}: key 'zero_expert_type'={raw['zero_expert_type']!r} is not supported "
+                              "(supported: 'identity')")
     if raw.get("router_bias"):
         raise CheckpointError(f"{source}: key 'router_bias'=true is not supported for longcat_flash")
     if common["top_k"] > experts + zero:

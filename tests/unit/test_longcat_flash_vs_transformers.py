@@ -247,6 +247,8 @@ def test_fixture_config_layout():
     ("zero_expert_num", -1, "'zero_expert_num'"),
     ("moe_topk", 9, "'moe_topk'"),
     ("router_bias", True, "'router_bias'"),
+    ("mla_scale_q_lora", False, "'mla_scale_q_lora'"),
+    ("zero_expert_type", "zero", "'zero_expert_type'"),
     ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0}, "rope_type"),
 ])
 def test_config_refusals_name_the_key(key, value, match):
