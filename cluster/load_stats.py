@@ -161,6 +161,7 @@ class _Bucket:
     replica: dict[str, float] = field(default_factory=dict)
     rerouted: int = 0
     degraded: int = 0
+    identity: int = 0  # LongCat-Flash: slots an identity (zero-compute) expert took; no shard, no call
 
 
 class LoadWindow:
@@ -193,14 +194,16 @@ class LoadWindow:
         return self._buckets[-1]
 
     def record_dispatch(self, layer: int, expert_slots: np.ndarray, replica_slots: dict[str, int],
-                        degraded: int = 0, rerouted: int = 0) -> None:
-        """One layer call: expert_slots [E] slots per expert, replica_slots actor -> slots it served."""
+                        degraded: int = 0, rerouted: int = 0, identity: int = 0) -> None:
+        """One layer call: expert_slots [E] slots per expert, replica_slots actor -> slots it served; identity:
+        slots served by an identity expert on the router (in no shard's load: nothing to place or replicate)."""
         b = self._bucket()
         b.shard[self.row[layer]] += expert_slots
         for actor, n in replica_slots.items():
             b.replica[actor] = b.replica.get(actor, 0.0) + n
         b.degraded += degraded
         b.rerouted += rerouted
+        b.identity += identity
 
     def record_routing(self, layer: int, experts: torch.Tensor, probs: torch.Tensor | None, lengths: list[int],
                        keys: list[object]) -> None:
@@ -307,6 +310,7 @@ class LoadWindow:
                                               "hit_sum", "steps")},
             "rerouted": int(sum(b.rerouted for b in buckets)),
             "degraded": int(sum(b.degraded for b in buckets)),
+            "identity": int(sum(b.identity for b in buckets)),
         }
 
     def snapshot(self, placement: dict[str, str] | None = None, epoch: int | None = None) -> dict:
@@ -345,6 +349,7 @@ def merge_snapshots(snapshots: list[dict]) -> dict | None:
             counts["replica_load"][actor] = counts["replica_load"].get(actor, 0.0) + n
     counts["rerouted"] = sum(s["counts"]["rerouted"] for s in snapshots)
     counts["degraded"] = sum(s["counts"]["degraded"] for s in snapshots)
+    counts["identity"] = sum(s["counts"].get("identity", 0) for s in snapshots)  # older routers: none
     placement: dict[str, str] = {}
     for s in snapshots:
         placement.update(s.get("placement") or {})

@@ -27,6 +27,10 @@ from .config_llama4 import ARCHITECTURES as _LLAMA4_ARCHITECTURES
 from .config_llama4 import MODEL_TYPES as _LLAMA4_MODEL_TYPES
 from .config_llama4 import Llama3Scaling, llama4_fields
 from .config_llama4 import normalise as _llama4_normalise
+from .config_longcat_flash import ARCHITECTURES as _LONGCAT_ARCHITECTURES
+from .config_longcat_flash import MODEL_TYPES as _LONGCAT_MODEL_TYPES
+from .config_longcat_flash import longcat_flash_fields
+from .config_longcat_flash import normalise as _longcat_normalise
 from .config_mimo_v2_flash import ARCHITECTURES as _MIMO_ARCHITECTURES
 from .config_mimo_v2_flash import MODEL_TYPES as _MIMO_MODEL_TYPES
 from .config_mimo_v2_flash import mimo_v2_flash_fields
@@ -49,10 +53,10 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
 } | _DEEPSEEK_ARCHITECTURES | _MINIMAX_ARCHITECTURES | _ERNIE_ARCHITECTURES | _HUNYUAN_ARCHITECTURES \
-    | _LLAMA4_ARCHITECTURES | _MIMO_ARCHITECTURES | _QWEN3_NEXT_ARCHITECTURES
+    | _LLAMA4_ARCHITECTURES | _MIMO_ARCHITECTURES | _QWEN3_NEXT_ARCHITECTURES | _LONGCAT_ARCHITECTURES
 MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "qwen3_moe": "qwen3_moe",
                "gpt_oss": "gpt_oss"} | _DEEPSEEK_MODEL_TYPES | _MINIMAX_MODEL_TYPES | _ERNIE_MODEL_TYPES \
-    | _HUNYUAN_MODEL_TYPES | _LLAMA4_MODEL_TYPES | _MIMO_MODEL_TYPES | _QWEN3_NEXT_MODEL_TYPES
+    | _HUNYUAN_MODEL_TYPES | _LLAMA4_MODEL_TYPES | _MIMO_MODEL_TYPES | _QWEN3_NEXT_MODEL_TYPES | _LONGCAT_MODEL_TYPES
 # Families parsed in their own module (experts/config_<family>.py): family -> (normalise, fields). normalise maps the
 # family's key names onto the common ones; fields returns the MoEModelConfig arguments beyond the common ones,
 # RoPE included (the common rope parsing is skipped for them).
@@ -64,6 +68,7 @@ OWN_FAMILIES = {
     "mimo_v2_flash": (_mimo_normalise, mimo_v2_flash_fields),
     "qwen3_next": (_qwen3_next_normalise, qwen3_next_family_fields),
     "qwen3_5_moe": (_qwen3_next_normalise, qwen3_5_moe_family_fields),
+    "longcat_flash": (_longcat_normalise, longcat_flash_fields),
 }
 _OWN_ROPE = (*_DEEPSEEK_FAMILIES, *OWN_FAMILIES)
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
@@ -151,6 +156,10 @@ class MoEModelConfig:
     gated_delta: GatedDeltaDims | None = None  # their shape
     norm_unit_offset: bool = False  # RMSNorm weights stored as offsets from 1: x_normed * (1 + w)
     attn_output_gate: bool = False  # q_proj packs a per-head sigmoid gate on the attention output
+    # ---- LongCat-Flash (experts/config_longcat_flash.py; router_kind "softmax_scaled", MLA) ----
+    zero_experts: int = 0  # identity experts, ids num_experts.. num_experts+zero_experts-1: output = weight x input
+    shortcut_moe: bool = False  # the MoE of sublayer i runs beside it and is added after sublayer i+1's dense MLP
+    mla_lora_scale: bool = False  # q x sqrt(H / q_lora_rank), the KV latent x sqrt(H / kv_lora_rank)
     # ---- end DeepSeek-V2/V3 and GLM-4.5 ------------------------------------------------------------------------
     # ---- Qwen3-MoE and gpt-oss (issue 13 items 2-3; they also use qk_norm_per_head, yarn, router_kind) ----
     attention_sinks: bool = False  # gpt-oss: a learned per-head extra logit in the attention softmax
@@ -172,6 +181,11 @@ class MoEModelConfig:
     def has_indexer(self, layer: int) -> bool:
         """Whether layer `layer` runs a DSA lightning indexer (and caches its key per token)."""
         return self.index_n_heads > 0 and layer not in self.index_shared_layers
+
+    @property
+    def router_width(self) -> int:
+        """Columns of the router's logits: the real experts, then LongCat's identity experts."""
+        return self.num_experts + self.zero_experts
 
     def kv_heads(self, layer: int) -> int:
         """The KV heads of GQA layer `layer` (MiMo-V2-Flash's sliding layers have more than its full ones)."""
@@ -332,7 +346,7 @@ def config_from_dict(raw: dict, source: str = "config.json") -> MoEModelConfig:
             clip_qkv=raw.get("clip_qkv"),
             moe_layers=all_layers,
         )
-    if cfg.top_k > cfg.num_experts:
+    if cfg.top_k > cfg.num_experts + cfg.zero_experts:
         raise CheckpointError(
             f"{source}: num_experts_per_tok={cfg.top_k} exceeds the number of experts ({cfg.num_experts})"
         )

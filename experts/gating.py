@@ -5,7 +5,9 @@ Several routers, one `Routing`: `route` (softmax; Mixtral, Qwen2-MoE, OLMoE, Qwe
 top-k on the logits, softmax over the k), `route_deepseek_v2` (softmax, greedy or group-limited top-k, scaled
 weights) and `route_sigmoid_grouped` (DeepSeek-V3, GLM-4.5: sigmoid scores, a correction bias that only ranks,
 group-limited top-k, optional renormalisation, scaled weights), `route_softmax_biased` (ERNIE 4.5) and
-`route_sigmoid_input` (Llama 4: the sigmoid score scales the expert's input). `route_for_model` picks one
+`route_sigmoid_input` (Llama 4: the sigmoid score scales the expert's input), `route_softmax_scaled` (LongCat-Flash:
+softmax over real and identity experts, biased selection, scaled, not renormalised; `split_identity` takes the
+identity slots out for the decoder). `route_for_model` picks one
 from the model config. Every router fills `Routing.probs` with a distribution over the E experts (softmax, or the
 sigmoid scores normalised to sum 1) so that load statistics (routing entropy) and `degrade` work with each.
 
@@ -15,7 +17,7 @@ Pure torch; no Ray. The router and the in-process reference share it, so they ro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +40,9 @@ class Routing:
     # [T, k] float32 Llama 4 (`route_sigmoid_input`): each slot's score multiplies the expert's *input*, and its
     # combine weight is 1; the decoder scales the hidden states before the expert round. None = no input scale.
     input_scales: torch.Tensor | None = None
+    # [T] int64 LongCat-Flash: slots that chose an identity (zero-compute) expert, served by the decoder, not an
+    # actor (`split_identity`); they are DROPPED in `experts` but are not drops: counted here, not in `dropped`.
+    identity_per_token: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -46,6 +51,10 @@ class Routing:
     @property
     def degraded(self) -> int:
         return 0 if self.degraded_per_token is None else int(self.degraded_per_token.sum())
+
+    @property
+    def identity(self) -> int:
+        return 0 if self.identity_per_token is None else int(self.identity_per_token.sum())
 
     @property
     def shed(self) -> int:
@@ -235,6 +244,47 @@ def route_sigmoid_input(
                    rerouted_per_token=rerouted_per_token, probs=probs, input_scales=chosen)
 
 
+def route_softmax_scaled(
+    router_logits: torch.Tensor,
+    top_k: int,
+    correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    capacity_factor: float | None = None,
+) -> Routing:
+    """LongCat-Flash's router (transformers' LongcatFlashTopkRouter). router_logits: [T, E + Z] float32 over the
+    real experts then the zero-compute (identity) ones.
+
+    probs = softmax over all E + Z; experts *ranked* by probs + correction_bias ([E + Z], `e_score_correction_bias`),
+    *weighted* by probs alone x routed_scaling_factor, never renormalised. Ties: the lower id first (transformers'
+    topk is unsorted; the set is the same, the slot order may differ). Ids >= E are identity experts: see
+    `split_identity`.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E + Z]
+    selection = probs if correction_bias is None else probs + correction_bias.float()  # [T, E + Z]
+    experts, rerouted, dropped, rerouted_per_token = _choose(selection, top_k, capacity_factor)  # [T, k]
+    weights = _gathered(probs, experts) * routed_scaling_factor  # [T, k]
+    return Routing(experts=experts, weights=weights, rerouted=rerouted, dropped=dropped,
+                   rerouted_per_token=rerouted_per_token, probs=probs, selection=selection)
+
+
+def split_identity(routing: Routing, num_experts: int) -> tuple[Routing, torch.Tensor]:
+    """A routing over E real experts and identity experts (ids >= num_experts, LongCat-Flash's zero-compute experts)
+    -> (the routing the expert backend serves: identity slots DROPPED with weight 0, probs / selection cut to the E
+    real experts, `identity_per_token` [T] counting the identity slots; identity_weight [T] float32: the summed
+    weight of each token's identity slots, so their output is identity_weight x hidden). No device read."""
+    identity = routing.experts >= num_experts  # [T, k]
+    served = replace(
+        routing,
+        experts=torch.where(identity, torch.full_like(routing.experts, DROPPED), routing.experts),  # [T, k]
+        weights=torch.where(identity, torch.zeros_like(routing.weights), routing.weights),  # [T, k]
+        probs=None if routing.probs is None else routing.probs[:, :num_experts],  # [T, E]
+        selection=None if routing.selection is None else routing.selection[:, :num_experts],  # [T, E]
+        identity_per_token=identity.sum(dim=-1),  # [T]
+    )
+    identity_weight = torch.where(identity, routing.weights, torch.zeros_like(routing.weights)).sum(dim=-1)  # [T]
+    return served, identity_weight
+
+
 def route_for_model(
     cfg, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
     capacity_factor: float | None = None,
@@ -254,6 +304,9 @@ def route_for_model(
         return route_softmax_biased(router_logits, cfg.top_k, correction_bias, cfg.router_norm_min, capacity_factor)
     if cfg.router_kind == "sigmoid_input":  # Llama 4
         return route_sigmoid_input(router_logits, cfg.top_k, capacity_factor)
+    if cfg.router_kind == "softmax_scaled":  # LongCat-Flash
+        return route_softmax_scaled(router_logits, cfg.top_k, correction_bias, cfg.routed_scaling_factor,
+                                    capacity_factor)
     raise ValueError(f"router_kind={cfg.router_kind!r} is not a known router")
 
 
@@ -349,9 +402,11 @@ def move_slots(routing: Routing, move: torch.Tensor, available: torch.Tensor, re
     counters = {"degraded_per_token": routing.degraded_per_token, "shed_per_token": routing.shed_per_token}
     key = f"{reason}_per_token"
     counters[key] = moved if counters[key] is None else counters[key] + moved
+    # identity slots (LongCat) are DROPPED in `experts` but were never moved and are not drops
     return Routing(experts=experts, weights=weights, rerouted=routing.rerouted,
-                   dropped=int((experts == DROPPED).sum()), rerouted_per_token=routing.rerouted_per_token,
-                   probs=routing.probs, selection=routing.selection, input_scales=routing.input_scales, **counters)
+                   dropped=int((experts == DROPPED).sum()) - routing.identity,
+                   rerouted_per_token=routing.rerouted_per_token, probs=routing.probs, selection=routing.selection,
+                   input_scales=routing.input_scales, identity_per_token=routing.identity_per_token, **counters)
 
 
 def _fill_with_capacity(order: torch.Tensor, top_k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,6 +460,7 @@ def concat_routings(parts: list[Routing]) -> Routing:
         probs=cat_or_none("probs"),  # [T, E]
         degraded_per_token=cat_or_zeros("degraded_per_token"),  # [T]
         shed_per_token=cat_or_zeros("shed_per_token"),  # [T]
+        identity_per_token=cat_or_zeros("identity_per_token"),  # [T]
         selection=cat_or_none("selection"),  # [T, E]
         input_scales=cat_or_none("input_scales"),  # [T, k]
     )

@@ -13,6 +13,8 @@ Math (transformers' DeepseekV3Attention):
   c, k_r  = split(kv_a_proj_with_mqa(h), [r, d_rope]); c = rms(c)        [T, r], [T, d_rope]
   q_rot, k_r rotated (pairs for DeepSeek), k = [kv_b(c)_nope | k_r], v = kv_b(c)_v
   softmax scale = d_qk^-0.5 * mscale(factor, mscale_all_dim)^2 under YaRN.
+  LongCat-Flash (cfg.mla_lora_scale): q x sqrt(H / q_lora_rank) before RoPE and c x sqrt(H / r) after its norm
+  (so the cache holds the scaled latent), as transformers' LongcatFlashMLA.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class MLAAttention:
         self.scale = mla_softmax_scale(self.d_nope + self.d_rope, cfg.yarn)
         self.cache_spec: dict[str, tuple[int, ...]] = {"latent": (self.rank + self.d_rope,)}
         self._rotate = apply_rotary_pairs if cfg.rope_pairs_interleaved else _rotate_half_layout
+        # LongCat's LoRA scaling (python floats, as transformers multiplies by them); None: no scaling
+        self.lora_scales = ((cfg.hidden_size / cfg.q_lora_rank) ** 0.5, (cfg.hidden_size / self.rank) ** 0.5) \
+            if cfg.mla_lora_scale else None
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [T, H], cos/sin [T, d_rope] -> (q [T, nh, d_qk], {"latent": [T, r + d_rope]})."""
@@ -66,10 +71,14 @@ class MLAAttention:
         else:
             q = F.linear(_rms(F.linear(h, w.q_a, w.q_a_bias), w.q_a_norm, LORA_NORM_EPS), w.q_b)  # [T, nh*d_qk]
         q = q.view(h.shape[0], nh, self.d_nope + self.d_rope)  # [T, nh, d_qk]
+        if self.lora_scales is not None:
+            q = q * self.lora_scales[0]
         q_nope, q_rot = q.split([self.d_nope, self.d_rope], dim=-1)
         compressed = F.linear(h, w.kv_a, w.kv_a_bias)  # [T, r + d_rope]
         latent, k_rot = compressed.split([self.rank, self.d_rope], dim=-1)
         latent = _rms(latent, w.kv_a_norm, LORA_NORM_EPS)  # [T, r]
+        if self.lora_scales is not None:
+            latent = latent * self.lora_scales[1]
         k_rot = self._rotate(k_rot[:, None, :], cos, sin)[:, 0]  # [T, d_rope]
         q = torch.cat([q_nope, self._rotate(q_rot, cos, sin)], dim=-1)  # [T, nh, d_qk]
         return q, {"latent": torch.cat([latent, k_rot], dim=-1)}  # [T, r + d_rope]

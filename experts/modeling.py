@@ -33,7 +33,7 @@ from .config import MoEModelConfig
 from .dense_weights import DenseWeights
 from .device_rule import tensor_on, to_device
 from .ffn import activation, gated_mlp
-from .gating import Routing, concat_routings, route_for_model
+from .gating import DROPPED, Routing, concat_routings, route_for_model, split_identity
 from .kv_cache import KVCache, KVCacheSettings, PagedKVPool
 from .norms import rms_norm, rms_norm_unit_offset
 from .rope import build_rope
@@ -74,7 +74,8 @@ class _Group:
     lengths: list[int]
     starts: list[int]
     caches: list[KVCache] | None  # None: a cacheless forward (each sequence is a whole prompt)
-    pending: tuple | None = None  # (layer, h [T_g, H], routing, backend handle) of a submitted expert round
+    pending: tuple | None = None  # (layer, h [T_g, H], routing, identity, handle) of a submitted expert round
+    shortcut: torch.Tensor | None = None  # LongCat: [T_g, H] the MoE output to add after the next sublayer's MLP
     _layout: StepLayout | None = None
 
     @property
@@ -244,17 +245,27 @@ class MoEDecoder:
         return best
 
     def _run_layers(self, g: _Group) -> StepTrace:
-        """Every layer in order over one group, each expert round waited for at once."""
+        """Every layer in order over one group, each expert round waited for at once; LongCat's shortcut round is
+        submitted at its sublayer and waited for only after the next sublayer's attention and dense MLP, the work
+        the shortcut connection was designed to hide the expert round behind."""
         trace = StepTrace()
+        defer = self.cfg.shortcut_moe and hasattr(self.experts, "submit")
+
+        def collect() -> None:
+            self._collect(g, trace.routings.__setitem__)
+
         for i, layer in enumerate(self.w.layers):
-            routed = self._dense(i, layer, g)
+            routed = self._dense(i, layer, g, collect)
             if routed is None:
                 continue
-            h, routing = routed
+            h, routing, identity = routed
+            if defer:
+                g.pending = (i, h, routing, identity, self.experts.submit(i, *self._expert_input(h, routing)))
+                continue
             mlp = self.experts.run(i, *self._expert_input(h, routing))  # [T, H]
             # The backend may have served a different routing (degraded around a lost expert): trace that one.
             trace.routings[i] = self.experts.effective_routing(i, routing)
-            g.x = g.x + self._with_shared(layer, h, mlp)
+            self._add_moe(g, layer, h, mlp, identity)
         return trace
 
     def _run_layers_overlapped(self, groups: list[_Group]) -> StepTrace:
@@ -262,43 +273,74 @@ class MoEDecoder:
         layer i and submits its round; then B does the same. So B's dense work runs while A's round is in flight,
         and A's next dense work while B's is."""
         parts: dict[int, list[Routing | None]] = {}
+
+        def recorder(n: int) -> Callable[[int, Routing], None]:
+            return lambda i, routing: parts.setdefault(i, [None, None]).__setitem__(n, routing)
+
         for i, layer in enumerate(self.w.layers):
             for n, g in enumerate(groups):
-                if g.pending is not None:
-                    self._collect(g, n, parts)
-                routed = self._dense(i, layer, g)
+                # LongCat: a shortcut round is collected inside the next sublayer, after its dense MLP
+                if g.pending is not None and not self.cfg.shortcut_moe:
+                    self._collect(g, recorder(n))
+                routed = self._dense(i, layer, g, lambda g=g, n=n: self._collect(g, recorder(n)))
                 if routed is not None:
-                    h, routing = routed
-                    g.pending = (i, h, routing, self.experts.submit(i, *self._expert_input(h, routing)))
+                    h, routing, identity = routed
+                    g.pending = (i, h, routing, identity, self.experts.submit(i, *self._expert_input(h, routing)))
         for n, g in enumerate(groups):
             if g.pending is not None:
-                self._collect(g, n, parts)
+                self._collect(g, recorder(n))
         # One routing per layer for the whole step, tokens in the original order (A's then B's).
         return StepTrace(routings={i: concat_routings(p) for i, p in sorted(parts.items())})
 
-    def _collect(self, g: _Group, n: int, parts: dict[int, list[Routing | None]]) -> None:
-        """Wait for group g's pending expert round and finish that layer for it (shared expert, residual)."""
-        i, h, routing, pending = g.pending
+    def _collect(self, g: _Group, record: Callable[[int, Routing], None]) -> None:
+        """Wait for group g's pending expert round and finish that layer for it (shared expert, residual);
+        record(layer, routing) keeps the routing the backend served for the step's trace."""
+        i, h, routing, identity, pending = g.pending
         g.pending = None
         mlp = self.experts.wait(pending)  # [T_g, H]
-        parts.setdefault(i, [None, None])[n] = self.experts.effective_routing(i, routing)
-        g.x = g.x + self._with_shared(self.w.layers[i], h, mlp)
+        record(i, self.experts.effective_routing(i, routing))
+        self._add_moe(g, self.w.layers[i], h, mlp, identity)
 
-    def _dense(self, i: int, layer, g: _Group) -> tuple[torch.Tensor, Routing] | None:
+    def _add_moe(self, g: _Group, layer, h: torch.Tensor, mlp: torch.Tensor, identity: torch.Tensor | None) -> None:
+        """Finish an MoE layer for group g: routed experts (mlp [T_g, H]) + identity experts + shared expert into
+        the residual, or (LongCat's shortcut MoE) held until the next sublayer's dense MLP is in."""
+        if identity is not None:  # LongCat's identity experts: added after the real ones, as transformers does
+            mlp = mlp + (h.float() * identity[:, None]).to(h.dtype)  # [T_g, H]
+        out = self._with_shared(layer, h, mlp)
+        if self.cfg.shortcut_moe:
+            g.shortcut = out
+        else:
+            g.x = g.x + out
+
+    def _dense(self, i: int, layer, g: _Group, collect: Callable[[], None] | None = None
+               ) -> tuple[torch.Tensor, Routing, torch.Tensor | None] | None:
         """Group g's dense part of layer i: attention, and either the dense MLP (a layer without experts: done,
-        returns None) or the gate -> (h [T_g, H], routing) for the expert round."""
+        returns None) or the gate -> (h [T_g, H], routing, identity) for the expert round; identity [T_g] float32:
+        LongCat's summed identity-expert weight per token (those slots are DROPPED in the routing: no actor serves
+        them), else None. LongCat's MoE sublayer also runs its dense MLP; the sublayer after it adds the MoE
+        output (g.shortcut) after its own MLP, as transformers' LongcatFlashDecoderLayer does; a round still in
+        flight (g.pending) is collected right then, by `collect`."""
         cfg = self.cfg
         h = self.norm(g.x, layer.input_norm)  # [T_g, H]
         g.x = g.x + self._attention(i, h, g)
         h = self.norm(g.x, layer.post_attention_norm)
         if layer.router is None:
             g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
+            if cfg.shortcut_moe and g.pending is not None:
+                collect()  # sets g.shortcut
+            if g.shortcut is not None:  # residual + mlp + shortcut, in that order
+                g.x, g.shortcut = g.x + g.shortcut, None
             return None
         gating = time.perf_counter()
         routing = route_for_model(cfg, self._gate_logits(layer, h), layer.router_correction_bias, self.capacity_factor)
+        identity = None
+        if cfg.zero_experts:
+            routing, identity = split_identity(routing, cfg.num_experts)
         if self.profile is not None:
             self.profile.since("model.gating", gating)
-        return h, routing
+        if cfg.shortcut_moe:  # the MoE runs beside this sublayer's dense MLP, on the same h
+            g.x = g.x + gated_mlp(h, layer.dense_mlp, self.act)
+        return h, routing, identity
 
     @staticmethod
     def _expert_input(h: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
@@ -322,12 +364,16 @@ class MoEDecoder:
         """The experts [T, k] layer i's router would pick for hidden states h [T, H] (no capacity cap): pre-gating
         for prefetch (router_service/prefetch.py), which feeds it the previous layer's h."""
         layer = self.w.layers[i]
-        return route_for_model(self.cfg, self._gate_logits(layer, h), layer.router_correction_bias).experts
+        experts = route_for_model(self.cfg, self._gate_logits(layer, h), layer.router_correction_bias).experts
+        if self.cfg.zero_experts:  # identity experts have no actor to prefetch
+            experts = torch.where(experts >= self.cfg.num_experts, torch.full_like(experts, DROPPED), experts)
+        return experts  # [T, k]
 
     def predict_expert_probs(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """[T, E]: the softmax of layer i's router logits for hidden states h [T, H], the confidence of a pre-gating
         prediction (router_service/prefetch_policy.py; for sigmoid routers a score, not the routing weight)."""
-        return torch.softmax(self._gate_logits(self.w.layers[i], h).float(), dim=-1)
+        probs = torch.softmax(self._gate_logits(self.w.layers[i], h).float(), dim=-1)  # [T, E (+ identity)]
+        return probs[:, : self.cfg.num_experts]  # [T, E]
 
     def _with_shared(self, layer, h: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus the (gated) shared expert where the layer has one. h, mlp: [T, H]."""

@@ -40,6 +40,8 @@ from .quant import quantize_mlp
 from .weights_deepseek import deepseek_dense_tensor_names, load_deepseek_dense_weights
 from .weights_llama4 import FAMILIES as LLAMA4_FAMILIES
 from .weights_llama4 import llama4_dense_tensor_names, llama4_expert_prefix, load_llama4_dense_weights
+from .weights_longcat_flash import FAMILIES as LONGCAT_FAMILIES
+from .weights_longcat_flash import load_longcat_dense_weights, longcat_dense_tensor_names, longcat_prefix
 from .weights_mimo_v2_flash import FAMILIES as MIMO_FAMILIES
 from .weights_mimo_v2_flash import load_mimo_dense_weights, mimo_dense_tensor_names
 from .weights_minimax_ernie_hunyuan import FAMILIES as SELECTION_BIAS_FAMILIES
@@ -74,6 +76,8 @@ def fused_expert_prefix(layer: int, cfg: MoEModelConfig | None = None) -> str:
         return llama4_expert_prefix(cfg, layer)
     if cfg is not None and cfg.family in QWEN3_NEXT_FAMILIES:  # under the VL wrapper's model.language_model.
         return qwen3_next_expert_prefix(cfg, layer)
+    if cfg is not None and cfg.family in LONGCAT_FAMILIES:  # sublayer 2L's MoE is logical layer L's
+        return longcat_prefix(layer) + "mlp.experts."
     return f"model.layers.{layer}.mlp.experts."
 
 
@@ -81,8 +85,8 @@ def fused_tensor_names(cfg: MoEModelConfig, layer: int, layout: str) -> dict[str
     """role -> (on-disk name, full stacked shape) of one layer's experts in a stacked layout."""
     e, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
     base = fused_expert_prefix(layer, cfg)
-    if layout == FUSED:
-        return {"gate_up": (base + "gate_up_proj", (e, 2 * inter, hidden)),
+    if layout == FUSED:  # LongCat: gate_up_proj has rows for its identity experts too (never read)
+        return {"gate_up": (base + "gate_up_proj", (e + cfg.zero_experts, 2 * inter, hidden)),
                 "down": (base + "down_proj", (e, hidden, inter))}
     if layout == FUSED_IN_OUT:
         return {"gate_up": (base + "gate_up_proj", (e, hidden, 2 * inter)),
@@ -149,8 +153,9 @@ def expert_shard_bytes(reader: CheckpointReader, shards: list[Shard]) -> int:
     hosted: dict[int, int] = {}
     for layer, _ in shards:
         hosted[layer] = hosted.get(layer, 0) + 1
-    return sum(reader.nbytes(expert_shard_names(cfg, [(layer, 0)], layout)) * count // cfg.num_experts
-               for layer, count in hosted.items())
+    # a stacked tensor's share: its bytes per row x rows hosted (LongCat's gate_up_proj has identity rows too)
+    return sum(reader.nbytes({name: shape}) // shape[0] * count for layer, count in hosted.items()
+               for name, shape in expert_shard_names(cfg, [(layer, 0)], layout).items())
 
 
 def _check_shards(cfg: MoEModelConfig, shards: list[Shard]) -> None:
@@ -287,6 +292,7 @@ DENSE_FAMILIES: dict[str, DenseFamily] = {
 } | {family: DenseFamily(family_dense_tensor_names, load_family_dense_weights) for family in SELECTION_BIAS_FAMILIES} \
     | {family: DenseFamily(llama4_dense_tensor_names, load_llama4_dense_weights) for family in LLAMA4_FAMILIES} \
     | {family: DenseFamily(mimo_dense_tensor_names, load_mimo_dense_weights) for family in MIMO_FAMILIES} \
+    | {family: DenseFamily(longcat_dense_tensor_names, load_longcat_dense_weights) for family in LONGCAT_FAMILIES} \
     | {family: DenseFamily(qwen3_next_dense_tensor_names, load_qwen3_next_dense_weights)
        for family in QWEN3_NEXT_FAMILIES}
 

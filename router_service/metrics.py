@@ -61,6 +61,8 @@ METRIC_SPECS: dict[str, MetricSpec] = {s.name: s for s in [
                ("layer",)),
     MetricSpec("expertmesh_shed_tokens", "counter", "Slots moved off an overloaded expert (overload shedding)",
                ("layer",)),
+    MetricSpec("expertmesh_identity_tokens", "counter", "Slots an identity (zero-compute) expert took, computed on "
+               "the router with no expert call (LongCat-Flash)", ("layer",)),
     MetricSpec("expertmesh_dispatch_seconds", "histogram", "One MoE layer's round of expert calls, router side",
                ("layer",), DISPATCH_SECONDS_BOUNDARIES),
     MetricSpec("expertmesh_expert_seconds", "histogram", "Expert actor compute time per call (inside the actor)",
@@ -152,10 +154,11 @@ class RouterMetrics:
         self._rerouted = np.zeros(n)
         self._degraded = np.zeros(n)
         self._shed = np.zeros(n)
+        self._identity = np.zeros(n)
         self._dispatch: list[tuple[int, float]] = []
 
     def record_layer(self, layer: int, expert_slots: np.ndarray, calls: list, seconds: float,
-                     rerouted: int = 0, degraded: int = 0, shed: int = 0) -> None:
+                     rerouted: int = 0, degraded: int = 0, shed: int = 0, identity: int = 0) -> None:
         """One layer's round: expert_slots [E]; calls: the ActorCalls that served (actor, experts, counts)."""
         r = self.row[layer]
         with self._lock:
@@ -167,6 +170,7 @@ class RouterMetrics:
             self._rerouted[r] += rerouted
             self._degraded[r] += degraded
             self._shed[r] += shed
+            self._identity[r] += identity
             self._dispatch.append((layer, seconds))
 
     def record_retry(self, actor: str) -> None:
@@ -184,6 +188,7 @@ class RouterMetrics:
             shard_tokens, shard_calls = self._shard_tokens, self._shard_calls
             replica_tokens, replica_calls, retried = self._replica_tokens, self._replica_calls, self._retried
             rerouted, degraded, shed, dispatch = self._rerouted, self._degraded, self._shed, self._dispatch
+            identity = self._identity
             self._reset()
         m = self.m
         for name, acc in (("expertmesh_shard_tokens", shard_tokens), ("expertmesh_shard_calls", shard_calls)):
@@ -200,7 +205,7 @@ class RouterMetrics:
                 if value:
                     m[name].inc(value, tags={"replica": actor})
         for name, acc in (("expertmesh_rerouted_tokens", rerouted), ("expertmesh_degraded_tokens", degraded),
-                          ("expertmesh_shed_tokens", shed)):
+                          ("expertmesh_shed_tokens", shed), ("expertmesh_identity_tokens", identity)):
             for r in np.nonzero(acc)[0]:
                 m[name].inc(float(acc[r]), tags={"layer": str(self.layers[r])})
         for layer, seconds in dispatch:

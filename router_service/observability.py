@@ -61,9 +61,12 @@ class RouterObserver:
         replica: dict[str, int] = {}
         for call in calls:
             replica[call.actor] = replica.get(call.actor, 0) + sum(call.counts)
-        self.window.record_dispatch(layer, slots, replica, degraded=served.degraded, rerouted=served.rerouted)
+        identity = served.identity  # LongCat's identity-expert slots: a host routing, no device read
+        self.window.record_dispatch(layer, slots, replica, degraded=served.degraded, rerouted=served.rerouted,
+                                    identity=identity)
         if self.metrics is not None:
-            self.metrics.record_layer(layer, slots, calls, seconds, served.rerouted, served.degraded, served.shed)
+            self.metrics.record_layer(layer, slots, calls, seconds, served.rerouted, served.degraded, served.shed,
+                                      identity)
 
     def on_retry(self, actor: str) -> None:
         if self.metrics is not None:

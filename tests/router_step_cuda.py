@@ -38,7 +38,7 @@ from tests.router_step import (  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2_grouped", "glm4_moe", "many_experts",
             "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "llama4", "mimo_v2_flash", "qwen3_next",
-            "deepseek_v32", "glm_moe_dsa")
+            "deepseek_v32", "glm_moe_dsa", "longcat_flash")
 
 
 def write_checkpoint(family: str, out: Path) -> Path:
@@ -47,6 +47,7 @@ def write_checkpoint(family: str, out: Path) -> Path:
     from tests.tiny_fam1 import KINDS as FAM1_KINDS
     from tests.tiny_fam1 import write_fam1_checkpoint
     from tests.tiny_llama4 import write_llama4_checkpoint
+    from tests.tiny_longcat_flash import write_longcat_checkpoint
     from tests.tiny_mimo_v2_flash import write_mimo_checkpoint
     from tests.tiny_qwen3_next import write_qwen3_next_checkpoint
 
@@ -58,6 +59,8 @@ def write_checkpoint(family: str, out: Path) -> Path:
         return write_llama4_checkpoint(out)
     if family == "mimo_v2_flash":  # per-layer KV shapes, sinks on sliding layers, per-kind RoPE, grouped router
         return write_mimo_checkpoint(out)
+    if family == "longcat_flash":  # shortcut MoE across two sublayers, identity experts on the router, scaled MLA
+        return write_longcat_checkpoint(out)
     if family == "qwen3_next":  # Gated DeltaNet layers with their state cache, gated attention, a dense layer
         return write_qwen3_next_checkpoint(out)
     if family == "many_experts":  # 128 experts, top-8: > 16 pieces per layer, the rank-pass combine
