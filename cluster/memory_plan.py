@@ -242,7 +242,7 @@ def stored_bytes(reader) -> StoredBytes:
     from ..experts.weights import dense_tensor_names, expert_layout, expert_shard_bytes
 
     cfg = reader.config
-    dense = dense_tensor_names(cfg, expert_layout(cfg, reader.has))
+    dense = dense_tensor_names(cfg, expert_layout(cfg, reader.has), reader.has)
     if cfg.fp8_block is not None:
         dense |= scale_names(reader, dense, cfg.fp8_block)
     shards = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]

@@ -41,6 +41,10 @@ def _rotate_half_layout(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def _unrotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class MLAAttention:
     """One MLA layer. num_kv_heads = num_heads: the core sees the expanded per-head keys and values."""
 
@@ -57,6 +61,8 @@ class MLAAttention:
         self.scale = mla_softmax_scale(self.d_nope + self.d_rope, cfg.yarn)
         self.cache_spec: dict[str, tuple[int, ...]] = {"latent": (self.rank + self.d_rope,)}
         self._rotate = apply_rotary_pairs if cfg.rope_pairs_interleaved else _rotate_half_layout
+        if not cfg.mla_rope:  # Kimi-Linear: the d_rope part is kept (the key part shared by all heads), not rotated
+            self._rotate = _unrotated
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [T, H], cos/sin [T, d_rope] -> (q [T, nh, d_qk], {"latent": [T, r + d_rope]})."""
