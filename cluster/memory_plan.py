@@ -52,7 +52,7 @@ class ModelMemory:
     moe_layers: int
     experts: int
     kv_bytes_per_token: int  # all layers
-    state_bytes_per_sequence: int = 0  # linear-attention layers' conv + recurrent state (Qwen3-Next, Qwen3.5)
+    state_bytes_per_sequence: int = 0  # linear layers' conv + recurrent state (Qwen3-Next, Qwen3.5, Kimi-Linear)
 
     @property
     def expert_bytes(self) -> int:
@@ -88,8 +88,9 @@ def kv_bytes_per_token(cfg: MoEModelConfig, dtype: str) -> int:
     KV heads, values v_head_dim wide), or MLA's latent + rope key. Linear-attention layers store nothing per token
     (their state is per sequence: state_bytes_per_sequence)."""
     size = DTYPE_BYTES[dtype]
-    if cfg.attention_kind == "mla":
-        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
+    if cfg.attention_kind == "mla":  # Kimi-Linear: only its MLA layers, not its KDA ones
+        attention_layers = cfg.num_layers - len(cfg.linear_layers)
+        return attention_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
     v_dim = cfg.v_head_dim or cfg.head_dim
     return sum(cfg.kv_heads(i) * (cfg.head_dim + v_dim) for i in range(cfg.num_layers)
                if not cfg.is_linear_layer(i)) * size
