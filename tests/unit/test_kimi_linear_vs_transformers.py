@@ -125,6 +125,19 @@ def test_batched_decode_rows_equal_single_rows(models):
         assert max_diff(model.forward([p[-1:]], [c])[0], row) <= 1e-5
 
 
+def test_overlap_schedule_equals_the_plain_one(folders, models):
+    """Two micro-batches taking turns (each with its own sequences' KDA states) == one batch, prefill and decode."""
+    model, _ = models["original"]
+    other = load_reference_model(folders["original"], overlap=True)
+    seqs = [_ids(n, 30 + n) for n in (20, 9, 70, 1)]
+    ca, cb = [model.new_cache() for _ in seqs], [other.new_cache() for _ in seqs]
+    for x, y in zip(model.forward(seqs, ca), other.forward(seqs, cb)):
+        assert max_diff(x, y) <= 1e-5
+    nxt = [s[-1:] for s in seqs]
+    for x, y in zip(model.forward(nxt, ca), other.forward(nxt, cb)):
+        assert max_diff(x, y) <= 1e-5
+
+
 def test_bf16_reference_is_as_close_to_float32_as_transformers_bf16(folders, models):
     """bf16 by transformers' own yardstick: ours is no further from the float32 truth than transformers' bf16 (plus
     a margin), and no further from transformers' bf16 than that is from the truth."""
