@@ -173,6 +173,25 @@ def test_fixture_config_layers_and_cache_shapes(models, folders):
         assert expert_layout(reader.config, reader.has) == ("fused" if kind == "fused" else "per_expert")
 
 
+def test_published_dense_layer_names_load(folders, models, tmp_path):
+    """The published files keep the dense layer's MLP under `mlp.` (transformers' default save writes
+    `block_sparse_moe.`): the same tensors under either name serve the same logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = folders["original"]
+    out = tmp_path / "published"
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    renamed = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp."): v for k, v in tensors.items()}
+    assert "model.layers.0.mlp.gate_proj.weight" in renamed
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    check_checkpoint(CheckpointReader(out))
+    ids = _ids(20, 5)
+    assert torch.equal(load_reference_model(out).forward([ids])[0], models["original"][0].forward([ids])[0])
+
+
 @pytest.mark.parametrize("change", ["rope", "one_group", "silu_output_gate"])
 def test_each_quirk_changes_the_logits(models, change, monkeypatch):
     """Serving without one quirk moves the logits far beyond the tolerance: the exactness above covers each."""
