@@ -136,7 +136,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 class GatedDeltaNet:
     """A Gated DeltaNet layer over a step's flattened tokens (sequences of any lengths side by side), reading and
     writing each sequence's conv and recurrent state in a state cache. Sequences feeding one token (decode) share one
-    batched recurrent step; longer runs (prefill, prompt chunks) go through `chunked` one sequence at a time."""
+    batched recurrent step; longer runs (prefill, prompt chunks) go through `chunked` one sequence at a time.
+    Kimi's KDA (experts/kda.py) is this layer with its own `_inputs`, `_output` and delta-rule forms."""
 
     is_linear = True
     cache_spec: dict = {}  # nothing in the paged KV cache

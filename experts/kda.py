@@ -102,7 +102,9 @@ class KimiDeltaAttention(GatedDeltaNet):
     chunked = staticmethod(chunked)
 
     def __init__(self, cfg: MoEModelConfig, w):
-        super().__init__(cfg, w)  # w: experts/weights_kimi_linear.py KDAWeights
+        """w: experts/weights_kimi_linear.py KDAWeights; cfg.gated_delta holds the KDA dims (as many key as value
+        heads, dk = dv)."""
+        super().__init__(cfg, w)
 
     def _inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, H] -> (conv inputs [T, 3*h*d], output gate [T, h, d], beta [T, h], g [T, h, dk] float32)."""
