@@ -11,9 +11,10 @@ experts; the first `first_k_dense_replace` layers (or `mlp_layer_types` "dense")
 The published config.json keeps the KDA settings in `linear_attn_config` (`kda_layers` / `full_attn_layers`
 1-indexed, `head_dim`, `num_heads`, `short_conv_kernel_size`) and names several keys as transformers' attribute_map
 does (`num_experts`, `num_experts_per_token`, `num_shared_experts`, `moe_renormalize`, `num_expert_group`,
-`model_max_length`); transformers' own save writes those names too. Both spellings are read. Refused, naming the key:
-layer types other than these two, a router activation other than sigmoid, an expert count that does not split into
-the groups.
+`model_max_length`); transformers' own save writes those names too. Both spellings are read, as are the published
+`moe_layer_freq` (Moonshot's code: MoE where i >= first_k_dense_replace and i % freq == 0) and `use_grouped_topk`.
+Refused, naming the key: layer types other than these two, `mla_use_nope` false, a router activation other than
+sigmoid, an expert count that does not split into the groups.
 """
 
 from __future__ import annotations
@@ -96,16 +97,21 @@ def kimi_linear_fields(raw: dict, common: dict, need, source: str) -> dict:
     if act != "sigmoid":
         raise CheckpointError(f"{source}: key 'moe_router_activation_func'={act!r} is not supported for kimi_linear "
                               "(supported: 'sigmoid')")
+    if raw.get("mla_use_nope") is False:  # transformers' KimiLinearAttention is always NoPE
+        raise CheckpointError(f"{source}: key 'mla_use_nope'=false (MLA with RoPE) is not supported for kimi_linear")
     mlp_types = raw.get("mlp_layer_types")
-    if mlp_types is None:
+    if mlp_types is None:  # Moonshot's modeling_kimi.py rule (transformers reads first_k_dense_replace alone)
         first_dense = int(raw.get("first_k_dense_replace", 1) or 0)
-        mlp_types = ["dense" if i < first_dense else "sparse" for i in range(layers)]
+        freq = _positive(raw.get("moe_layer_freq", 1), "moe_layer_freq", source)
+        mlp_types = ["sparse" if i >= first_dense and i % freq == 0 else "dense" for i in range(layers)]
     if not isinstance(mlp_types, list) or len(mlp_types) < layers or set(mlp_types[:layers]) - {"dense", "sparse"}:
         raise CheckpointError(f"{source}: key 'mlp_layer_types' must list 'dense' or 'sparse' for each of the "
                               f"{layers} layers")
     experts = _positive(raw["num_local_experts"], "num_experts", source)
     n_group = _positive(raw["n_group"], "num_expert_group", source)
     topk_group = _positive(raw["topk_group"], "topk_group", source)
+    if raw.get("use_grouped_topk") is False:  # the published config's switch: plain top-k over all experts
+        n_group = topk_group = 1
     if experts % n_group or topk_group > n_group:
         raise CheckpointError(f"{source}: num_experts={experts} must split into num_expert_group={n_group} equal "
                               f"groups, with 1 <= topk_group={topk_group} <= num_expert_group")

@@ -262,7 +262,8 @@ def test_published_spellings_parse():
                  "qk_nope_head_dim": 8, "v_head_dim": 8, "num_experts": 8, "num_experts_per_token": 2,
                  "num_shared_experts": 2, "moe_renormalize": True, "num_expert_group": 2, "topk_group": 1,
                  "model_max_length": 4096, "first_k_dense_replace": 2, "moe_router_activation_func": "sigmoid",
-                 "routed_scaling_factor": 2.446,
+                 "routed_scaling_factor": 2.446, "mla_use_nope": True, "moe_layer_freq": 1, "use_grouped_topk": True,
+                 "num_nextn_predict_layers": 0,
                  "linear_attn_config": {"full_attn_layers": [4, 8], "kda_layers": [1, 2, 3, 5, 6, 7], "head_dim": 8,
                                         "num_heads": 4, "short_conv_kernel_size": 4}}
     cfg = config_from_dict(published)
@@ -270,6 +271,8 @@ def test_published_spellings_parse():
     assert cfg.num_experts == 8 and cfg.top_k == 2 and cfg.shared_expert_intermediate_size == 32
     assert cfg.n_group == 2 and cfg.max_position_embeddings == 4096 and cfg.gated_delta.conv_kernel == 4
     assert cfg.gated_delta.num_v_heads == 4 and cfg.head_dim == 12 and cfg.num_kv_heads == 4
+    ungrouped = config_from_dict(published | {"use_grouped_topk": False, "moe_layer_freq": 2})
+    assert ungrouped.n_group == 1 and ungrouped.topk_group == 1 and ungrouped.moe_layers == (2, 4, 6)
     default = config_from_dict(_raw(layer_types=None, mlp_layer_types=None, num_hidden_layers=9))  # every 4th from 4
     assert default.linear_layers == (0, 1, 2, 3, 5, 6, 7)
 
@@ -280,6 +283,8 @@ def test_published_spellings_parse():
     (dict(layer_types=["linear_attention"]), "layer_types"),
     (dict(linear_conv_kernel_dim=0), "linear_conv_kernel_dim"),
     (dict(moe_router_activation_func="softmax"), "moe_router_activation_func"),
+    (dict(mla_use_nope=False), "mla_use_nope"),
+    (dict(mlp_layer_types=None, moe_layer_freq=0), "moe_layer_freq"),
     (dict(num_local_experts=5), "num_expert_group"),
     (dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]), "mlp_layer_types"),
     (dict(layer_types=None, linear_attn_config={"full_attn_layers": [9], "kda_layers": [1]}),
