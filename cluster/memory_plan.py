@@ -52,7 +52,7 @@ class ModelMemory:
     moe_layers: int
     experts: int
     kv_bytes_per_token: int  # all layers
-    state_bytes_per_sequence: int = 0  # linear-attention layers' conv + recurrent state (Qwen3-Next, Qwen3.5)
+    state_bytes_per_sequence: int = 0  # linear layers' conv + recurrent state (Qwen3-Next, Qwen3.5, Kimi-Linear)
 
     @property
     def expert_bytes(self) -> int:
@@ -89,9 +89,10 @@ def kv_bytes_per_token(cfg: MoEModelConfig, dtype: str) -> int:
     run an indexer (DeepSeek-V3.2 all, GLM-5 its "full" ones). Linear-attention layers store nothing per token
     (their state is per sequence: state_bytes_per_sequence)."""
     size = DTYPE_BYTES[dtype]
-    if cfg.attention_kind == "mla":
+    if cfg.attention_kind == "mla":  # Kimi-Linear: only its MLA layers, not its KDA ones
+        attention_layers = cfg.num_layers - len(cfg.linear_layers)
         index = sum(cfg.index_head_dim for i in range(cfg.num_layers) if cfg.has_indexer(i))
-        return (cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + index) * size
+        return (attention_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + index) * size
     v_dim = cfg.v_head_dim or cfg.head_dim
     return sum(cfg.kv_heads(i) * (cfg.head_dim + v_dim) for i in range(cfg.num_layers)
                if not cfg.is_linear_layer(i)) * size
@@ -244,7 +245,7 @@ def stored_bytes(reader) -> StoredBytes:
     from ..experts.weights import dense_tensor_names, expert_layout, expert_shard_bytes
 
     cfg = reader.config
-    dense = dense_tensor_names(cfg, expert_layout(cfg, reader.has))
+    dense = dense_tensor_names(cfg, expert_layout(cfg, reader.has), reader.has)
     if cfg.fp8_block is not None:
         dense |= scale_names(reader, dense, cfg.fp8_block)
     shards = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]

@@ -95,11 +95,19 @@ class GQAAttention:
 
 def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> AttentionLayer:
     """The attention layer of model layer `layer`."""
+    if cfg.is_linear_layer(layer):  # a state instead of a KV history
+        if cfg.family == "kimi_linear":  # Kimi Delta Attention: per-channel decay
+            from .kda import KimiDeltaAttention
+
+            return KimiDeltaAttention(cfg, w)
+        from .gated_delta import GatedDeltaNet  # Qwen3-Next / Qwen3.5
+
+        return GatedDeltaNet(cfg, w)
     if cfg.attention_kind == "mla" and cfg.index_n_heads:  # DeepSeek-V3.2 / GLM-5: MLA + DSA top-k
         from .dsa_indexer import DSAAttention
 
         return DSAAttention(cfg, w)
-    if cfg.attention_kind == "mla":  # DeepSeek-V2/V3
+    if cfg.attention_kind == "mla":  # DeepSeek-V2/V3, Kimi-Linear (without RoPE)
         from .mla_attention import MLAAttention
 
         return MLAAttention(cfg, w)
@@ -111,10 +119,6 @@ def build_attention(cfg: MoEModelConfig, layer: int, w: AttentionWeights) -> Att
         from .attention_llama4 import Llama4Attention
 
         return Llama4Attention(cfg, w, layer)
-    if cfg.is_linear_layer(layer):  # Qwen3-Next / Qwen3.5: a Gated DeltaNet, a state instead of a KV history
-        from .gated_delta import GatedDeltaNet
-
-        return GatedDeltaNet(cfg, w)
     if cfg.attn_output_gate:  # Qwen3-Next / Qwen3.5 full attention: sigmoid output gate, zero-centred q/k norm
         from .attention_qwen3_next import GatedAttention
 

@@ -23,6 +23,10 @@ from .config_hunyuan_v1_moe import ARCHITECTURES as _HUNYUAN_ARCHITECTURES
 from .config_hunyuan_v1_moe import MODEL_TYPES as _HUNYUAN_MODEL_TYPES
 from .config_hunyuan_v1_moe import hunyuan_v1_moe_fields
 from .config_hunyuan_v1_moe import normalise as _hunyuan_normalise
+from .config_kimi_linear import ARCHITECTURES as _KIMI_ARCHITECTURES
+from .config_kimi_linear import MODEL_TYPES as _KIMI_MODEL_TYPES
+from .config_kimi_linear import kimi_linear_fields
+from .config_kimi_linear import normalise as _kimi_normalise
 from .config_llama4 import ARCHITECTURES as _LLAMA4_ARCHITECTURES
 from .config_llama4 import MODEL_TYPES as _LLAMA4_MODEL_TYPES
 from .config_llama4 import Llama3Scaling, llama4_fields
@@ -53,10 +57,12 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
 } | _DEEPSEEK_ARCHITECTURES | _MINIMAX_ARCHITECTURES | _ERNIE_ARCHITECTURES | _HUNYUAN_ARCHITECTURES \
-    | _LLAMA4_ARCHITECTURES | _MIMO_ARCHITECTURES | _QWEN3_NEXT_ARCHITECTURES | _LONGCAT_ARCHITECTURES
+    | _LLAMA4_ARCHITECTURES | _MIMO_ARCHITECTURES | _QWEN3_NEXT_ARCHITECTURES | _LONGCAT_ARCHITECTURES \
+    | _KIMI_ARCHITECTURES
 MODEL_TYPES = {"mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "qwen3_moe": "qwen3_moe",
                "gpt_oss": "gpt_oss"} | _DEEPSEEK_MODEL_TYPES | _MINIMAX_MODEL_TYPES | _ERNIE_MODEL_TYPES \
-    | _HUNYUAN_MODEL_TYPES | _LLAMA4_MODEL_TYPES | _MIMO_MODEL_TYPES | _QWEN3_NEXT_MODEL_TYPES | _LONGCAT_MODEL_TYPES
+    | _HUNYUAN_MODEL_TYPES | _LLAMA4_MODEL_TYPES | _MIMO_MODEL_TYPES | _QWEN3_NEXT_MODEL_TYPES | _LONGCAT_MODEL_TYPES \
+    | _KIMI_MODEL_TYPES
 # Families parsed in their own module (experts/config_<family>.py): family -> (normalise, fields). normalise maps the
 # family's key names onto the common ones; fields returns the MoEModelConfig arguments beyond the common ones,
 # RoPE included (the common rope parsing is skipped for them).
@@ -69,6 +75,7 @@ OWN_FAMILIES = {
     "qwen3_next": (_qwen3_next_normalise, qwen3_next_family_fields),
     "qwen3_5_moe": (_qwen3_next_normalise, qwen3_5_moe_family_fields),
     "longcat_flash": (_longcat_normalise, longcat_flash_fields),
+    "kimi_linear": (_kimi_normalise, kimi_linear_fields),
 }
 _OWN_ROPE = (*_DEEPSEEK_FAMILIES, *OWN_FAMILIES)
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "relu")
@@ -160,6 +167,8 @@ class MoEModelConfig:
     zero_experts: int = 0  # identity experts, ids num_experts.. num_experts+zero_experts-1: output = weight x input
     shortcut_moe: bool = False  # the MoE of sublayer i runs beside it and is added after sublayer i+1's dense MLP
     mla_lora_scale: bool = False  # q x sqrt(H / q_lora_rank), the KV latent x sqrt(H / kv_lora_rank)
+    # ---- Kimi-Linear (experts/config_kimi_linear.py: KDA in linear_layers / gated_delta, MLA, DeepSeek-V3 router) --
+    mla_rope: bool = True  # False: MLA's qk_rope_head_dim part is not rotated (Kimi-Linear's MLA is NoPE)
     # ---- end DeepSeek-V2/V3 and GLM-4.5 ------------------------------------------------------------------------
     # ---- Qwen3-MoE and gpt-oss (issue 13 items 2-3; they also use qk_norm_per_head, yarn, router_kind) ----
     attention_sinks: bool = False  # gpt-oss: a learned per-head extra logit in the attention softmax
@@ -175,7 +184,8 @@ class MoEModelConfig:
         return layer in self.moe_layers
 
     def is_linear_layer(self, layer: int) -> bool:
-        """Whether layer `layer` is a Gated DeltaNet (no KV cache; a per-sequence state, experts/state_cache.py)."""
+        """Whether layer `layer` is a Gated DeltaNet or Kimi's KDA (no KV cache; a per-sequence state,
+        experts/state_cache.py)."""
         return layer in self.linear_layers
 
     def has_indexer(self, layer: int) -> bool:
@@ -194,7 +204,7 @@ class MoEModelConfig:
     @property
     def has_shared_expert(self) -> bool:
         return (self.family in ("qwen2_moe", *_DEEPSEEK_FAMILIES, "ernie4_5_moe", "hunyuan_v1_moe", "llama4",
-                                "qwen3_next", "qwen3_5_moe")
+                                "qwen3_next", "qwen3_5_moe", "kimi_linear")
                 and self.shared_expert_intermediate_size > 0)
 
     def expert_param_count(self) -> int:

@@ -63,12 +63,19 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor,
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, v.shape[2])  # [B, nv, 1, d], [B, nv, 1]
     s = state.to(MATH_DTYPE) * g[:, :, 0].exp()[..., None, None]  # [B, nv, dk, dv]
-    k_t, v_t, q_t = k[:, :, 0], v[:, :, 0], q[:, :, 0]  # [B, nv, d]
-    predicted = (s * k_t.unsqueeze(-1)).sum(dim=-2)  # [B, nv, dv]
-    delta = (v_t - predicted) * beta[:, :, 0].unsqueeze(-1)
-    s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-    out = (s * q_t.unsqueeze(-1)).sum(dim=-2)  # [B, nv, dv]
+    out, s = delta_update(s, q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0])  # [B, nv, dv]
     return out[:, None].to(dtype), s
+
+
+def delta_update(s: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, beta_t: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's delta-rule write and read on an already decayed state (shared with Kimi's KDA, whose decay is
+    per key channel). s: [B, h, dk, dv]; q_t, k_t: [B, h, dk]; v_t: [B, h, dv]; beta_t: [B, h].
+    -> (o [B, h, dv], new state)."""
+    predicted = (s * k_t.unsqueeze(-1)).sum(dim=-2)  # [B, h, dv]
+    delta = (v_t - predicted) * beta_t.unsqueeze(-1)
+    s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (s * q_t.unsqueeze(-1)).sum(dim=-2), s
 
 
 def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,16 +101,26 @@ def chunked(q, k, v, g, beta, state: torch.Tensor, chunk: int = CHUNK) -> tuple[
     decayed_k_beta = k_beta * cum.exp().unsqueeze(-1)
     new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut, decayed_k_beta, upper=False, unitriangular=True)
-    s = state.to(new_values)
-    out = torch.zeros_like(new_values)
     q = q * cum.exp().unsqueeze(-1)
     k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, nv, N, 1, 1]
+    return scan_chunks(q, k, intra, new_values, k_cumdecay, chunk_decay, state, seq, dtype)
+
+
+def scan_chunks(q: torch.Tensor, k: torch.Tensor, intra: torch.Tensor, new_values: torch.Tensor,
+                k_cumdecay: torch.Tensor, chunk_decay: torch.Tensor, state: torch.Tensor, seq: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks in order, carrying the state (shared with Kimi's KDA). Per chunk n: q, k [B, h, N, C, dk] already
+    scaled by the decay from the chunk's start / to its end; intra [B, h, N, C, C] the in-chunk query-key weights;
+    new_values, k_cumdecay [B, h, N, C, dv|dk] the UT-transformed values and decayed keys; chunk_decay [B, h, N, 1|dk,
+    1] the whole chunk's decay of the state; state [B, h, dk, dv]. -> (o [B, S, h, dv] in `dtype`, new state)."""
+    s = state.to(new_values)
+    out = torch.zeros_like(new_values)
     for i in range(q.shape[2]):
         v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ s
         out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ v_new
         s = s * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(b, h, -1, out.shape[-1])[:, :, :seq]  # [B, nv, S, dv]
+    out = out.reshape(*out.shape[:2], -1, out.shape[-1])[:, :, :seq]  # [B, h, S, dv]
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), s
 
 
@@ -119,10 +136,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 class GatedDeltaNet:
     """A Gated DeltaNet layer over a step's flattened tokens (sequences of any lengths side by side), reading and
     writing each sequence's conv and recurrent state in a state cache. Sequences feeding one token (decode) share one
-    batched recurrent step; longer runs (prefill, prompt chunks) go through `chunked` one sequence at a time."""
+    batched recurrent step; longer runs (prefill, prompt chunks) go through `chunked` one sequence at a time.
+    Kimi's KDA (experts/kda.py) is this layer with its own `_inputs`, `_output` and delta-rule forms."""
 
     is_linear = True
     cache_spec: dict = {}  # nothing in the paged KV cache
+    # The delta rule's two forms (Kimi's KDA swaps in its per-channel-decay ones); staticmethod: plain functions.
+    recurrent_step = staticmethod(recurrent_step)
+    chunked = staticmethod(chunked)
 
     def __init__(self, cfg: MoEModelConfig, w):
         self.w = w  # experts/weights_qwen3_next.py GatedDeltaWeights
@@ -135,11 +156,7 @@ class GatedDeltaNet:
         """h [T, H] (sequence i's lengths[i] rows after sequence i-1's); conv / recurrent: per sequence its state
         tensors ([C, K-1], [nv, dk, dv]) updated in place, or None (each sequence starts from zero, nothing kept).
         -> [T, H]."""
-        d, w = self.d, self.w
-        mixed = F.linear(h, w.qkv)  # [T, C]
-        z = F.linear(h, w.z).view(-1, d.num_v_heads, d.v_head_dim)  # [T, nv, dv]
-        beta = F.linear(h, w.b).sigmoid()  # [T, nv]
-        g = -w.A_log.float().exp() * F.softplus(F.linear(h, w.a).float() + w.dt_bias)  # [T, nv] float32
+        mixed, z, beta, g = self._inputs(h)
         outs: list[torch.Tensor | None] = [None] * len(lengths)
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         decode = [i for i, n in enumerate(lengths) if n == 1]
@@ -155,8 +172,21 @@ class GatedDeltaNet:
                 outs[i] = self._run([mixed[s].t()[None]], [g[s][None]], [beta[s][None]], [i], conv, recurrent,
                                     batched=False)[0]
         core = torch.cat(outs)  # [T, nv, dv]
-        core = gated_rms_norm(core, z, w.norm, self.eps).reshape(core.shape[0], -1)  # [T, nv*dv]
-        return F.linear(core, w.out)  # [T, H]
+        return self._output(core, z)
+
+    def _inputs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, H] -> (conv inputs [T, C], output gate [T, nv, dv], beta [T, nv], decay log g [T, nv] float32)."""
+        d, w = self.d, self.w
+        mixed = F.linear(h, w.qkv)  # [T, C]
+        z = F.linear(h, w.z).view(-1, d.num_v_heads, d.v_head_dim)  # [T, nv, dv]
+        beta = F.linear(h, w.b).sigmoid()  # [T, nv]
+        g = -w.A_log.float().exp() * F.softplus(F.linear(h, w.a).float() + w.dt_bias)  # [T, nv] float32
+        return mixed, z, beta, g
+
+    def _output(self, core: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """core [T, nv, dv], gate [T, nv, dv] -> [T, H]."""
+        core = gated_rms_norm(core, gate, self.w.norm, self.eps).reshape(core.shape[0], -1)  # [T, nv*dv]
+        return F.linear(core, self.w.out)  # [T, H]
 
     def _run(self, mixed: list[torch.Tensor], g: list[torch.Tensor], beta: list[torch.Tensor], seqs: list[int],
              conv: list[torch.Tensor] | None, recurrent: list[torch.Tensor] | None, batched: bool
@@ -178,7 +208,7 @@ class GatedDeltaNet:
         q = q.reshape(bsz, -1, d.num_k_heads, d.k_head_dim)
         k = k.reshape(bsz, -1, d.num_k_heads, d.k_head_dim)
         v = v.reshape(bsz, -1, d.num_v_heads, d.v_head_dim)
-        step = recurrent_step if batched else chunked
+        step = self.recurrent_step if batched else self.chunked
         out, rec_out = step(q, k, v, g_, beta_, rec_in)  # [B, S, nv, dv], [B, nv, dk, dv]
         if conv is not None:
             for j, i in enumerate(seqs):

@@ -43,6 +43,10 @@ def _rotate_half_layout(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def _unrotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class MLAAttention:
     """One MLA layer. num_kv_heads = num_heads: the core sees the expanded per-head keys and values."""
 
@@ -62,6 +66,8 @@ class MLAAttention:
         # LongCat's LoRA scaling (python floats, as transformers multiplies by them); None: no scaling
         self.lora_scales = ((cfg.hidden_size / cfg.q_lora_rank) ** 0.5, (cfg.hidden_size / self.rank) ** 0.5) \
             if cfg.mla_lora_scale else None
+        if not cfg.mla_rope:  # Kimi-Linear: the d_rope part is kept (the key part shared by all heads), not rotated
+            self._rotate = _unrotated
 
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [T, H], cos/sin [T, d_rope] -> (q [T, nh, d_qk], {"latent": [T, r + d_rope]})."""

@@ -104,7 +104,7 @@ def dense_tensors(cfg: MoEModelConfig, keys: set[str]) -> Iterable[str]:
     """What a router reads: everything but the routed experts."""
     from .weights import dense_tensor_names, expert_layout
 
-    return dense_tensor_names(cfg, expert_layout(cfg, keys.__contains__))  # the layout names Mixtral's router
+    return dense_tensor_names(cfg, expert_layout(cfg, keys.__contains__), keys.__contains__)  # layout: Mixtral router
 
 
 def shard_tensors(shards: Iterable[tuple[int, int]]) -> TensorSelector:

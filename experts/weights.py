@@ -38,6 +38,8 @@ from .fp8 import read_weights, scale_names
 from .mxfp4 import dequantize as dequantize_mxfp4
 from .quant import quantize_mlp
 from .weights_deepseek import deepseek_dense_tensor_names, load_deepseek_dense_weights
+from .weights_kimi_linear import FAMILIES as KIMI_FAMILIES
+from .weights_kimi_linear import kimi_dense_tensor_names, kimi_expert_prefix, load_kimi_dense_weights
 from .weights_llama4 import FAMILIES as LLAMA4_FAMILIES
 from .weights_llama4 import llama4_dense_tensor_names, llama4_expert_prefix, load_llama4_dense_weights
 from .weights_longcat_flash import FAMILIES as LONGCAT_FAMILIES
@@ -60,8 +62,8 @@ INTERLEAVED_FAMILIES = ("gpt_oss",)  # stacked [E, H, 2I] with alternating gate/
 def expert_tensor_names(cfg: MoEModelConfig, layer: int, expert: int) -> dict[str, tuple[str, tuple[int, int]]]:
     """role -> (on-disk name, expected shape) for one expert of one layer, per-expert layout."""
     hidden, inter = cfg.hidden_size, cfg.expert_intermediate_size
-    if cfg.family in ("mixtral", "minimax_m2"):  # MiniMax-M2 keeps Mixtral's names (published and as saved)
-        prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+    if cfg.family in ("mixtral", "minimax_m2", *KIMI_FAMILIES):  # MiniMax-M2, Kimi-Linear: Mixtral's names
+        prefix = f"{kimi_expert_prefix(layer)}{expert}."
         names = {"gate": "w1.weight", "up": "w3.weight", "down": "w2.weight"}
     else:
         prefix = f"{fused_expert_prefix(layer, cfg)}{expert}."
@@ -183,7 +185,7 @@ def check_checkpoint(reader: CheckpointReader) -> None:
     cfg = reader.config
     layout = _layout_of(reader)
     shards = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
-    wanted = dense_tensor_names(cfg, layout) | expert_shard_names(cfg, shards, layout)
+    wanted = dense_tensor_names(cfg, layout, reader.has) | expert_shard_names(cfg, shards, layout)
     if cfg.fp8_block is not None:  # an FP8 checkpoint's block scales must fit their weights too
         wanted |= scale_names(reader, wanted, cfg.fp8_block)
     reader.check_shapes(wanted)
@@ -280,8 +282,10 @@ def _cast_each(tensors: dict[str, torch.Tensor], dtype: torch.dtype,
 class DenseFamily(NamedTuple):
     """A family whose dense part (attention, norms, router) its own module names and loads."""
 
-    tensor_names: Callable[[MoEModelConfig, bool], dict[str, tuple[int, ...]]]  # (cfg, experts stacked)
+    tensor_names: Callable[..., dict[str, tuple[int, ...]]]  # (cfg, experts stacked[, has]) -> name: shape
     load: Callable[..., DenseWeights]  # (reader, dtype, progress, device) -> DenseWeights
+    # Kimi-Linear: some names depend on which the files hold (tensor_names takes `has(name) -> bool` then)
+    reads_names: bool = False
 
 
 # The family table: families not listed use the common names below. The modules listed import only dense_weights
@@ -294,12 +298,18 @@ DENSE_FAMILIES: dict[str, DenseFamily] = {
     | {family: DenseFamily(mimo_dense_tensor_names, load_mimo_dense_weights) for family in MIMO_FAMILIES} \
     | {family: DenseFamily(longcat_dense_tensor_names, load_longcat_dense_weights) for family in LONGCAT_FAMILIES} \
     | {family: DenseFamily(qwen3_next_dense_tensor_names, load_qwen3_next_dense_weights)
-       for family in QWEN3_NEXT_FAMILIES}
+       for family in QWEN3_NEXT_FAMILIES} \
+    | {family: DenseFamily(kimi_dense_tensor_names, load_kimi_dense_weights, reads_names=True)
+       for family in KIMI_FAMILIES}
 
 
-def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
-    """Every non-expert tensor the model needs: name -> expected shape (`layout` names Mixtral's router)."""
+def dense_tensor_names(cfg: MoEModelConfig, layout: str = PER_EXPERT,
+                       has: Callable[[str], bool] | None = None) -> dict[str, tuple[int, ...]]:
+    """Every non-expert tensor the model needs: name -> expected shape (`layout` names Mixtral's router; `has`, the
+    checkpoint's names, for a family whose names depend on them)."""
     if (own := DENSE_FAMILIES.get(cfg.family)) is not None:
+        if own.reads_names:
+            return own.tensor_names(cfg, layout != PER_EXPERT, has)
         return own.tensor_names(cfg, layout != PER_EXPERT)
     hidden, vocab = cfg.hidden_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -38,7 +38,7 @@ from tests.router_step import (  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v2_grouped", "glm4_moe", "many_experts",
             "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "llama4", "mimo_v2_flash", "qwen3_next",
-            "deepseek_v32", "glm_moe_dsa", "longcat_flash")
+            "deepseek_v32", "glm_moe_dsa", "longcat_flash", "kimi_linear")
 
 
 def write_checkpoint(family: str, out: Path) -> Path:
@@ -46,6 +46,7 @@ def write_checkpoint(family: str, out: Path) -> Path:
     from tests.tiny_deepseek import write_deepseek_checkpoint
     from tests.tiny_fam1 import KINDS as FAM1_KINDS
     from tests.tiny_fam1 import write_fam1_checkpoint
+    from tests.tiny_kimi_linear import write_kimi_linear_checkpoint
     from tests.tiny_llama4 import write_llama4_checkpoint
     from tests.tiny_longcat_flash import write_longcat_checkpoint
     from tests.tiny_mimo_v2_flash import write_mimo_checkpoint
@@ -63,6 +64,8 @@ def write_checkpoint(family: str, out: Path) -> Path:
         return write_longcat_checkpoint(out)
     if family == "qwen3_next":  # Gated DeltaNet layers with their state cache, gated attention, a dense layer
         return write_qwen3_next_checkpoint(out)
+    if family == "kimi_linear":  # KDA layers (per-channel decay) with their state cache, MLA without RoPE
+        return write_kimi_linear_checkpoint(out)
     if family == "many_experts":  # 128 experts, top-8: > 16 pieces per layer, the rank-pass combine
         return write_hf_checkpoint("qwen3_moe", out, num_experts=128, num_experts_per_tok=8)
     return write_hf_checkpoint(family, out)

@@ -1,7 +1,7 @@
 """The linear-attention state cache beside the paged KV cache (experts/state_cache.py): a slot taken with a
 sequence's first tokens, zeroed, freed with it (free, drop, preemption), refused when none is free, budgeted out of
-the KV bytes; and the continuous batcher over a Qwen3-Next model with fewer slots than requests: admission waits for
-a slot, preemption frees it and the recompute gives the same tokens. No Ray."""
+the KV bytes; and the continuous batcher over a Qwen3-Next and a Kimi-Linear model with fewer slots than requests:
+admission waits for a slot, preemption frees it and the recompute gives the same tokens. No Ray."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from expertmesh.experts.modeling import MoEDecoder
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.state_cache import StatePool, state_bytes_per_sequence
 from expertmesh.router_service.batching import ContinuousBatcher, DoneEvent, GenerationRequest
+from tests.tiny_kimi_linear import write_kimi_linear_checkpoint
 from tests.tiny_qwen3_next import write_qwen3_next_checkpoint
 
 SHAPES = [{"conv": (6, 3), "recurrent": (2, 4, 3)}, {}]  # a linear layer, then an attention layer
@@ -81,8 +82,11 @@ def test_plan_takes_the_slots_out_of_the_budget_and_turns_prefix_caching_off():
 # ---------------------------------------------------------------- the batcher over a Qwen3-Next model
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_next", "kimi_linear"])
+def reference(request, tmp_path_factory):
+    """Qwen3-Next (Gated DeltaNet, GQA) or Kimi-Linear (KDA with per-channel decay, MLA's latent cache)."""
+    if request.param == "kimi_linear":
+        return load_reference_model(write_kimi_linear_checkpoint(tmp_path_factory.mktemp("kimi") / "k"))
     return load_reference_model(write_qwen3_next_checkpoint(tmp_path_factory.mktemp("qn") / "next", "next"))
 
 
