@@ -37,7 +37,8 @@ class CatOracle:
         self.history: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
         self.names: list[str] = []  # the sequences of the current step, in order
 
-    def __call__(self, layout, layer, q, entries, keys_values, scale, window, sinks, chunk=None):
+    def __call__(self, layout, layer, q, entries, keys_values, scale, window, sinks, chunk=None, select=None):
+        assert select is None  # a DSA top-k selection: none of the families this oracle stands for has one
         outs, offset = [], 0
         for name, n, start in zip(self.names, layout.lengths, layout.starts):
             held = self.history.get((name, layer))
