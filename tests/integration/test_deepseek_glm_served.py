@@ -54,6 +54,9 @@ def test_distributed_equals_reference_bit_for_bit_and_transformers(folders, kind
         assert torch.equal(ours, theirs)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+        # attention_mask given: without it generate masks every token equal to pad_token_id (the 10-token prompt
+        # holds a 0) as padding
+        expected = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=8, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(prompt):].tolist()
     assert result.token_ids == expected
