@@ -4,7 +4,8 @@ RoPE) and Llama 4 (the multimodal wrapper's text part under `language_model.`: c
 temperature, the router score scaling the expert input) and MiMo-V2-Flash (KV heads that differ by layer, sinks on
 the sliding layers, grouped sigmoid router) and Qwen3.5-MoE (the VL wrapper's text part under
 `model.language_model.`: Gated DeltaNet layers whose conv + recurrent state lives in the router's state cache, gated
-full attention, shared expert with a sigmoid gate) through the distributed router on one local Ray: served
+full attention, shared expert with a sigmoid gate) and LongCat-Flash (the shortcut MoE across two sublayers,
+identity experts computed on the router, never sent to an actor) through the distributed router on one local Ray: served
 logits and routings == the in-process reference bit for bit, greedy tokens equal the reference's and `transformers`'
 (on the unquantised twin for MiniMax-M2's FP8)."""
 
@@ -18,6 +19,7 @@ from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.tiny_checkpoints import greedy_tokens
 from tests.tiny_fam1 import VOCAB, write_fam1_checkpoint
 from tests.tiny_llama4 import load_hf, write_llama4_checkpoint
+from tests.tiny_longcat_flash import write_longcat_checkpoint
 from tests.tiny_mimo_v2_flash import write_mimo_checkpoint
 from tests.tiny_qwen3_next import load_hf as load_hf_qwen3_next
 from tests.tiny_qwen3_next import write_qwen3_next_checkpoint
@@ -30,7 +32,8 @@ CASES = {"minimax_m2_fp8": ("minimax_m2", dict(fp8_block=(8, 8))),
          "hunyuan_v1_moe_fused": ("hunyuan_v1_moe", dict(fused=True)),
          "llama4_wrapper": ("llama4", dict(wrapper=True)),
          "mimo_v2_flash": ("mimo_v2_flash", dict(n_routed_experts=4)),  # 4 actors: 2 groups of 2, one chosen
-         "qwen3_5_moe_vl": ("qwen3_5_moe", {})}  # Qwen3_5MoeForConditionalGeneration, 4 experts: 4 actors
+         "qwen3_5_moe_vl": ("qwen3_5_moe", {}),  # Qwen3_5MoeForConditionalGeneration, 4 experts: 4 actors
+         "longcat_flash": ("longcat_flash", {})}  # 4 real experts placed; 4 identity experts: nowhere
 
 
 def _write(kind: str, out, **options):
@@ -38,6 +41,8 @@ def _write(kind: str, out, **options):
         return write_llama4_checkpoint(out, seed=7, **options)
     if kind == "mimo_v2_flash":  # window 5: every sequence but the 4-token one outgrows it
         return write_mimo_checkpoint(out, seed=7, **options)
+    if kind == "longcat_flash":  # 2 layers of 2 sublayers, top-3 of 4 real + 4 identity experts
+        return write_longcat_checkpoint(out, seed=7, **options)
     if kind == "qwen3_5_moe":  # 3 DeltaNet layers then a full-attention one; decode runs the recurrent form
         return write_qwen3_next_checkpoint(out, "qwen3_5_vl", seed=7, **options)
     return write_fam1_checkpoint(kind, out, seed=7, **options)
@@ -61,15 +66,23 @@ def test_distributed_equals_reference_bit_for_bit(folders, name):
     seqs = _sequences()
     want = reference.forward([torch.tensor(s) for s in seqs])
     want_routing = {layer: r.experts.clone() for layer, r in reference.last_trace.routings.items()}
+    want_identity = {layer: r.identity for layer, r in reference.last_trace.routings.items()}
     prompt = seqs[0][:6]
     want_tokens = greedy_tokens(reference, prompt, 8)
     with ExpertMesh(MeshConfig.from_dict({"model": {"path": str(path)}, "controller": {"enabled": False}})) as mesh:
         got = mesh.score_batch(seqs)
         routings = {layer: r.experts.clone() for layer, r in mesh.model.last_trace.routings.items()}
+        identity = {layer: r.identity for layer, r in mesh.model.last_trace.routings.items()}
+        placed = sorted(mesh.model.experts.table.replicas)  # the shards the routing table places
         result = mesh.generate(token_ids=prompt, max_tokens=8)
     assert sorted(routings) == list(reference.cfg.moe_layers)
     for layer in routings:
         assert torch.equal(routings[layer], want_routing[layer])
+    assert identity == want_identity  # LongCat's identity slots, counted on the served path too
+    if name == "longcat_flash":
+        assert all(n > 0 for n in identity.values())
+        # the real experts of every MoE sublayer are placed, no identity expert is
+        assert placed == [(layer, e) for layer in reference.cfg.moe_layers for e in range(reference.cfg.num_experts)]
     for ours, theirs in zip(got, want):
         assert torch.equal(ours, theirs)
     assert result.token_ids == want_tokens
