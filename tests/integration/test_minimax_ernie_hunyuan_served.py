@@ -4,8 +4,10 @@ RoPE) and Llama 4 (the multimodal wrapper's text part under `language_model.`: c
 temperature, the router score scaling the expert input) and MiMo-V2-Flash (KV heads that differ by layer, sinks on
 the sliding layers, grouped sigmoid router) and Qwen3.5-MoE (the VL wrapper's text part under
 `model.language_model.`: Gated DeltaNet layers whose conv + recurrent state lives in the router's state cache, gated
-full attention, shared expert with a sigmoid gate) and LongCat-Flash (the shortcut MoE across two sublayers,
-identity experts computed on the router, never sent to an actor) through the distributed router on one local Ray: served
+full attention, shared expert with a sigmoid gate), LongCat-Flash (the shortcut MoE across two sublayers,
+identity experts computed on the router, never sent to an actor) and Kimi-Linear (KDA layers with per-channel decay
+whose conv + recurrent state lives in the router's state cache, MLA without RoPE, grouped sigmoid router with a
+correction bias) through the distributed router on one local Ray: served
 logits and routings == the in-process reference bit for bit, greedy tokens equal the reference's and `transformers`'
 (on the unquantised twin for MiniMax-M2's FP8)."""
 
@@ -18,6 +20,7 @@ from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
 from tests.tiny_checkpoints import greedy_tokens
 from tests.tiny_fam1 import VOCAB, write_fam1_checkpoint
+from tests.tiny_kimi_linear import write_kimi_linear_checkpoint
 from tests.tiny_llama4 import load_hf, write_llama4_checkpoint
 from tests.tiny_longcat_flash import write_longcat_checkpoint
 from tests.tiny_mimo_v2_flash import write_mimo_checkpoint
@@ -33,7 +36,8 @@ CASES = {"minimax_m2_fp8": ("minimax_m2", dict(fp8_block=(8, 8))),
          "llama4_wrapper": ("llama4", dict(wrapper=True)),
          "mimo_v2_flash": ("mimo_v2_flash", dict(n_routed_experts=4)),  # 4 actors: 2 groups of 2, one chosen
          "qwen3_5_moe_vl": ("qwen3_5_moe", {}),  # Qwen3_5MoeForConditionalGeneration, 4 experts: 4 actors
-         "longcat_flash": ("longcat_flash", {})}  # 4 real experts placed; 4 identity experts: nowhere
+         "longcat_flash": ("longcat_flash", {}),  # 4 real experts placed; 4 identity experts: nowhere
+         "kimi_linear": ("kimi_linear", {})}  # transformers' default save (block_sparse_moe), 4 experts: 4 actors
 
 
 def _write(kind: str, out, **options):
@@ -45,6 +49,8 @@ def _write(kind: str, out, **options):
         return write_longcat_checkpoint(out, seed=7, **options)
     if kind == "qwen3_5_moe":  # 3 DeltaNet layers then a full-attention one; decode runs the recurrent form
         return write_qwen3_next_checkpoint(out, "qwen3_5_vl", seed=7, **options)
+    if kind == "kimi_linear":  # KDA, KDA, MLA, KDA; decode runs KDA's recurrent form
+        return write_kimi_linear_checkpoint(out, seed=7, **options)
     return write_fam1_checkpoint(kind, out, seed=7, **options)
 
 
