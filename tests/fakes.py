@@ -126,3 +126,27 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class FakeMetric:
+    """Stands for a Ray metric (counter, gauge, histogram): what was recorded per tag set, and how many calls."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.values: dict[tuple, float] = {}
+        self.calls = 0
+
+    def _key(self, tags):
+        assert set(tags or {}) == set(self.spec.tags), (self.spec.name, tags)
+        return tuple(sorted((tags or {}).items()))
+
+    def inc(self, value, tags=None):
+        self.calls += 1
+        key = self._key(tags)
+        self.values[key] = self.values.get(key, 0.0) + value
+
+    def set(self, value, tags=None):
+        self.values[self._key(tags)] = value
+
+    def observe(self, value, tags=None):
+        self.inc(1, tags)

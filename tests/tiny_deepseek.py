@@ -113,3 +113,38 @@ def _rewrite(out: Path, num_layers: int, mtp: bool, fp8_block: tuple[int, int] |
                                          "weight_block_size": list(fp8_block)}
         (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def hf_with_transformers_dequantisation(plain: Path, fp8: Path):
+    """transformers' model of the unquantised checkpoint with every FP8 weight replaced by what transformers'
+    Fp8Dequantize makes of the FP8 checkpoint (its CPU loading path needs `accelerate`, which is not installed
+    here, so the dequantisation op is called directly)."""
+    from safetensors.torch import load_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from tests.tiny_checkpoints import load_hf_model
+
+    hf = load_hf_model(plain)
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    dequantised = {name[: -len("_scale_inv")]: Fp8Dequantize(None)._dequantize_one(
+        tensors[name[: -len("_scale_inv")]], scale, torch.float32) for name, scale in tensors.items()
+        if name.endswith("_scale_inv")}
+    assert dequantised
+    params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name, value in dequantised.items():
+            if int(name.split(".")[2]) >= hf.config.num_hidden_layers if name.startswith("model.layers.") else False:
+                continue  # the MTP layer: transformers has no module for it either
+            if name in params:
+                params[name].copy_(value)
+            else:  # routed experts: transformers holds them fused, [E, 2I, H] and [E, H, I]
+                layer, expert, proj = name.split(".")[2], int(name.split(".")[5]), name.split(".")[6]
+                experts = hf.model.layers[int(layer)].mlp.experts
+                inter = experts.down_proj.shape[-1]
+                if proj == "gate_proj":
+                    experts.gate_up_proj[expert, :inter].copy_(value)
+                elif proj == "up_proj":
+                    experts.gate_up_proj[expert, inter:].copy_(value)
+                else:
+                    experts.down_proj[expert].copy_(value)
+    return hf, dequantised

@@ -17,8 +17,7 @@ from expertmesh.cluster.remap_flow import Remapper
 from expertmesh.cluster.replica_registry import ReplicaRegistry
 from expertmesh.cluster.restore_flow import RestoreFlow
 from expertmesh.cluster.router_reports import RouterReports
-
-from .test_controller_flows import FakeOps, kinds
+from tests.controller_fakes import FakeOps, kinds
 
 PLACEMENT = {"expert-e0-r0": [[0, 0]], "expert-e1-r0": [[0, 1]], "expert-e2-r0": [[0, 2]]}
 NODES = {"expert-e0-r0": "a", "expert-e1-r0": "dead", "expert-e2-r0": "dead"}  # e1 and e2 were on the lost node

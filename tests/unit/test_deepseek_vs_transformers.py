@@ -9,7 +9,6 @@ Tolerance: max |Δlogits| ≤ 1e-4 in float32 (logits of order 1).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from expertmesh.experts.weights import (
     load_dense_weights,
 )
 from tests.tiny_checkpoints import chunked_logits, hf_logits, load_hf_model, max_diff
-from tests.tiny_deepseek import KINDS, VOCAB, write_deepseek_checkpoint
+from tests.tiny_deepseek import KINDS, VOCAB, hf_with_transformers_dequantisation, write_deepseek_checkpoint
 
 TOL = 1e-4
 LAYOUTS = ("per_expert", "fused")  # fused: transformers' stacked experts (save_original_format=False)
@@ -199,39 +198,6 @@ def test_mtp_layers_are_in_the_checkpoint_and_never_read(folders):
         check_checkpoint(reader)
 
 
-def _hf_with_transformers_dequantisation(plain: Path, fp8: Path):
-    """transformers' model of the unquantised checkpoint with every FP8 weight replaced by what transformers'
-    Fp8Dequantize makes of the FP8 checkpoint (its CPU loading path needs `accelerate`, which is not installed
-    here, so the dequantisation op is called directly)."""
-    from safetensors.torch import load_file
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
-
-    hf = load_hf_model(plain)
-    tensors = load_file(str(fp8 / "model.safetensors"))
-    dequantised = {name[: -len("_scale_inv")]: Fp8Dequantize(None)._dequantize_one(
-        tensors[name[: -len("_scale_inv")]], scale, torch.float32) for name, scale in tensors.items()
-        if name.endswith("_scale_inv")}
-    assert dequantised
-    params = dict(hf.named_parameters())
-    with torch.no_grad():
-        for name, value in dequantised.items():
-            if int(name.split(".")[2]) >= hf.config.num_hidden_layers if name.startswith("model.layers.") else False:
-                continue  # the MTP layer: transformers has no module for it either
-            if name in params:
-                params[name].copy_(value)
-            else:  # routed experts: transformers holds them fused, [E, 2I, H] and [E, H, I]
-                layer, expert, proj = name.split(".")[2], int(name.split(".")[5]), name.split(".")[6]
-                experts = hf.model.layers[int(layer)].mlp.experts
-                inter = experts.down_proj.shape[-1]
-                if proj == "gate_proj":
-                    experts.gate_up_proj[expert, :inter].copy_(value)
-                elif proj == "up_proj":
-                    experts.gate_up_proj[expert, inter:].copy_(value)
-                else:
-                    experts.down_proj[expert].copy_(value)
-    return hf, dequantised
-
-
 @pytest.mark.parametrize("kind,block", [("deepseek_v3", (8, 8)), ("deepseek_v3", (128, 128)),
                                         ("glm4_moe", (8, 8)), ("deepseek_v2_lora", (8, 8))])
 def test_fp8_checkpoint_equals_transformers_dequantised_model(tmp_path, kind, block):
@@ -239,7 +205,7 @@ def test_fp8_checkpoint_equals_transformers_dequantised_model(tmp_path, kind, bl
     fp8 = write_deepseek_checkpoint(kind, tmp_path / "fp8", seed=11, fp8_block=block, mtp=True)
     cfg = load_model_config(fp8)
     assert cfg.fp8_block == block
-    hf, dequantised = _hf_with_transformers_dequantisation(plain, fp8)
+    hf, dequantised = hf_with_transformers_dequantisation(plain, fp8)
     # the loaded dense weights are transformers' dequantised tensors, bit for bit
     dense = load_dense_weights(CheckpointReader(fp8))
     if cfg.attention_kind == "mla":

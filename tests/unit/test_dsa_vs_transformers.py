@@ -238,13 +238,13 @@ def test_config_errors_name_the_key():
 @pytest.mark.parametrize("kind", DSA_KINDS)
 def test_fp8_checkpoint_equals_transformers_dequantised_model(tmp_path, kind):
     """Item 8: the published FP8 layout (block-scaled e4m3, the indexer's wq_b / wk included, weights_proj bf16)."""
-    from tests.unit.test_deepseek_vs_transformers import _hf_with_transformers_dequantisation
+    from tests.tiny_deepseek import hf_with_transformers_dequantisation
 
     plain = write_deepseek_checkpoint(kind, tmp_path / "plain", seed=11)
     fp8 = write_deepseek_checkpoint(kind, tmp_path / "fp8", seed=11, fp8_block=(8, 8), mtp=True)
     assert load_model_config(fp8).fp8_block == (8, 8)
     assert "model.layers.0.self_attn.indexer.wq_b.weight_scale_inv" in CheckpointReader(fp8).keys()
-    hf, dequantised = _hf_with_transformers_dequantisation(plain, fp8)
+    hf, dequantised = hf_with_transformers_dequantisation(plain, fp8)
     dense = load_dense_weights(CheckpointReader(fp8))
     name = "model.layers.2.self_attn.indexer.wk.weight"
     assert torch.equal(dense.layers[2].attention.indexer.wk, dequantised[name])

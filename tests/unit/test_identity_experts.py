@@ -18,8 +18,7 @@ from expertmesh.experts.gating import DROPPED, degrade, route_softmax_scaled, sp
 from expertmesh.experts.reference import LocalExperts
 from expertmesh.router_service.dispatch import RemoteExperts
 from expertmesh.router_service.metrics import MetricsConfig
-from tests.fakes import HIDDEN, FakeTransport, expert_weights
-from tests.unit.test_metrics import FakeMetric
+from tests.fakes import HIDDEN, FakeMetric, FakeTransport, expert_weights
 
 E, Z, K = 4, 4, 3
 

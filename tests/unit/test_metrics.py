@@ -11,6 +11,7 @@ import pytest
 
 from expertmesh.router_service.metrics import METRIC_SPECS, MetricSpec
 from expertmesh.router_service.observability_config import MetricsConfig
+from tests.fakes import FakeMetric
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "ops" / "monitoring" / "grafana" / "expertmesh-dashboard.json"
@@ -81,28 +82,6 @@ def test_shard_labels_switch_off_for_large_models():
     assert MetricsConfig(per_shard_labels=True).shard_labels(58 * 256)
     with pytest.raises(ValueError, match="max_shard_labels"):
         MetricsConfig(max_shard_labels=0).validate()
-
-
-class FakeMetric:
-    def __init__(self, spec):
-        self.spec = spec
-        self.values: dict[tuple, float] = {}
-        self.calls = 0
-
-    def _key(self, tags):
-        assert set(tags or {}) == set(self.spec.tags), (self.spec.name, tags)
-        return tuple(sorted((tags or {}).items()))
-
-    def inc(self, value, tags=None):
-        self.calls += 1
-        key = self._key(tags)
-        self.values[key] = self.values.get(key, 0.0) + value
-
-    def set(self, value, tags=None):
-        self.values[self._key(tags)] = value
-
-    def observe(self, value, tags=None):
-        self.inc(1, tags)
 
 
 class Call:
