@@ -55,7 +55,10 @@ Shard = tuple[int, int]  # (layer, expert)
 
 PER_EXPERT, FUSED, FUSED_INTERLEAVED, MXFP4 = "per_expert", "fused", "fused_interleaved", "mxfp4"
 FUSED_IN_OUT = "fused_in_out"
-EXPERT_LAYOUTS = (PER_EXPERT, FUSED, FUSED_INTERLEAVED, MXFP4, FUSED_IN_OUT)
+# LongCat-Flash stacked by transformers <= 5.24, which allocated (and saved) gate/up rows for the identity experts
+# too: gate_up_proj [E + Z, 2I, H], rows E.. never read. transformers 5.25 saves [E, 2I, H] (plain FUSED).
+FUSED_IDENTITY_ROWS = "fused_identity_rows"
+EXPERT_LAYOUTS = (PER_EXPERT, FUSED, FUSED_INTERLEAVED, MXFP4, FUSED_IN_OUT, FUSED_IDENTITY_ROWS)
 INTERLEAVED_FAMILIES = ("gpt_oss",)  # stacked [E, H, 2I] with alternating gate/up columns, biases; never per-expert
 
 
@@ -87,8 +90,9 @@ def fused_tensor_names(cfg: MoEModelConfig, layer: int, layout: str) -> dict[str
     """role -> (on-disk name, full stacked shape) of one layer's experts in a stacked layout."""
     e, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
     base = fused_expert_prefix(layer, cfg)
-    if layout == FUSED:  # LongCat: gate_up_proj has rows for its identity experts too (never read)
-        return {"gate_up": (base + "gate_up_proj", (e + cfg.zero_experts, 2 * inter, hidden)),
+    if layout in (FUSED, FUSED_IDENTITY_ROWS):
+        rows = e + cfg.zero_experts if layout == FUSED_IDENTITY_ROWS else e
+        return {"gate_up": (base + "gate_up_proj", (rows, 2 * inter, hidden)),
                 "down": (base + "down_proj", (e, hidden, inter))}
     if layout == FUSED_IN_OUT:
         return {"gate_up": (base + "gate_up_proj", (e, hidden, 2 * inter)),
@@ -129,7 +133,19 @@ def expert_layout(cfg: MoEModelConfig, has) -> str:
 
 
 def _layout_of(reader: CheckpointReader) -> str:
-    return expert_layout(reader.config, reader.has)
+    """expert_layout, and for a stacked LongCat-Flash file which transformers wrote it (the gate_up_proj header's
+    rows: E + Z from <= 5.24, E from 5.25). A header this process cannot read (a partial folder, an uncached Hub
+    file offline) passes check_shapes: that file's reader then names the shape it finds."""
+    cfg = reader.config
+    layout = expert_layout(cfg, reader.has)
+    if layout == FUSED and cfg.zero_experts:
+        name, shape = fused_tensor_names(cfg, cfg.moe_layers[0], FUSED_IDENTITY_ROWS)["gate_up"]
+        try:
+            reader.check_shapes({name: shape})
+        except CheckpointError:
+            return FUSED
+        return FUSED_IDENTITY_ROWS
+    return layout
 
 
 def router_tensor_names(cfg: MoEModelConfig, layer: int, layout: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
@@ -155,7 +171,7 @@ def expert_shard_bytes(reader: CheckpointReader, shards: list[Shard]) -> int:
     hosted: dict[int, int] = {}
     for layer, _ in shards:
         hosted[layer] = hosted.get(layer, 0) + 1
-    # a stacked tensor's share: its bytes per row x rows hosted (LongCat's gate_up_proj has identity rows too)
+    # a stacked tensor's share: its bytes per row x rows hosted (LongCat's from transformers <= 5.24: identity rows too)
     return sum(reader.nbytes({name: shape}) // shape[0] * count for layer, count in hosted.items()
                for name, shape in expert_shard_names(cfg, [(layer, 0)], layout).items())
 
@@ -252,7 +268,7 @@ def _expert_from_rows(
     cfg: MoEModelConfig, layout: str, t: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> GatedMLPWeights:
     """One expert's rows of the stacked tensors -> GatedMLPWeights ([2I, H] gate rows then up rows, [H, I])."""
-    if layout == FUSED:
+    if layout in (FUSED, FUSED_IDENTITY_ROWS):
         return GatedMLPWeights(gate_up=t["gate_up"].contiguous(), down=t["down"].contiguous())
     if layout == FUSED_IN_OUT:  # x @ W form [H, 2I] (gate columns, then up) and [I, H]: F.linear's [out, in]
         return GatedMLPWeights(gate_up=t["gate_up"].t().contiguous(), down=t["down"].t().contiguous())

@@ -5,8 +5,9 @@ Logical layer L holds two sublayers j = 0, 1 (our decoder layers 2L + j, experts
 q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj) and the dense `mlps.j.{gate,up,down}_proj`; and
 one MoE, `mlp.router.classifier.weight` [E + Z, H] with `mlp.router.e_score_correction_bias` [E + Z] (rows E.. are
 the Z identity experts). Routed experts: `mlp.experts.E.{gate,up,down}_proj` per expert, or stacked
-`mlp.experts.gate_up_proj` [E + Z, 2I, H] (transformers allocates gate/up rows for the identity experts too; they
-are never read) and `down_proj` [E, H, I]. The MTP layers (`model.mtp.*`) are never named.
+`mlp.experts.gate_up_proj` [E, 2I, H] (transformers <= 5.24 wrote [E + Z, 2I, H], gate/up rows for the identity
+experts too, never read; both load, experts/weights.py FUSED_IDENTITY_ROWS) and `down_proj` [E, H, I]. The MTP
+layers (`model.mtp.*`) are never named.
 """
 
 from __future__ import annotations
