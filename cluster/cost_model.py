@@ -9,7 +9,8 @@ Per MoE layer, for a step of T new tokens over sequences with C cached positions
   transport      first call's round trip + issue cost per further call + device waits + rows' bytes (through the
                  host: PCIe down, host copies, PCIe up; or device to device over NVLink)
   expert         the busiest expert device: roofline(FLOP of its rows, bytes of the shards it reads) + ops; on the
-                 CPU: the experts' FLOP / (FLOP per CPU-second x the cores they get)
+                 CPU: (hit shards' weight bytes / read rate + the experts' FLOP / FLOP per CPU-second) / the cores
+                 they get
   combine        weighted sum of the returned rows on the router's device
 Layers without experts run their dense MLP on the router; the lm_head runs once per step. tokens/s = T / step.
 
@@ -154,6 +155,15 @@ def expert_layer_flops(m: ModelShape, tokens: int) -> float:
 # ---- components ----------------------------------------------------------------------------------------------
 
 
+def expert_cpu_s(p: Profile, tokens: int, hit: float) -> float:
+    """CPU only: the CPU-seconds of one layer's expert calls, summed over actors: each hit shard's weights streamed
+    once (a fixed cost per call, which dominates at small batches) + the slots' FLOP."""
+    m, hw = p.model, p.hardware
+    weights = hit * m.shard_params * p.layout.expert_bytes
+    reads = weights / hw.expert_read_bw if math.isfinite(hw.expert_read_bw) else 0.0
+    return reads + expert_layer_flops(m, tokens) / hw.expert_flops_per_cpu_s
+
+
 def router_dense_s(p: Profile, step: StepShape, moe: bool = True) -> float:
     m, hw = p.model, p.hardware
     weights = router_layer_params(m, moe) * p.layout.act_bytes
@@ -185,7 +195,7 @@ def moe_layer_time(p: Profile, step: StepShape) -> LayerTime:
         data = 2 * wire * (2 / hw.host_link_bw + tr.host_copies / hw.host_copy_bw)
     transport = tr.call_s + max(0.0, calls - 1) * tr.issue_s + tr.syncs * hw.sync_s + data
     if not hw.concurrent:  # the CPU: the actors' compute shares the cores
-        expert = expert_layer_flops(m, step.tokens) / hw.expert_flops_per_cpu_s / hw.cpu_parallelism
+        expert = expert_cpu_s(p, step.tokens, hit) / hw.cpu_parallelism
     else:  # the busiest device: its share of the hit shards and of the rows
         shards = max(1.0, hit / max(1.0, calls))
         rows = slots / max(1.0, calls)

@@ -32,6 +32,9 @@ class HardwareProfile:
     concurrent: bool = True  # router and experts on separate devices (False: they share the same cores)
     cpu_parallelism: float = 1.0  # CPU only: cores' worth the expert actors get together (fitted)
     expert_flops_per_cpu_s: float = 0.0  # CPU only: the experts' FLOP per CPU-second (fitted)
+    # CPU only: bytes/s an expert call streams its shard's weights at, a cost per call on top of the FLOP (fitted
+    # from two batch sizes; inf when fitted from one: every CPU-second then scales with the FLOP)
+    expert_read_bw: float = math.inf
     source: str = ""
 
     def roofline_s(self, flops: float, bytes_: float) -> float:

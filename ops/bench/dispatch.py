@@ -45,7 +45,10 @@ class DispatchParams:
 
     @classmethod
     def from_args(cls, args) -> DispatchParams:
-        return cls(workload=args.workload, repeats=args.repeats, shape=args.shape)
+        if args.decode_sequences < 1:
+            raise ValueError(f"--decode-sequences: must be at least 1, got {args.decode_sequences}")
+        return cls(workload=args.workload, repeats=args.repeats, shape=args.shape,
+                   decode=dict(sequences=args.decode_sequences, context=64))
 
 
 def run_dispatch_bench(params: DispatchParams = DispatchParams(), verbose: bool = True,

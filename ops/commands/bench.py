@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
     dispatch.add_argument("--context", type=int, metavar="N", help="decode at N tokens of context over the paged KV "
                           "cache, against transformers with a static cache (ops/bench/context.py)")
     dispatch.add_argument("--streams", type=int, default=8, help="with --context: sequences decoding together")
+    dispatch.add_argument("--decode-sequences", type=int, default=32, metavar="N",
+                          help="sequences in the decode workload (64 tokens of context each); the cost model's CPU fit "
+                          "takes two runs, at 32 and 8 (docs/concepts/cost-model.md)")
     # The mesh's settings (transport, overlap, failover, ...); the benchmark supplies its own checkpoint.
     add_mesh_flags(dispatch, ("ray", "experts", "router", "devices", "failover", "controller", "tracing"),
                    extra=("model.dtype",))
