@@ -48,6 +48,24 @@ def kill_actor(name: str, namespace: str) -> bool:
     return True
 
 
+def release_stale_name(name: str, namespace: str) -> bool:
+    """Kill the actor holding `name` if Ray's actor table places it on a node that is no longer alive (a restore
+    waiting on a name Ray has not released after its node died); True when one was killed. A holder on a live node,
+    or one not placed yet, is left alone: it may be a replacement some other pass just started."""
+    from ray._private import state  # as router_service/node_watch.py: the public state API needs the dashboard
+
+    try:
+        handle = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False  # released meanwhile
+    info = state.actors(actor_id=handle._actor_id.hex()) or {}
+    node = (info.get("Address") or {}).get("NodeID") or ""
+    if not node.strip("f0") or node in {n["NodeID"] for n in alive_nodes()}:
+        return False
+    ray.kill(handle, no_restart=True)
+    return True
+
+
 def alive_nodes() -> list[dict]:
     """ray.nodes() entries of the live nodes (may lag a moment behind a node's death)."""
     return [n for n in ray.nodes() if n["Alive"]]
@@ -98,6 +116,9 @@ class RayActorOps:
 
     async def probe(self, name: str, timeout_s: float) -> dict | None:
         return await probe_actor(name, self.names.namespace, timeout_s)
+
+    def release_stale_name(self, name: str) -> bool:
+        return release_stale_name(name, self.names.namespace)
 
     def rooms(self) -> list[NodeRoom]:
         """Live nodes and what Ray has not given out on each, less nodes where every actor of ours is lost."""

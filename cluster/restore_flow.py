@@ -26,6 +26,10 @@ from .replica_registry import ReplicaRegistry
 
 log = logging.getLogger(__name__)
 
+# How long a restore waits for Ray to release a lost actor's name by itself before it asks ops to release a holder
+# that sits on a dead node: Ray usually releases it within a few hundred ms of the node's death.
+NAME_GRACE_S = 1.0
+
 
 class RestoreFlow:
     def __init__(self, registry: ReplicaRegistry, ops, history: ActivityLog, config: ControllerConfig,
@@ -143,8 +147,11 @@ class RestoreFlow:
     async def _spawn_when_name_free(self, name: str, slot: ActorSlot, generation: int):
         """ops.spawn, tried again while Ray still holds the lost actor's name: the node watch can find an actor lost
         before Ray has processed its death (seen in the node drill: the restore refused with ActorAlreadyExistsError
-        40 ms after the node was declared dead). Up to ping_timeout_s; a later error, or one of another kind, raises."""
-        deadline = time.monotonic() + self.config.ping_timeout_s
+        40 ms after the node was declared dead). Past NAME_GRACE_S the holder is released if it sits on a node
+        that is no longer alive (ops.release_stale_name: Ray held three such names for 30 s and more in one CI run,
+        so every restore pass failed). Up to ping_timeout_s; a later error, or one of another kind, raises."""
+        start = time.monotonic()
+        deadline, released = start + self.config.ping_timeout_s, False
         while True:
             try:
                 return self.ops.spawn(slot, self.reg.spec, generation)
@@ -152,6 +159,10 @@ class RestoreFlow:
                 # By name, so this module needs no Ray: ray.exceptions.ActorAlreadyExistsError.
                 if type(exc).__name__ != "ActorAlreadyExistsError" or time.monotonic() >= deadline:
                     raise
+            if not released and time.monotonic() - start >= NAME_GRACE_S:
+                released = self.ops.release_stale_name(name)
+                if released:
+                    self.history.event("stale_name_released", name)
             await asyncio.sleep(0.1)
 
     async def stand_in(self, plan: RestorePlan) -> None:

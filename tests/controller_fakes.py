@@ -22,6 +22,7 @@ class FakeOps:
     def __init__(self, alive: set[str], rooms: list[NodeRoom]):
         self.alive = set(alive)
         self.broken: set[str] = set()
+        self.stale_names: set[str] = set()  # names a dead node's actor still holds (release_stale_name frees them)
         self.room_list = rooms
         self.log: list[tuple] = []
         self.generation: dict[str, int] = {}
@@ -50,6 +51,11 @@ class FakeOps:
 
     async def probe(self, name: str, timeout_s: float) -> dict | None:
         return {"generation": 1, "node_id": "a"} if name in self.alive else None
+
+    def release_stale_name(self, name: str) -> bool:
+        """Ray's side: kill a holder of `name` on a dead node. The fake holds no stale names unless a test says."""
+        self.log.append(("release_stale_name", name))
+        return name in self.stale_names and not self.stale_names.discard(name)
 
     def rooms(self) -> list[NodeRoom]:
         return self.room_list

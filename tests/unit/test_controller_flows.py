@@ -4,6 +4,7 @@ watch, restores, stand-ins and live remaps run against a fake `ops` that records
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 
@@ -178,6 +179,71 @@ def test_a_dead_node_in_rays_table_restores_its_actors_at_once_in_one_replan_and
     assert [e["kind"] for e in history.events] == ["node_lost", "lost", "lost", "restored", "restored"]
     assert history.events[0]["actors"] == ["expert-e1-r0", "expert-e2-r0"]
     assert sum(1 for entry in ops.log if entry[0] == "spawn") == 2 and not reg.restoring and not reg.lost
+
+
+def test_a_name_ray_keeps_holding_is_released_from_the_dead_node_and_the_restore_goes_on():
+    """Ray held three lost actors' names for 30 s and more after their node died (a CI run): past the grace the
+    restore asks ops to release a holder on a dead node, once, and then starts the replacement."""
+    import expertmesh.cluster.restore_flow as restore_flow_module
+
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 2.0)])
+    ops.alive.discard("expert-e1-r0")
+    ops.stale_names.add("expert-e1-r0")
+
+    class ActorAlreadyExistsError(ValueError):
+        pass
+
+    spawn = ops.spawn
+
+    def held_until_released(slot, spec, generation, soft=True):
+        if slot.name in ops.stale_names:
+            raise ActorAlreadyExistsError(f"{slot.name} is already taken")
+        return spawn(slot, spec, generation, soft)
+
+    ops.spawn = held_until_released
+    grace, restore_flow_module.NAME_GRACE_S = restore_flow_module.NAME_GRACE_S, 0.2
+
+    async def run():
+        await flow.check_all()
+        for _ in range(20):
+            await settle()
+            if "restored" in kinds(history):
+                return
+            await asyncio.sleep(0.05)
+
+    try:
+        asyncio.run(run())
+    finally:
+        restore_flow_module.NAME_GRACE_S = grace
+    assert kinds(history) == ["lost", "stale_name_released", "restored"]
+    assert [e for e in ops.log if e[0] == "release_stale_name"] == [("release_stale_name", "expert-e1-r0")]
+
+
+def test_a_name_held_by_a_live_holder_is_not_taken_and_the_restore_fails_after_the_wait():
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 2.0)])
+    ops.alive.discard("expert-e1-r0")
+    flow.config = dataclasses.replace(flow.config, ping_timeout_s=1.5)  # past NAME_GRACE_S
+
+    class ActorAlreadyExistsError(ValueError):
+        pass
+
+    def always_taken(slot, spec, generation, soft=True):
+        raise ActorAlreadyExistsError(f"{slot.name} is already taken")
+
+    ops.spawn = always_taken  # and release_stale_name finds no holder on a dead node (stale_names is empty)
+
+    async def run():
+        await flow.check_all()
+        for _ in range(30):
+            await settle()
+            if "restore_failed" in kinds(history):
+                return
+            await asyncio.sleep(0.05)
+
+    asyncio.run(run())
+    assert kinds(history) == ["lost", "restore_failed"]
+    assert "ActorAlreadyExistsError" in history.events[-1]["error"]
+    assert ("release_stale_name", "expert-e1-r0") in ops.log
 
 
 def test_a_restore_waits_while_ray_still_holds_the_lost_actors_name():
