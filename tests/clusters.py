@@ -24,11 +24,8 @@ FAKE_GPU_FLAGS = ("--gpu-without-cuda", "cpu")  # the same for `expertmesh serve
 def cluster_with_gpus(*gpus_per_node: int, cpus_per_node: int = 2, dashboard: bool = False) -> Iterator[Cluster]:
     """A CPU-only head (2 CPUs) and one worker per entry of gpus_per_node; shut down, driver detached, after.
     dashboard: start Ray's dashboard (its state API, `ray.util.state`, needs it); off, a process less to start."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0,
-                                                            "include_dashboard": dashboard})
-    for gpus in gpus_per_node:
-        cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus)
-    cluster.wait_for_nodes()
+    cluster, _ = start_cluster({"num_cpus": 2, "num_gpus": 0, "include_dashboard": dashboard},
+                               [{"num_cpus": cpus_per_node, "num_gpus": gpus} for gpus in gpus_per_node])
     ray.init(address=cluster.address, namespace=NAMESPACE)
     try:
         yield cluster
@@ -39,6 +36,27 @@ def cluster_with_gpus(*gpus_per_node: int, cpus_per_node: int = 2, dashboard: bo
 
 # What ray.init raises when a fresh local node failed to come up (both retried once, after a pause).
 _START_FAILURES = ("timed out during startup", "Timed out waiting for file")
+
+
+def start_cluster(head: dict, workers: list[dict]) -> tuple[Cluster, list]:
+    """A `Cluster` with a head started from `head` (add_node's arguments) and a worker per entry of `workers`, all
+    registered; -> (cluster, worker nodes). Tried once more, on a fresh cluster after a pause, when a node fails to
+    come up (_START_FAILURES): seen in a CI run (stop 35) where a worker's raylet printed "double free or corruption
+    (fasttop)" and the node "timed out during startup", erroring a whole module; a native crash in Ray."""
+    for attempt in (1, 2):
+        cluster = None
+        try:
+            cluster = Cluster(initialize_head=True, head_node_args=head)
+            nodes = [cluster.add_node(**worker) for worker in workers]
+            cluster.wait_for_nodes()
+            return cluster, nodes
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if cluster is not None:
+                cluster.shutdown()
+            if attempt == 2 or not any(sign in str(exc) for sign in _START_FAILURES):
+                raise
+            time.sleep(5)
+    raise AssertionError("unreachable")
 
 
 def init_local_ray(**kwargs) -> None:

@@ -153,7 +153,8 @@ def run_peer_bench(params: PeerParams = PeerParams(), verbose: bool = True) -> d
         finally:
             if peer is not None:
                 say("stopping transformers serve ...")
-                result["peer_exit"] = {"code": peer.stop(), "signal": peer.stop_signal, "log": str(peer.log_path)}
+                result["peer_exit"] = {"code": peer.stop(), "signal": peer.stop_signal, "log": str(peer.log_path),
+                                       "stragglers_killed": peer.stragglers_killed}
             if ours is not None:
                 say("stopping expertmesh serve ...")
                 result["expertmesh_exit"] = {"code": ours.stop(), "log": str(ours.log_path)}

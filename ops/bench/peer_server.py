@@ -36,6 +36,7 @@ class PeerServer:
     command: list[str]
     start_s: float
     stop_signal: str | None = None  # the signal that ended it: SIGINT, SIGTERM or SIGKILL
+    stragglers_killed: int = 0  # group members still alive grace_s after the server exited, then SIGKILLed
 
     def log(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
@@ -55,7 +56,26 @@ class PeerServer:
             except subprocess.TimeoutExpired:
                 continue
         self.proc.wait()
+        self._reap_group(grace_s)
         return self.proc.returncode
+
+    def _reap_group(self, grace_s: float) -> None:
+        """The server's exit does not end the rest of its process group (a CI run found one member left just after
+        it): wait up to grace_s for the group to empty, then SIGKILL what is left and wait for that to go."""
+        deadline = time.monotonic() + grace_s
+        while group_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = group_members(self.proc.pid)
+        if not left:
+            return
+        self.stragglers_killed = len(left)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while group_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def proc_stats() -> dict[int, tuple[int, float]]:

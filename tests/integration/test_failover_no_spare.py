@@ -13,12 +13,11 @@ import time
 import pytest
 import ray
 from ray._private import state as ray_state
-from ray.cluster_utils import Cluster
 
 from expertmesh.cluster.naming import NAMESPACE
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
-from tests.clusters import FAKE_GPUS
+from tests.clusters import FAKE_GPUS, start_cluster
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import MAX_TOKENS, NonStopClient, controller_state, mesh_sender, wait_for
 
@@ -35,9 +34,8 @@ MOVE_BACK_S = 120
 @pytest.fixture
 def full_cluster():
     """Head without GPUs + two workers of 2 CPUs and 1 (declared) GPU: the pool below takes every share of both."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
-    workers = [cluster.add_node(num_cpus=2, num_gpus=1) for _ in range(2)]
-    cluster.wait_for_nodes()
+    cluster, workers = start_cluster({"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
+                                     [{"num_cpus": 2, "num_gpus": 1}] * 2)
     ray.init(address=cluster.address, namespace=NAMESPACE)
     yield cluster, workers
     ray.shutdown()

@@ -13,7 +13,6 @@ import time
 import pytest
 import ray
 from ray._private import state as ray_state
-from ray.cluster_utils import Cluster
 
 from expertmesh.cluster.naming import CONTROLLER_NAME, NAMESPACE
 from expertmesh.experts.reference import load_reference_model
@@ -21,7 +20,7 @@ from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
 from expertmesh.router_service.admin_auth import admin_metadata
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
-from tests.clusters import FAKE_GPUS
+from tests.clusters import FAKE_GPUS, start_cluster
 from tests.served import generate_ids, router_replicas, server_on_own_ray
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import NonStopClient, StreamsInFlight, wait_for
@@ -51,9 +50,8 @@ def actor_info(name: str, timeout: float = 5) -> dict:
 @pytest.fixture
 def gpu_cluster():
     """Head without GPUs + two workers declaring 2 GPUs each (no real GPU needed); only for the test using it."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
-    workers = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
-    cluster.wait_for_nodes()
+    cluster, workers = start_cluster({"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
+                                     [{"num_cpus": 2, "num_gpus": 2}] * 2)
     ray.init(address=cluster.address, namespace=NAMESPACE)
     yield cluster, workers
     ray.shutdown()

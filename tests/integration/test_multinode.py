@@ -5,18 +5,16 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
-from tests.clusters import FAKE_GPUS
+from tests.clusters import FAKE_GPUS, start_cluster
 
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
-    workers = [cluster.add_node(num_cpus=2, num_gpus=2) for _ in range(2)]
-    cluster.wait_for_nodes()
+    cluster, workers = start_cluster({"num_cpus": 1, "num_gpus": 0, "include_dashboard": False},
+                                     [{"num_cpus": 2, "num_gpus": 2}] * 2)
     ray.init(address=cluster.address)
     yield cluster, workers
     ray.shutdown()

@@ -14,14 +14,13 @@ import sys
 import grpc
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from expertmesh.experts.embedded_model import EMBEDDED_MODEL_DIR
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.tokenizer import load_tokenizer
 from expertmesh.protos import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from expertmesh.protos import inference_pb2 as pb
-from tests.clusters import FAKE_GPU_FLAGS
+from tests.clusters import FAKE_GPU_FLAGS, start_cluster
 from tests.served import start_server
 from tests.tiny_checkpoints import greedy_tokens
 from tests.traffic import MAX_TOKENS, code_prompts
@@ -32,10 +31,8 @@ from tests.traffic import MAX_TOKENS, code_prompts
 
 @pytest.fixture(scope="module")
 def gpu_cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, num_gpus=1)
-    cluster.wait_for_nodes()
+    cluster, _ = start_cluster({"num_cpus": 2, "num_gpus": 0, "include_dashboard": False},
+                               [{"num_cpus": 2, "num_gpus": 1}] * 2)
     yield cluster
     cluster.shutdown()
 

@@ -184,6 +184,20 @@ def test_launch_reads_the_port_from_the_log_and_stop_escalates_past_an_ignored_s
     assert group_members(server.proc.pid) == []
 
 
+def test_stop_kills_a_group_member_left_after_the_server_exits(tmp_path: Path):
+    from expertmesh.ops.bench.peer_server import group_members, launch
+
+    # The server forks a child that ignores SIGINT and SIGTERM, then exits on SIGINT itself: the child stays.
+    child = "import signal, time; [signal.signal(s, signal.SIG_IGN) for s in (2, 15)]; time.sleep(60)"
+    server = launch(_fake(f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+                          "time.sleep(0.5); "
+                          "print('INFO:     Uvicorn running on http://localhost:43124 (Press CTRL+C to quit)'); "
+                          "sys.stdout.flush(); time.sleep(60)"), timeout=30, log_path=tmp_path / "log")
+    assert len(group_members(server.proc.pid)) == 2
+    assert server.stop(grace_s=0.5) != 0 and server.stop_signal == "SIGINT"
+    assert server.stragglers_killed == 1 and group_members(server.proc.pid) == []
+
+
 def test_launch_failures_name_the_cause_with_the_log(tmp_path: Path):
     from expertmesh.ops.bench.peer_server import PeerError, launch, start_peer
 

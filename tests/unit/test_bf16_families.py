@@ -1,6 +1,7 @@
-"""bf16 on every supported family: the in-process reference in bf16 against `transformers` in bf16 on the same tiny
-checkpoint — greedy tokens equal, logits within bf16 tolerance (a few bf16 ulps of the logits' scale; the two
-round at different points, e.g. gate weights, so bit equality is not the claim)."""
+"""bf16 on every supported family: the in-process reference in bf16 against `transformers` on the same tiny
+checkpoint, by transformers' own yardstick (tests/tiny_checkpoints.py: no further from float32 than transformers'
+bf16 is, greedy tokens equal up to the first near-tie). The two round at different points, e.g. gate weights, so bit
+equality is not the claim, and how far bf16 lands depends on the CPU's bf16 kernels."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from expertmesh.experts.reference import load_reference_model
-from tests.tiny_checkpoints import greedy_tokens, write_hf_checkpoint
+from tests.tiny_checkpoints import assert_by_transformers_yardstick, load_hf_model, write_hf_checkpoint
 from tests.tiny_deepseek import write_deepseek_checkpoint
 
 FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")
@@ -22,19 +23,8 @@ def _write(family: str, out):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_reference_is_close_to_transformers_bf16(tmp_path, family):
-    from transformers import AutoModelForCausalLM
-
+def test_bf16_reference_is_as_close_to_float32_as_transformers_bf16(tmp_path, family):
     folder = _write(family, tmp_path / family)
     ours = load_reference_model(folder, dtype=torch.bfloat16)
-    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    ids = torch.tensor(PROMPT)
-    with torch.no_grad():
-        want = theirs(ids[None]).logits[0].float()  # [S, V]
-        got = ours.forward([ids])[0].float()
-        expected = theirs.generate(ids[None], attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-                                   max_new_tokens=8, do_sample=False)[0, len(PROMPT):].tolist()
-    scale = want.abs().max().item()
-    gap = (got - want).abs().max().item()
-    assert gap <= 0.05 * max(scale, 1.0), f"{family}: max |Δlogit| {gap:.4f} at logit scale {scale:.2f}"
-    assert greedy_tokens(ours, PROMPT, 8) == expected
+    theirs, truth = load_hf_model(folder, torch.bfloat16), load_hf_model(folder)
+    assert_by_transformers_yardstick(ours, theirs, truth, torch.tensor(PROMPT))

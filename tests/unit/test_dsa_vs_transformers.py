@@ -17,7 +17,13 @@ from expertmesh.experts.dsa_indexer import index_scores, top_k_mask
 from expertmesh.experts.errors import CheckpointError
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.experts.weights import load_dense_weights
-from tests.tiny_checkpoints import chunked_logits, hf_logits, load_hf_model, max_diff
+from tests.tiny_checkpoints import (
+    assert_by_transformers_yardstick,
+    chunked_logits,
+    hf_logits,
+    load_hf_model,
+    max_diff,
+)
 from tests.tiny_deepseek import DSA, DSA_KINDS, VOCAB, write_deepseek_checkpoint
 
 TOL = 1e-4
@@ -177,17 +183,10 @@ def test_kv_cache_stores_the_index_key_only_where_an_indexer_runs(models):
 
 
 @pytest.mark.parametrize("kind", DSA_KINDS)
-def test_bf16_is_close_to_transformers_bf16(folders, kind):
-    from transformers import AutoModelForCausalLM
-
+def test_bf16_is_as_close_to_float32_as_transformers_bf16(folders, models, kind):
     ours = load_reference_model(folders[kind], dtype=torch.bfloat16)
-    theirs = AutoModelForCausalLM.from_pretrained(folders[kind], dtype=torch.bfloat16).eval()
-    ids = _ids(20, 7)
-    with torch.no_grad():
-        want = theirs(ids[None]).logits[0].float()
-    got = ours.forward([ids])[0].float()
-    scale = want.abs().max().item()
-    assert (got - want).abs().max().item() <= 0.05 * max(scale, 1.0)
+    theirs = load_hf_model(folders[kind], torch.bfloat16)
+    assert_by_transformers_yardstick(ours, theirs, models[kind][1], _ids(20, 7))
     assert ours.w.layers[0].attention.indexer.weights_proj.dtype == torch.float32  # as transformers keeps it
 
 

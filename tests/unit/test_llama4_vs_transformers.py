@@ -22,7 +22,13 @@ from expertmesh.experts.ffn import GatedMLPWeights, activation, gated_mlp
 from expertmesh.experts.gating import route_sigmoid_input
 from expertmesh.experts.modeling import MoEDecoder
 from expertmesh.experts.reference import load_reference_model
-from tests.tiny_checkpoints import chunked_logits, greedy_tokens, hf_logits, max_diff
+from tests.tiny_checkpoints import (
+    assert_by_transformers_yardstick,
+    chunked_logits,
+    greedy_tokens,
+    hf_logits,
+    max_diff,
+)
 from tests.tiny_llama4 import CHUNK, VOCAB, hf_text_config, load_hf, text_config_kwargs, write_llama4_checkpoint
 
 TOL = 1e-4
@@ -101,18 +107,10 @@ def test_overlap_schedule_equals_the_plain_one(folders, models):
 
 
 @pytest.mark.parametrize("kind", ["scout", "wrapper"])
-def test_bf16_reference_is_close_to_transformers_bf16(folders, kind):
+def test_bf16_reference_is_as_close_to_float32_as_transformers_bf16(folders, models, kind):
     folder = folders[kind]
     ours, theirs = load_reference_model(folder, dtype=torch.bfloat16), _text_model(load_hf(folder, torch.bfloat16))
-    prompt = _ids(2 * CHUNK + 4, 7).tolist()
-    ids = torch.tensor(prompt)
-    with torch.no_grad():
-        want = theirs(ids[None]).logits[0].float()
-        expected = theirs.generate(ids[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                   max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
-    got = ours.forward([ids])[0]
-    assert max_diff(got, want) <= 0.05 * max(want.abs().max().item(), 1.0)
-    assert greedy_tokens(ours, prompt, 8) == expected
+    assert_by_transformers_yardstick(ours, theirs, models[kind][1], _ids(2 * CHUNK + 4, 7))
     assert ours.w.layers[0].router.dtype == torch.bfloat16  # a plain Linear in the model dtype, as transformers'
 
 
