@@ -44,7 +44,7 @@ from .placement_claims import ClaimLedger
 from .pool_spec import PoolSpec
 from .ray_ops import RayActorOps, alive_nodes
 from .remap_flow import Remapper
-from .replica_registry import ReplicaRegistry
+from .replica_registry import SILENT, ReplicaRegistry
 from .restore_flow import RestoreFlow
 from .router_gpus import NO_RESERVATION, RouterReservation
 from .router_reports import RouterReports
@@ -248,6 +248,9 @@ class Controller:
         self._drain_tickets.pop(name, None)  # the pending stop of the drain must not kill what comes back
         info = await self.ops.probe(name, self.config.ping_timeout_s)
         started = time.time()
+        if info == SILENT:  # up but not answering: start a fresh one in its place, as for one that is gone
+            self.ops.kill_named(name)
+            info = None
         if info is None:
             try:
                 handle = self.ops.spawn(reg.slot_of(name), reg.spec, reg.generations.get(name, 0) + 1)

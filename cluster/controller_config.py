@@ -14,6 +14,11 @@ class ControllerConfig:
     restore: bool = True  # False: only watch and report (for drills of the wait/degrade policies)
     check_interval_s: float = 0.5
     ping_timeout_s: float = 5.0
+    # Probes in a row an actor Ray still lists may leave unanswered (each ping_timeout_s) before it counts as lost and
+    # is killed and restored. An expert actor answers its probe after the calls queued before it, so one slow answer
+    # from a busy actor on a loaded node is not a death (with 1, one stalled pass restarts every busy expert at
+    # once). An actor Ray no longer lists is lost at once; a node's death is seen by the node watch.
+    probe_misses: int = 2
     restore_timeout_s: float = 1800.0  # a restored actor loads its weights again (on a new node: fetches them too)
     drain_timeout_s: float = 60.0  # a remap stops replaced replicas when every router switched, or after this
     router_ttl_s: float = 10.0  # a router silent this long (scaled in, died) is not waited for
@@ -42,6 +47,8 @@ class ControllerConfig:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.claim_ttl_s == float("inf"):  # a claim that never expires could keep a node looking full for good
             raise ValueError(f"claim_ttl_s: must be finite, got {self.claim_ttl_s}")
+        if isinstance(self.probe_misses, bool) or not isinstance(self.probe_misses, int) or self.probe_misses < 1:
+            raise ValueError(f"probe_misses: must be an integer >= 1, got {self.probe_misses!r}")
         if self.placement not in CONTROLLER_PLACEMENTS:
             raise ValueError(f"placement: must be one of {CONTROLLER_PLACEMENTS}, got {self.placement!r}")
         for name in ("num_cpus", "node_poll_s"):

@@ -17,20 +17,23 @@ from .expert_actors import start_expert_actor
 from .lost_restore import NodeRoom
 from .node_choice import choose_node, node_rooms
 from .pool_spec import PoolSpec
-from .replica_registry import ReplicaRegistry
+from .replica_registry import SILENT, ReplicaRegistry
 from .router_gpus import RouterReservation
 from .table_store import publish_table
 
 
-async def probe_actor(name: str, namespace: str, timeout_s: float) -> dict | None:
-    """The actor's info() ({"generation", "node_id", ...}), or None when it is not registered or did not answer
-    within timeout_s. A hung or dying one is killed, so the name is free for its replacement."""
+async def probe_actor(name: str, namespace: str, timeout_s: float) -> dict | str | None:
+    """The actor's info() ({"generation", "node_id", ...}); SILENT when it did not answer within timeout_s (left
+    alone: it may only be busy; the controller kills it after config.probe_misses such probes in a row); None when
+    it is not registered or died answering (then killed, so the name is free for its replacement)."""
     try:
         handle = ray.get_actor(name, namespace=namespace)
     except ValueError:
         return None
     try:
         return await asyncio.wait_for(handle.info.remote(), timeout_s)
+    except asyncio.TimeoutError:
+        return SILENT
     except Exception:
         try:
             ray.kill(handle, no_restart=True)
@@ -114,7 +117,7 @@ class RayActorOps:
     def kill_named(self, name: str) -> bool:
         return kill_actor(name, self.names.namespace)
 
-    async def probe(self, name: str, timeout_s: float) -> dict | None:
+    async def probe(self, name: str, timeout_s: float) -> dict | str | None:
         return await probe_actor(name, self.names.namespace, timeout_s)
 
     def release_stale_name(self, name: str) -> bool:

@@ -19,6 +19,9 @@ from .placement_claims import ClaimLedger
 from .pool_spec import PoolSpec
 from .routing_table import Shard
 
+# What a probe gives for an actor Ray still lists that did not answer within the timeout (ops.probe): busy or hung.
+SILENT = "silent"
+
 
 class ReplicaRegistry:
     def __init__(self, spec: PoolSpec, slots: dict[str, ActorSlot], record: ControllerRecord | None = None,
@@ -32,6 +35,7 @@ class ReplicaRegistry:
         self.nodes: dict[str, str] = {}  # actor -> node id it was last seen on
         self.restoring: set[str] = set()
         self.lost: set[str] = set()  # expected actors whose last probe failed (restoring or not)
+        self.silent: dict[str, int] = {}  # name -> probes in a row it left unanswered while Ray still listed it
         # Lost actors not back at their normal share: name -> {"slot", "shards", "by": the stand-in hosting its
         # shards, or None while its shards run on their other replicas}. Moved back when a node with room joins.
         self.displaced: dict[str, dict] = dict(record.displaced)
@@ -113,14 +117,22 @@ class ReplicaRegistry:
         self.generations[name] = info["generation"]
         self.nodes[name] = info["node_id"]
         self.lost.discard(name)
+        self.silent.pop(name, None)
 
-    def probed(self, names: Sequence[str], infos: Sequence[dict | None], restore: bool) -> tuple[list[str], list[str]]:
-        """One pass's answers (None: no answer) -> (lost now, lost now and to be restored, now marked restoring)."""
+    def probed(self, names: Sequence[str], infos: Sequence[dict | str | None], restore: bool,
+               misses: int = 1) -> tuple[list[str], list[str]]:
+        """One pass's answers (None: gone; SILENT: listed by Ray but no answer in time) -> (lost now, lost now and to
+        be restored, now marked restoring). A SILENT actor is lost on its `misses`-th silent probe in a row."""
         lost, to_restore = [], []
         for name, info in zip(names, infos):
-            if info is not None:
+            if info == SILENT:
+                self.silent[name] = self.silent.get(name, 0) + 1
+                if self.silent[name] < misses:
+                    continue
+            elif info is not None:
                 self.seen(name, info)
                 continue
+            self.silent.pop(name, None)
             self.lost.add(name)
             lost.append(name)
             if restore:

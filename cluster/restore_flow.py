@@ -22,7 +22,7 @@ from .lost_restore import RestorePlan, plan_return
 from .naming import stand_in_actor_name
 from .node_loss import NodeWatchState, observe
 from .remap_flow import Remapper
-from .replica_registry import ReplicaRegistry
+from .replica_registry import SILENT, ReplicaRegistry
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,15 @@ class RestoreFlow:
         # The node watch may have found some of them lost (and restored them) while the probes ran: its verdict
         # is newer than a probe that timed out on the old incarnation.
         fresh = [(n, i) for n, i in zip(names, infos) if n not in reg.restoring and reg.generations.get(n) == before[n]]
-        lost, to_restore = reg.probed([n for n, _ in fresh], [i for _, i in fresh], restore=self.config.restore)
+        answers = dict(fresh)
+        lost, to_restore = reg.probed(list(answers), list(answers.values()), restore=self.config.restore,
+                                      misses=self.config.probe_misses)
         for name in lost:
-            self.history.event("lost", name)
+            if answers[name] == SILENT:  # silent probe after probe: hung, not busy; free the name for its restore
+                self.ops.kill_named(name)
+                self.history.event("lost", name, reason="silent", probes=self.config.probe_misses)
+            else:
+                self.history.event("lost", name)
         if to_restore:
             asyncio.get_running_loop().create_task(self.restore_lost(to_restore))
 

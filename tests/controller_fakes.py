@@ -11,7 +11,7 @@ from expertmesh.cluster.controller_config import ControllerConfig
 from expertmesh.cluster.lost_restore import NodeRoom
 from expertmesh.cluster.pool_spec import PoolSpec
 from expertmesh.cluster.remap_flow import Remapper
-from expertmesh.cluster.replica_registry import ReplicaRegistry
+from expertmesh.cluster.replica_registry import SILENT, ReplicaRegistry
 from expertmesh.cluster.restore_flow import RestoreFlow
 from expertmesh.cluster.router_reports import RouterReports
 
@@ -23,6 +23,7 @@ class FakeOps:
         self.alive = set(alive)
         self.broken: set[str] = set()
         self.stale_names: set[str] = set()  # names a dead node's actor still holds (release_stale_name frees them)
+        self.silent: set[str] = set()  # listed and alive but not answering probes in time (busy or hung)
         self.room_list = rooms
         self.log: list[tuple] = []
         self.generation: dict[str, int] = {}
@@ -49,7 +50,9 @@ class FakeOps:
         self.alive.discard(name)
         return present
 
-    async def probe(self, name: str, timeout_s: float) -> dict | None:
+    async def probe(self, name: str, timeout_s: float) -> dict | str | None:
+        if name in self.silent and name in self.alive:
+            return SILENT
         return {"generation": 1, "node_id": "a"} if name in self.alive else None
 
     def release_stale_name(self, name: str) -> bool:

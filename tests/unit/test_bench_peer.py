@@ -194,7 +194,7 @@ def test_stop_kills_a_group_member_left_after_the_server_exits(tmp_path: Path):
                           "print('INFO:     Uvicorn running on http://localhost:43124 (Press CTRL+C to quit)'); "
                           "sys.stdout.flush(); time.sleep(60)"), timeout=30, log_path=tmp_path / "log")
     assert len(group_members(server.proc.pid)) == 2
-    assert server.stop(grace_s=0.5) != 0 and server.stop_signal == "SIGINT"
+    assert server.stop(grace_s=2) != 0 and server.stop_signal in ("SIGINT", "SIGTERM")  # the server itself went
     assert server.stragglers_killed == 1 and group_members(server.proc.pid) == []
 
 

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 
 import numpy as np
+import pytest
 
 from expertmesh.cluster.actor_slots import ActorSlot
 from expertmesh.cluster.control_pass import control_pass
@@ -15,6 +16,8 @@ from expertmesh.cluster.lost_restore import NodeRoom
 from expertmesh.cluster.pool_spec import PoolSpec
 from expertmesh.cluster.replica_registry import ReplicaRegistry
 from expertmesh.cluster.router_gpus import NO_RESERVATION
+from expertmesh.experts.errors import ConfigError
+from expertmesh.router_service.config import MeshConfig
 from tests.controller_fakes import kinds, settle, setup
 
 
@@ -32,6 +35,31 @@ def test_a_lost_actor_with_room_comes_back_under_its_name_at_the_next_generation
     assert ("spawn", "expert-e1-r0", "a", 1, True) in ops.log
     assert reg.generations["expert-e1-r0"] == 1 and reg.epoch == 1 and not reg.restoring and not reg.lost
     assert ops.log[-1] == ("persist",)
+
+
+def test_a_busy_actor_is_left_alone_for_one_silent_probe_and_killed_and_restored_after_two():
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 2.0)])
+    assert flow.config.probe_misses == 2
+    ops.silent.add("expert-e1-r0")
+
+    async def run():
+        await flow.check_all()  # one slow answer: a busy actor, not a dead one
+        assert not reg.restoring and not reg.lost and ("kill", "expert-e1-r0") not in ops.log
+        await flow.check_all()  # the second in a row: hung; its name is freed for the restore
+        assert reg.restoring == {"expert-e1-r0"}
+        await settle()
+
+    asyncio.run(run())
+    assert ("kill", "expert-e1-r0") in ops.log
+    assert ops.log.index(("kill", "expert-e1-r0")) < next(i for i, e in enumerate(ops.log) if e[0] == "spawn")
+    assert kinds(history) == ["lost", "restored"] and history.events[0]["reason"] == "silent"
+    assert reg.generations["expert-e1-r0"] == 1 and not reg.lost
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_probe_misses_must_be_a_whole_number_of_at_least_one(value):
+    with pytest.raises(ConfigError, match=r"controller\.probe_misses"):
+        MeshConfig.from_dict({"controller": {"probe_misses": value}}).validate()
 
 
 def test_a_restore_finishing_after_a_drain_is_dropped():

@@ -20,7 +20,7 @@ from expertmesh.cluster.naming import stand_in_actor_name
 from expertmesh.cluster.node_choice import choose_node, node_rooms
 from expertmesh.cluster.placement_change import placement_change
 from expertmesh.cluster.pool_spec import PoolSpec
-from expertmesh.cluster.replica_registry import ReplicaRegistry
+from expertmesh.cluster.replica_registry import SILENT, ReplicaRegistry
 from expertmesh.cluster.router_reports import RouterReports
 
 
@@ -90,6 +90,20 @@ def test_a_pass_marks_the_silent_lost_and_restoring_only_when_restores_are_on():
     assert reg.down() == {"expert-e0-r0", "expert-e0-r1"} and reg.serving() == ["expert-e1-r0"]
     reg.seen("expert-e0-r0", {"generation": 2, "node_id": "a"})
     assert "expert-e0-r0" not in reg.lost and reg.generations["expert-e0-r0"] == 2
+
+
+def test_an_actor_ray_lists_but_that_does_not_answer_is_lost_only_after_misses_probes_in_a_row():
+    reg = two_replicas()
+    names = reg.expected()
+    up = {"generation": 1, "node_id": "a"}
+    assert reg.probed(names, [SILENT, up, up], restore=True, misses=2) == ([], [])  # busy, maybe: not yet
+    assert not reg.lost and not reg.restoring and reg.silent == {"expert-e0-r0": 1}
+    assert reg.probed(names, [up, up, up], restore=True, misses=2) == ([], [])  # answered: the count starts over
+    assert reg.silent == {}
+    assert reg.probed(names, [SILENT, up, up], restore=True, misses=2) == ([], [])
+    assert reg.probed(names, [SILENT, up, up], restore=True, misses=2) == (["expert-e0-r0"], ["expert-e0-r0"])
+    assert reg.lost == {"expert-e0-r0"} and reg.silent == {}
+    assert reg.probed(names, [up, SILENT, up], restore=True) == (["expert-e0-r1"], ["expert-e0-r1"])  # misses=1
 
 
 def test_a_node_where_every_actor_of_ours_is_lost_is_suspect():
