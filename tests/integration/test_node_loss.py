@@ -66,6 +66,8 @@ def test_node_removed_under_traffic_is_seen_within_2s_and_no_request_fails(drill
         actor_nodes = {name: node_of(h._actor_id.hex()) for name, h in mesh.backend.transport.actors.items()}
         victim = next(w for w in cluster.worker_nodes if w.node_id in actor_nodes.values())
         lost = sorted(n for n, node in actor_nodes.items() if node == victim.node_id)
+        transport = mesh.backend.transport
+        lost_ids = {n: transport.actors[n]._actor_id for n in lost}
         assert lost and len(lost) < len(actor_nodes)
         latencies: list[float] = []
 
@@ -85,10 +87,19 @@ def test_node_removed_under_traffic_is_seen_within_2s_and_no_request_fails(drill
             router_detect_s = watch.detections[0]["t"] - removed_wall
             # Every lost actor handed over; usually in that first poll, but one the watch had not located yet (Ray
             # still creating it on a loaded box) is found in a later one (router_service/node_watch.py actor_node).
-            seen = wait_for(lambda: set().union(*(d["actors"] for d in watch.detections)) >= set(lost) or None, 30,
-                            "the router's node watch hands over every lost actor",
-                            detail=lambda: watch.detections)
-            assert seen and set().union(*(d["actors"] for d in watch.detections)) == set(lost)
+            # Or the router dropped it first: its failed calls had it marked dead and taken out of the transport's
+            # map (or the reviver already swapped in the restored incarnation) before the watch's poll, so there was
+            # nothing left to hand over (a CI run: the watch handed over 1 of 4 lost actors, 14 s after start).
+            def dropped() -> set[str]:
+                return {n for n in lost if getattr(transport.actors.get(n), "_actor_id", None) != lost_ids[n]}
+
+            def handed_over() -> set[str]:
+                seen = set().union(*(d["actors"] for d in watch.detections)) | dropped()
+                return seen if seen >= set(lost) else set()
+
+            seen = wait_for(handed_over, 30, "the router's node watch hands over every lost actor",
+                            detail=lambda: (watch.detections, sorted(dropped())))
+            assert set().union(*(d["actors"] for d in watch.detections)) <= set(lost) and seen == set(lost)
             wait_for(lambda: any(e["kind"] == "node_lost" for e in controller_state(mesh)["events"]), 30,
                      "the controller's node watch sees the node dead")
             events = controller_state(mesh)["events"]
