@@ -1,5 +1,6 @@
 """The router's whole step on a (fake) GPU: every family, prefill, decode, chunked steps, seeded sampling, a resumed
-stream, degrade around a dead replica, shedding, a capacity factor and the overlap schedule, under the fake-CUDA
+stream, degrade around a dead replica, shedding, a capacity factor, the overlap schedule and affinity admission's
+prompt signature, under the fake-CUDA
 double (ops/fake_cuda/__init__.py), which raises wherever CUDA would on mixed devices and counts every device read.
 
 Each run must equal the same router on the CPU bit for bit (the double computes on the CPU underneath), and a decode
@@ -179,3 +180,22 @@ def test_the_gpu_script_runs_under_the_double_without_ray():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("PASS") == 2 * 3 + 1 and "FAIL" not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_affinity_admissions_prompt_signature_reads_the_device_once_per_prompt(models, family):
+    """Affinity admission (router.batcher.admission: affinity) predicts a waiting prompt's experts from its
+    embeddings under the first MoE gate: on the device that is one read per prompt (its picks), and the same experts
+    as on the CPU."""
+    from expertmesh.router_service.affinity_admission import prompt_signature
+
+    cpu_model, _ = build_router(models[family], "cpu", torch.float32)
+    ids = prompts(cpu_model.cfg.vocab_size)
+    want = [prompt_signature(cpu_model, p, 0) for p in ids]
+    with fake_cuda() as fc:
+        model, _ = build_router(models[family], "cuda", torch.float32, StepSetup(**FAKE))
+        with fc.counting() as counted:
+            got = [prompt_signature(model, p, 0) for p in ids]
+    assert got == want and all(len(s) > 0 for s in got)
+    assert counted.host_reads == len(ids) and counted.syncs == 0 and counted.shape_syncs == 0, counted.read_sites
+    assert all("affinity_admission.py" in site for site in counted.read_sites), counted.read_sites
