@@ -105,7 +105,15 @@ def test_node_lost_output_unchanged_and_replicas_restored_elsewhere(gpu_cluster,
             assert info["node_id"] == spare.node_id, (name, info["node_id"])
         survivors = {info["name"]: info for info in (actor_info(name) for name in slots if name not in lost)}
         assert all(i["node_id"] == survivor.node_id and i["generation"] == 0 for i in survivors.values())
-        state = ray.get(mesh.controller.get_state.remote())
+        # A restored actor answers info() a moment before the controller's await of it returns and logs "restored"
+        # (a fresh-clone run read the events in between: 3 of 4), so wait for the controller's own account.
+        def restored_events() -> dict | None:
+            state = ray.get(mesh.controller.get_state.remote())
+            done = {e["actor"] for e in state["events"] if e["kind"] == "restored"}
+            return state if done >= set(lost) else None
+
+        state = wait_for(restored_events, 30, "the controller's restored events",
+                         detail=lambda: ray.get(mesh.controller.get_state.remote())["events"])
         assert {e["actor"] for e in state["events"] if e["kind"] == "restored"} == set(lost)
         assert state["epoch"] == len(lost)
 
