@@ -89,6 +89,15 @@ def kinds(history: ActivityLog) -> list[str]:
     return [e["kind"] for e in history.events]
 
 
+async def settle_until(history: ActivityLog, kind: str, polls: int) -> None:
+    """Let restore tasks run until an event of `kind` is logged, or `polls` rounds have passed."""
+    for _ in range(polls):
+        await settle()
+        if kind in kinds(history):
+            return
+        await asyncio.sleep(0.05)
+
+
 async def settle() -> None:
     """Let the restore tasks a pass started finish."""
     for _ in range(20):

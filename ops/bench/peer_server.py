@@ -62,10 +62,7 @@ class PeerServer:
     def _reap_group(self, grace_s: float) -> None:
         """The server's exit does not end the rest of its process group (a CI run found one member left just after
         it): wait up to grace_s for the group to empty, then SIGKILL what is left and wait for that to go."""
-        deadline = time.monotonic() + grace_s
-        while group_members(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = group_members(self.proc.pid)
+        left = self._group_after(grace_s)
         if not left:
             return
         self.stragglers_killed = len(left)
@@ -73,9 +70,14 @@ class PeerServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             return
-        deadline = time.monotonic() + 5
-        while group_members(self.proc.pid) and time.monotonic() < deadline:
+        self._group_after(5)
+
+    def _group_after(self, timeout_s: float) -> list[int]:
+        """The live members of the server's process group once it is empty, or after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while (left := group_members(self.proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.1)
+        return left
 
 
 def proc_stats() -> dict[int, tuple[int, float]]:

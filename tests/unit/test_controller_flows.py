@@ -18,7 +18,7 @@ from expertmesh.cluster.replica_registry import ReplicaRegistry
 from expertmesh.cluster.router_gpus import NO_RESERVATION
 from expertmesh.experts.errors import ConfigError
 from expertmesh.router_service.config import MeshConfig
-from tests.controller_fakes import kinds, settle, setup
+from tests.controller_fakes import kinds, settle, settle_until, setup
 
 
 def test_a_lost_actor_with_room_comes_back_under_its_name_at_the_next_generation():
@@ -233,11 +233,7 @@ def test_a_name_ray_keeps_holding_is_released_from_the_dead_node_and_the_restore
 
     async def run():
         await flow.check_all()
-        for _ in range(20):
-            await settle()
-            if "restored" in kinds(history):
-                return
-            await asyncio.sleep(0.05)
+        await settle_until(history, "restored", 20)
 
     try:
         asyncio.run(run())
@@ -262,11 +258,7 @@ def test_a_name_held_by_a_live_holder_is_not_taken_and_the_restore_fails_after_t
 
     async def run():
         await flow.check_all()
-        for _ in range(30):
-            await settle()
-            if "restore_failed" in kinds(history):
-                return
-            await asyncio.sleep(0.05)
+        await settle_until(history, "restore_failed", 30)
 
     asyncio.run(run())
     assert kinds(history) == ["lost", "restore_failed"]
