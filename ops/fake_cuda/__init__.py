@@ -50,6 +50,10 @@ What it emulates
   Stream, Event (elapsed_time from host clocks), current_stream, stream(), device(), manual_seed and RNG state,
   empty_cache; ``torch.accelerator`` and ``torch.backends.cuda.is_built`` likewise. All restored on exit, also
   after an exception.
+- CUDA graphs (ops/fake_cuda/graphs.py): ``torch.cuda.CUDAGraph``, ``torch.cuda.graph``, ``graph_pool_handle``,
+  ``is_current_stream_capturing``. A capture records the operators, a replay re-runs them on the recorded tensors
+  (static inputs must be copied into; shapes and Python values are frozen); what a capture allocated is poisoned
+  until replayed; reads, syncs, data-dependent shapes and host-to-device copies inside a capture raise.
 
 Counters (``fc`` and each ``fc.counting()`` block): ``host_reads`` (a device value brought to the host),
 ``syncs`` (torch.cuda.synchronize, Stream/Event synchronize and query), ``shape_syncs`` (ops whose output size
@@ -60,7 +64,7 @@ double). ``fc.reset()`` zeroes, ``fc.snapshot()`` copies. Printing (repr/str) is
 
 What it does not emulate: kernels (CUDA's numerics, TF32, cuBLAS/flash choices: results are the CPU's), memory
 limits (nothing raises OutOfMemoryError), asynchrony (an error surfaces at the op, not at a later sync), more than one
-device, CUDA graphs, autocast, storages (``untyped_storage()``, ``torch.load(map_location="cuda")``),
+device, autocast, storages (``untyped_storage()``, ``torch.load(map_location="cuda")``),
 ``torch.set_default_device("cuda")``, ``param.data = fake``. No autograd on the device: a fake tensor never
 requires grad (``requires_grad_(True)`` is ignored) because PyTorch's autograd asks for the CUDA device guard a
 CPU build lacks and aborts the process; test serving code as it runs, without gradients. The TorchFunctionMode is
@@ -252,6 +256,7 @@ def _has_fake(args: Any, kwargs: Any) -> bool:
 
 def _to_device(t: torch.Tensor, dtype: torch.dtype | None, memory_format: torch.memory_format | None) -> Any:
     """A CPU tensor moved to the fake device: always a copy, as a host-to-device move is."""
+    ft.refuse_host_copy_in_capture("a host tensor moved to the device")
     fmt = {} if memory_format is None else {"memory_format": memory_format}
     return FakeCudaTensor(t.detach().to(dtype=dtype or t.dtype, copy=True, **fmt))
 
@@ -299,6 +304,7 @@ def _as_tensor(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
         check_cuda_device(device)
         return data if dtype in (None, data.dtype) else data.to(dtype)  # as_tensor does not copy what it can share
     if device is not None and _is_cuda(device):
+        ft.refuse_host_copy_in_capture("torch.as_tensor(host data, device='cuda')")
         return _on_device(fc, func, args[:2], {**kwargs, "device": device})
     return func(*args, **kwargs)
 
@@ -316,6 +322,7 @@ def _tensor_ctor(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
         data = tree_map_only(FakeCudaTensor, lambda t: t.cpu(), data)
     args = (data, *args[1:])
     if _is_cuda(kwargs.get("device")):
+        ft.refuse_host_copy_in_capture("torch.tensor(host data, device='cuda')")
         return _on_device(fc, func, args, kwargs)
     return func(*args, **kwargs)
 
@@ -338,7 +345,9 @@ def _sdpa(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
                            f"{q.device} and {mask.device}!")
     inner_args, inner_kwargs = tree_map_only(FakeCudaTensor, ft._unwrap, (args, kwargs))
     with ft.drawing_from(ft.default_generator):
-        return FakeCudaTensor(func(*inner_args, **inner_kwargs))
+        out = func(*inner_args, **inner_kwargs)
+    _captured(func, inner_args, inner_kwargs, out, ft.default_generator)
+    return FakeCudaTensor(out)
 
 
 def _one_hot(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -348,7 +357,16 @@ def _one_hot(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
     num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
     if num_classes == -1:
         ft.record("read", "one_hot")  # num_classes = self.max().item() + 1
-    return FakeCudaTensor(func(args[0]._elem, *args[1:], **kwargs))
+    out = func(args[0]._elem, *args[1:], **kwargs)
+    _captured(func, (args[0]._elem, *args[1:]), kwargs, out)
+    return FakeCudaTensor(out)
+
+
+def _captured(func: Any, args: tuple, kwargs: dict, out: Any, rng: torch.Generator | None = None) -> None:
+    """An operator the double runs above aten, recorded into a CUDA graph capture in progress (graphs.py)."""
+    capture = ft.capture_in_progress()
+    if capture is not None:
+        capture.add(func, args, kwargs, out, rng)
 
 
 def _on_device(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -359,8 +377,12 @@ def _on_device(fc: FakeCuda, func: Any, args: tuple, kwargs: dict) -> Any:
     gen = kwargs.get("generator")
     if gen is not None and not ft.is_fake_generator(gen):
         raise generator_mismatch("cuda", gen)
+    on_cpu = {**kwargs, "device": "cpu"}
     with ft.drawing_from(ft.default_generator) if gen is None else contextlib.nullcontext():
-        out = func(*args, **{**kwargs, "device": "cpu"})
+        out = func(*args, **on_cpu)
+    # A factory is a kernel (a fill, an arange) that a CUDA graph replays: torch.zeros then scatter_ starts from
+    # zeros again at every replay.
+    _captured(func, args, on_cpu, out, ft.default_generator if gen is None else None)
     return tree_map(lambda t: FakeCudaTensor(t) if type(t) is torch.Tensor else t, out)
 
 
@@ -439,6 +461,7 @@ def fake_cuda(total_memory: int = 80 * 2**30) -> Iterator[FakeCuda]:
     finally:
         _active.clear()
         ft.set_recorder(None)
+        ft.set_capture(None)  # a capture left open by an exception ends with the double
         for obj, name, old in reversed(saved):
             if old is _MISSING:
                 delattr(obj, name)

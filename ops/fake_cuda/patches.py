@@ -12,6 +12,7 @@ import torch
 
 from ...experts import reproducible
 from . import device as dev
+from . import graphs
 from . import tensor as ft
 from .tensor import FakeCudaGenerator, check_cuda_device
 
@@ -107,6 +108,10 @@ def patches(fc: Any) -> list[tuple[object, str, object]]:
         "get_rng_state_all": lambda: [ft.default_generator.get_state()],
         "set_rng_state_all": lambda states: ft.default_generator.set_state(states[0]),
         "default_generators": (ft.default_generator,),
+        "CUDAGraph": graphs.FakeCUDAGraph,
+        "graph": graphs.graph,
+        "graph_pool_handle": graphs.graph_pool_handle,
+        "is_current_stream_capturing": graphs.is_current_stream_capturing,
     }
     out: list[tuple[object, str, object]] = [(torch.cuda, name, value) for name, value in cuda.items()]
     # Its "cuda" products run on the CPU's kernels: padded like the CPU's (experts/reproducible.py), so a router

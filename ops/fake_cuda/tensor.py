@@ -45,8 +45,32 @@ def set_recorder(recorder: Recorder | None) -> None:
 
 
 def record(kind: str, what: str) -> None:
+    if _capture is not None:
+        # cudaErrorStreamCaptureUnsupported: the host cannot wait for work that a capture only records
+        raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({kind}: {what})")
     if _recorder is not None:
         _recorder.record(kind, what)
+
+
+# The CUDA graph capture in progress (ops/fake_cuda/graphs.py Capture), or None: operators on fake tensors are
+# recorded into it for replay.
+_capture: Any = None
+
+
+def set_capture(capture: Any) -> None:
+    global _capture
+    _capture = capture
+
+
+def capture_in_progress() -> Any:
+    return _capture
+
+
+def refuse_host_copy_in_capture(what: str) -> None:
+    """A host-to-device copy inside a capture: a replay would copy again from the capture-time host buffer."""
+    if _capture is not None:
+        raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({what}: a host-to-device "
+                           "copy inside a CUDA graph capture; copy into a static device tensor before replaying)")
 
 
 def _is_pinned(t: torch.Tensor) -> bool:
@@ -179,12 +203,16 @@ class FakeCudaTensor(torch.Tensor):
             kwargs = {**kwargs, "device": _CPU}
         inner_args = tuple(_unwrap_value(v) for v in args)
         inner_kwargs = {k: _unwrap_value(v) for k, v in kwargs.items()}
+        if _capture is not None and effects.host_reads + effects.shape_syncs:
+            record("read" if effects.host_reads else "shape_sync", packet)  # raises: not capturable
         with drawing_from(rng) if rng is not None else contextlib.nullcontext():
             out = func(*inner_args, **inner_kwargs)
         for _ in range(effects.host_reads):
             record("read", packet)
         for _ in range(effects.shape_syncs):
             record("shape_sync", packet)
+        if _capture is not None:  # a replay draws on from the same stream, as CUDA's philox offset advances
+            _capture.add(func, inner_args, inner_kwargs, out, rng)
         return out if to_host else _wrap_outputs(func, args, kwargs, out)
 
     # --- what CUDA tensors do differently from CPU ones at the Python surface -----------------------------------
@@ -393,14 +421,21 @@ def _to_copy(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> torch.Te
         return out
     if device is not None:
         check_cuda_device(device)
-    return FakeCudaTensor(func(src._elem, **kw))
+    out = func(src._elem, **kw)
+    if _capture is not None:
+        _capture.add(func, (src._elem,), kw, out)
+    return FakeCudaTensor(out)
 
 
 def _copy_(args: tuple, kwargs: dict) -> torch.Tensor:
     dst, src = args[0], args[1]
     non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
     if isinstance(dst, FakeCudaTensor):
+        if not isinstance(src, FakeCudaTensor):
+            refuse_host_copy_in_capture("copy_ from the host")
         dst._elem.copy_(src._elem if isinstance(src, FakeCudaTensor) else src, non_blocking)
+        if _capture is not None:
+            _capture.add(torch.Tensor.copy_, (dst._elem, src._elem), {}, dst._elem)
         return dst
     # device to host: a non_blocking copy into pinned memory is queued; into pageable memory cudaMemcpyAsync
     # returns only once the copy is done, so the host waits as for a blocking one
