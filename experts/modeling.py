@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from .attention import AttentionLayer, build_attention
 from .attention_core import StepLayout, attend
 from .config import MoEModelConfig
+from .decode_graphs import DecodeGraphs, GraphSettings, model_reason
 from .dense_weights import DenseWeights
 from .device_rule import tensor_on, to_device
 from .ffn import activation, gated_mlp
@@ -102,9 +103,12 @@ class MoEDecoder:
         capacity_factor: float | None = None,
         overlap: bool | Callable[[Sequence[int], Sequence[int]], bool] = False,
         kv_cache: KVCacheSettings | None = None,
+        cuda_graphs: GraphSettings | None = None,
     ):
         """kv_cache: block size and budget of the paged KV cache, allocated here on the device of the weights.
-        overlap: True / False, or a per-step choice (lengths, starts) -> bool."""
+        overlap: True / False, or a per-step choice (lengths, starts) -> bool.
+        cuda_graphs: replay decode steps as CUDA graphs (experts/decode_graphs.py); None: eager. Needs a CUDA
+        device and a model whose decode step can be graphed (decode_graphs.model_reason)."""
         if overlap and capacity_factor is not None:
             # Capacity is per expert call: splitting a step into micro-batches would change which tokens overflow.
             raise ValueError("overlap: cannot be combined with capacity_factor (capacity is per step)")
@@ -130,6 +134,14 @@ class MoEDecoder:
         # decoder's alone, so this only guards against a pool ever being shared.
         self.kv_pool = PagedKVPool.plan(self.cache_specs(), self.dtype, self.device, cfg.max_position_embeddings,
                                         kv_cache or KVCacheSettings(), identity=cfg, state_shapes=self.state_shapes())
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs is not None:
+            if self.device.type != "cuda":
+                raise ValueError(f"cuda_graphs: the decoder is on {self.device}, CUDA graphs need a CUDA device")
+            reason = model_reason(cfg, capacity_factor)
+            if reason is not None:
+                raise ValueError(f"cuda_graphs: this model's decode step cannot be graphed: {reason}")
+            self.graphs = DecodeGraphs(self, cuda_graphs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -172,24 +184,23 @@ class MoEDecoder:
         if caches is not None:
             for cache, n in zip(caches, lengths):
                 cache.reserve(n)
-        device = self.device
         ids = torch.cat([t.reshape(-1) for t in tokens])  # [T]; token ids come from the host (or are on device)
-        ids = to_device(ids, device) if ids.device.type == "cpu" else ids
-        positions = tensor_on([p for s, n in zip(starts, lengths) for p in range(s, s + n)],
-                              torch.int64, device)  # [T]; one tensor, not one per sequence
-        cos, sin = self.rope.tables(positions, self.dtype)  # [T, R] each
-
-        x = F.embedding(ids, self.w.embed)  # [T, H]
-        step = _Group(x, cos, sin, positions, lengths, starts, caches)
         begin, end = getattr(self.experts, "begin_step", None), getattr(self.experts, "end_step", None)
         if begin is not None:
             begin()
         try:
             split = self._split(lengths) if self._can_overlap(lengths, starts) else None
-            if split is None:
+            # A pure decode step within the graphs' buckets replays them (experts/decode_graphs.py); None: eager
+            graphed = self._graphed(ids, lengths, starts, caches) if split is None else None
+            if graphed is not None:
+                routings, out = graphed  # out: [B, V] float32, one row per sequence
+                trace = StepTrace(routings=routings)
+            elif split is None:
+                step = self._embed(ids, lengths, starts, caches)
                 trace = self._run_layers(step)
                 x = step.x
             else:
+                step = self._embed(ids, lengths, starts, caches)
                 groups = [step.part(0, split), step.part(split, len(lengths))]
                 trace = self._run_layers_overlapped(groups)
                 x = torch.cat([g.x for g in groups])  # [T, H], original token order
@@ -202,7 +213,27 @@ class MoEDecoder:
         self.last_trace = trace
         if self.step_observer is not None:
             self.step_observer(trace, lengths, caches if caches is not None else [_Fresh(n) for n in lengths])
+        if graphed is not None:
+            return [out[i:i + 1] if w != "none" else out[i:i] for i, w in enumerate(wanted)]
         return self._logits(x, lengths, wanted)
+
+    def _graphed(self, ids: torch.Tensor, lengths: list[int], starts: list[int], caches: list[KVCache] | None
+                 ) -> tuple[dict[int, Routing], torch.Tensor] | None:
+        if self.graphs is None or caches is None:
+            return None
+        key = self.graphs.bucket_for(lengths, starts)
+        return None if key is None else self.graphs.step(key, ids, caches, starts)
+
+    def _embed(self, ids: torch.Tensor, lengths: list[int], starts: list[int], caches: list[KVCache] | None
+               ) -> _Group:
+        """The step as one group: embeddings of ids [T] (host or device) and the rotary tables of its positions."""
+        device = self.device
+        ids = to_device(ids, device) if ids.device.type == "cpu" else ids
+        positions = tensor_on([p for s, n in zip(starts, lengths) for p in range(s, s + n)],
+                              torch.int64, device)  # [T]; one tensor, not one per sequence
+        cos, sin = self.rope.tables(positions, self.dtype)  # [T, R] each
+        x = F.embedding(ids, self.w.embed)  # [T, H]
+        return _Group(x, cos, sin, positions, lengths, starts, caches)
 
     def _logits(self, x: torch.Tensor, lengths: list[int], wanted: list[str]) -> list[torch.Tensor]:
         """Final norm and lm_head on the rows `wanted` asks for only (x [T, H]); per sequence [rows_i, V]."""

@@ -20,6 +20,7 @@ import torch
 from expertmesh.cluster.routing_table import RoutingTable
 from expertmesh.experts.arrays import pack, to_tensor
 from expertmesh.experts.checkpoint import CheckpointReader
+from expertmesh.experts.decode_graphs import GraphSettings
 from expertmesh.experts.ffn import activation
 from expertmesh.experts.grouped_ffn import GroupedExperts
 from expertmesh.experts.kv_cache import KVCacheSettings, settings_for
@@ -73,6 +74,8 @@ class StepSetup:
     # Load statistics per layer and step, as a real router keeps them (no metrics, no Ray calls). None: when the
     # observer's module imports (it needs Ray and OpenTelemetry, which the GPU machine's image lacks).
     observe: bool | None = None
+    # Decode steps replayed as CUDA graphs (experts/decode_graphs.py); None: eager. Only on a (fake) CUDA device.
+    cuda_graphs: GraphSettings | None = None
 
 
 def build_router(model_dir: Path, device: torch.device | str, dtype: torch.dtype,
@@ -96,7 +99,8 @@ def build_router(model_dir: Path, device: torch.device | str, dtype: torch.dtype
     backend = RemoteExperts(table, InProcessActors(table, experts, actor_device), setup.failover)
     kv = (settings_for(device, setup.kv_cache_gb, setup.gpu_memory_utilization) if device.type == "cuda"
           else KVCacheSettings(max_tokens=4096))
-    model = MoEDecoder(cfg, dense, backend, setup.capacity_factor, overlap=setup.overlap, kv_cache=kv)
+    model = MoEDecoder(cfg, dense, backend, setup.capacity_factor, overlap=setup.overlap, kv_cache=kv,
+                       cuda_graphs=setup.cuda_graphs)
     if setup.observe is not False:
         try:
             from expertmesh.router_service.observability import RouterObserver

@@ -1,0 +1,312 @@
+"""CUDA graphs for the router's dense decode step, one set per (batch-size bucket, history-blocks bucket).
+
+Why: at decode, a router step is hundreds of small kernels per layer (norms, projections, RoPE, the KV-cache write and
+gather, attention, the gate's softmax and top-k) whose launch costs exceed their run time at small batches; vLLM's
+main decode lever is replaying them as CUDA graphs. An MoE layer's expert round leaves the device (the routing
+crosses to the host once per layer, experts/device_rule.py), so a step is captured piecewise:
+- segment 0: embedding, rotary tables, and every layer's dense part up to the first MoE layer's gate;
+- segment j: MoE layer j-1's combine (shared expert, residual) and the dense part up to MoE layer j's gate;
+- the last segment also runs the final norm and the lm_head.
+Between segments the expert round runs as in eager mode, on the real rows only.
+
+Shapes are static per graph. B decoding sequences run as the smallest batch bucket ≥ B: padding rows write their
+K/V to a scratch block no sequence owns, and are cut off before the expert round. Histories are gathered through a
+block table padded to a power of two blocks and masked, as eager pads to the longest. So a step's padded shapes
+differ from eager's: on a GPU a padded batch's matmuls may round differently (cuBLAS picks kernels by shape), so
+graphs match eager within the dtype's tolerance, and a router matches the in-process reference bit for bit when both
+run with the same `cuda_graphs` setting. On the fake-CUDA double (CPU kernels) graphs equal eager bit for bit
+where padding leaves each product's kernel unchanged (≥ 4 rows on both sides, experts/reproducible.py), and within
+float rounding where it does not.
+
+A step takes the graphs when every sequence decodes one token after some history, there are at most the largest
+bucket of them, and the model's dense step keeps no state outside the paged pool (`model_reason`). Anything else
+(prefill, chunked prefill beside decode, a capacity factor) runs eagerly. A graph is captured the first time its
+bucket is met (one eager warm-up run, a capture, then replays); a capture that fails logs why, and that bucket
+stays eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+import torch.nn.functional as F
+
+from .attention_core import StepLayout
+from .block_allocator import blocks_for
+from .gating import Routing
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+CUDA_GRAPH_SETTINGS = ("auto", "on", "off")
+
+
+# ---- pure policy ---------------------------------------------------------------------------------------------------
+
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch buckets up to max_batch: the default ladder below it, then max_batch itself."""
+    assert max_batch >= 1, max_batch
+    return tuple(b for b in DEFAULT_BATCH_BUCKETS if b < max_batch) + (max_batch,)
+
+
+def batch_bucket(batch: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket ≥ batch (buckets ascending), or None when the batch is larger than every bucket."""
+    for b in buckets:
+        if b >= batch:
+            return b
+    return None
+
+
+def blocks_bucket(blocks: int, limit: int) -> int:
+    """History blocks [1, limit] -> the power of two ≥ blocks, at most `limit` (a sequence's most blocks): at most
+    twice the keys eager attends, log2(limit) graphs per batch bucket."""
+    assert 1 <= blocks <= limit, (blocks, limit)
+    return min(1 << (blocks - 1).bit_length(), limit)
+
+
+def model_reason(cfg, capacity_factor: float | None) -> str | None:
+    """Why this model's decode step cannot be graphed, or None when it can."""
+    if capacity_factor is not None:
+        return "a capacity factor (which tokens overflow is decided on the host)"
+    if any(cfg.is_linear_layer(i) for i in range(cfg.num_layers)):
+        return "linear-attention layers (their recurrent state update runs once per step, not per replay)"
+    if cfg.shortcut_moe:
+        return "LongCat's shortcut MoE (its expert round spans two sublayers)"
+    return None
+
+
+def step_bucket(lengths: Sequence[int], starts: Sequence[int], buckets: Sequence[int]) -> int | None:
+    """The batch bucket of a pure decode step (every sequence adds one token after some history), else None."""
+    if not lengths or any(n != 1 for n in lengths) or any(s < 1 for s in starts):
+        return None
+    return batch_bucket(len(lengths), buckets)
+
+
+def rows(routing: Routing, n: int) -> Routing:
+    """The routing of the first n tokens (every per-token field cut to [:n]), copied out of graph memory: the next
+    replay overwrites the captured tensors, and a routing may be kept after the step (load statistics)."""
+    cut = {f.name: getattr(routing, f.name)[:n].clone() for f in fields(routing)
+           if isinstance(getattr(routing, f.name), torch.Tensor)}
+    return replace(routing, **cut)
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """Which decode steps are graphed: batch sizes are padded up to these buckets (larger batches run eagerly)."""
+
+    buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+
+    def __post_init__(self) -> None:
+        if not self.buckets or any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
+            raise ValueError(f"cuda_graph_buckets: must be ascending distinct batch sizes ≥ 1, got {self.buckets}")
+
+
+# ---- the graphs ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Bucket:
+    """One (batch, history blocks) shape: its static inputs, its graphs, and what each segment left behind."""
+
+    batch: int
+    blocks: int
+    meta: torch.Tensor  # [4, b] int64 on the device: token ids, positions, cache slots, history lengths
+    table: torch.Tensor  # [b, nb] int64 block table
+    staging: torch.Tensor  # [4 + nb, b] int64 on the host (pinned on CUDA): the next step's meta and table
+    mlp: torch.Tensor  # [b, H] the current MoE layer's expert output, copied in before the next segment
+    layout: StepLayout
+    graphs: list = field(default_factory=list)  # torch.cuda.CUDAGraph per segment, in order
+    # per MoE layer: (h [b, H], expert input [b, H], routing over b rows, identity [b] | None), and x after it
+    outs: list = field(default_factory=list)
+    x_after: list = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [b, V] float32
+    group: object = None  # the modeling _Group the segments share (rotary tables, layout)
+    failed: str | None = None  # why capture failed: the bucket then runs eagerly
+
+
+class DecodeGraphs:
+    """Captures and replays a decoder's dense decode step (see the module docstring). `decoder`: a MoEDecoder."""
+
+    def __init__(self, decoder, settings: GraphSettings | None = None):
+        self.decoder = decoder
+        self.settings = settings or GraphSettings()
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.scratch_block: int | None = None  # the padding rows' K/V go here; taken from the pool on first use
+        self.pool = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
+        self.replays = self.captures = 0
+        self.moe_layers = [i for i, layer in enumerate(decoder.w.layers) if layer.router is not None]
+        cfg = decoder.cfg
+        self.max_blocks = blocks_for(cfg.max_position_embeddings, decoder.kv_pool.block_size)
+
+    def bucket_for(self, lengths: Sequence[int], starts: Sequence[int]) -> tuple[int, int] | None:
+        """(batch bucket, blocks bucket) of a step the graphs can run, or None (run it eagerly)."""
+        batch = step_bucket(lengths, starts, self.settings.buckets)
+        if batch is None:
+            return None
+        needed = max(blocks_for(s + 1, self.decoder.kv_pool.block_size) for s in starts)
+        key = (batch, blocks_bucket(needed, self.max_blocks))
+        entry = self.buckets.get(key)
+        return None if entry is not None and entry.failed else key
+
+    def stats(self) -> dict:
+        return {"buckets": len([b for b in self.buckets.values() if not b.failed]), "captures": self.captures,
+                "replays": self.replays, "failed": {f"{k[0]}x{k[1]}": b.failed for k, b in self.buckets.items()
+                                                    if b.failed}}
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+
+    def step(self, key: tuple[int, int], ids: torch.Tensor, caches: list, starts: list[int]
+             ) -> tuple[dict[int, Routing], torch.Tensor] | None:
+        """Run a decode step (ids [B], caches reserved for one token each) through bucket `key`'s graphs ->
+        (routings per MoE layer over the B real rows, logits [B, V] float32, a copy); None when a capture failed
+        (the caller runs the step eagerly: what this one wrote, K/V at the step's slots, the eager run writes
+        again, and the expert rounds it ran had no effect but load statistics)."""
+        entry = self.buckets.get(key)
+        if entry is None:
+            entry = self.buckets[key] = self._new_bucket(*key)
+        self._fill(entry, ids, caches, starts)
+        batch = len(caches)
+        experts = self.decoder.experts
+        routings: dict[int, Routing] = {}
+        for j, layer in enumerate(self.moe_layers):
+            if not self._run_segment(entry, j):
+                return None
+            h, expert_in, routing, identity = entry.outs[j]
+            served = rows(routing, batch)
+            mlp = experts.run(layer, expert_in[:batch], served)  # [B, H]
+            routings[layer] = experts.effective_routing(layer, served)
+            entry.mlp[:batch].copy_(mlp)
+        if not self._run_segment(entry, len(self.moe_layers)):
+            return None
+        return routings, entry.logits[:batch].clone()  # out of graph memory: the next replay overwrites it
+
+    def _fill(self, entry: _Bucket, ids: torch.Tensor, caches: list, starts: list[int]) -> None:
+        """The step's inputs into the bucket's static tensors: one host buffer, one copy up."""
+        bs = self.decoder.kv_pool.block_size
+        if self.scratch_block is None:
+            self.scratch_block = self.decoder.kv_pool.allocate(1)[0]
+        scratch = self.scratch_block
+        host = entry.staging  # [4 + nb, b]
+        host.zero_()
+        on_host = ids.device.type == "cpu"
+        if on_host:
+            host[0, :len(caches)] = ids.reshape(-1).to(torch.int64)
+        host[2, :].fill_(scratch * bs)  # padding rows write to the scratch block ...
+        host[3, :].fill_(1)  # ... and attend one key there
+        host[4:, :].fill_(scratch)
+        for i, (cache, start) in enumerate(zip(caches, starts)):
+            blocks = cache.blocks
+            host[1, i] = start  # the new token's position
+            host[2, i] = blocks[start // bs] * bs + start % bs
+            host[3, i] = start + 1
+            used = blocks[:blocks_for(start + 1, bs)]
+            host[4:4 + len(used), i] = torch.tensor(used)
+            host[4 + len(used):, i] = used[0]  # padded with the row's own first block, as eager's table
+        entry.meta.copy_(host[:4], non_blocking=True)
+        entry.table.copy_(host[4:].t(), non_blocking=True)
+        if not on_host:  # sampled on the device: stays there
+            entry.meta[0, :len(caches)].copy_(ids.reshape(-1))
+
+    def _new_bucket(self, batch: int, blocks: int) -> _Bucket:
+        dec = self.decoder
+        device = dec.device
+        pinned = device.type == "cuda"
+        meta = torch.zeros(4, batch, dtype=torch.int64, device=device)
+        table = torch.zeros(batch, blocks, dtype=torch.int64, device=device)
+        staging = torch.zeros(4 + blocks, batch, dtype=torch.int64, pin_memory=pinned)
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        layout = StepLayout(
+            lengths=[1] * batch, starts=[1] * batch, pool=dec.kv_pool, slots=meta[2],
+            decode_rows=list(range(batch)), decode_index=torch.arange(batch, device=device),
+            decode_table=table, decode_kv_len=meta[3],
+            prefill_rows=[], prefill_index=empty.view(0, 0), prefill_valid=empty.view(0, 0).bool(),
+            prefill_flat=empty, prefill_tokens=empty, prefill_table=None, prefill_kv_len=empty)
+        mlp = torch.zeros(batch, dec.cfg.hidden_size, dtype=dec.dtype, device=device)
+        return _Bucket(batch, blocks, meta, table, staging, mlp, layout)
+
+    # ---- segments ----------------------------------------------------------------------------------------------
+
+    def _run_segment(self, entry: _Bucket, j: int) -> bool:
+        """Replay segment j of the bucket, capturing it first if this is the bucket's first step. False: the
+        capture failed (logged; the bucket runs eagerly from now on)."""
+        if j < len(entry.graphs):
+            entry.graphs[j].replay()
+            self.replays += 1
+            return True
+        try:
+            self._capture(entry, j)
+        except Exception as exc:  # noqa: BLE001 - any capture failure leaves the bucket to the eager path
+            entry.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("decode graphs: capturing batch %d x %d blocks failed at segment %d; that bucket runs "
+                        "eagerly (%s)", entry.batch, entry.blocks, j, entry.failed)
+            entry.graphs, entry.outs, entry.x_after = [], [], []
+            return False
+        entry.graphs[j].replay()
+        self.captures += 1
+        return True
+
+    def _capture(self, entry: _Bucket, j: int) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        # One eager run first (on a side stream, as torch.cuda.make_graphed_callables does): lazy initialisation
+        # (cuBLAS workspaces, kernel selection) must not happen inside the capture. It computes what the replay
+        # then computes again, and writes the same K/V to the same slots.
+        # The warm-up's masks and DSA selections must not stay cached in the layout: the capture would read those
+        # eager tensors, frozen at this step's values, instead of computing its own.
+        cached = dict(entry.layout._masks), dict(entry.layout.selections)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._segment(entry, j, keep=False)
+        torch.cuda.current_stream().wait_stream(side)
+        entry.layout._masks, entry.layout.selections = cached
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._segment(entry, j, keep=True)
+        entry.graphs.append(graph)
+
+    def _segment(self, entry: _Bucket, j: int, keep: bool) -> None:
+        """Segment j's work on the bucket's static tensors (see the module docstring); keep: record its outputs
+        (the capture's tensors, which every replay refills) for the expert round and the next segment."""
+        from .modeling import _Group  # here, not at import: modeling imports this module
+
+        dec = self.decoder
+        ids, positions = entry.meta[0], entry.meta[1]  # [b] each
+        layers = dec.w.layers
+        if j == 0:
+            cos, sin = dec.rope.tables(positions, dec.dtype)  # [b, R] each
+            g = _Group(F.embedding(ids, dec.w.embed), cos, sin, positions, [1] * entry.batch, [1] * entry.batch,
+                       None)  # x: [b, H]
+            g._layout = entry.layout
+            first = 0
+        else:
+            g = entry.group
+            g.x = entry.x_after[j - 1]
+            previous = self.moe_layers[j - 1]
+            h, _, _, identity = entry.outs[j - 1]
+            dec._add_moe(g, layers[previous], h, entry.mlp, identity)
+            first = previous + 1
+        last = self.moe_layers[j] if j < len(self.moe_layers) else len(layers) - 1
+        routed = None
+        for i in range(first, last + 1):
+            routed = dec._dense(i, layers[i], g)
+        if j < len(self.moe_layers):
+            assert routed is not None, f"layer {last} should end in a gate"
+            h, routing, identity = routed
+            expert_in, routing = dec._expert_input(h, routing)
+            outs = (h, expert_in, routing, identity)
+            logits = None
+        else:
+            outs = None
+            logits = F.linear(dec.norm(g.x, dec.w.final_norm), dec.w.lm_head).float()  # [b, V]
+        if keep:
+            entry.group = g
+            if outs is not None:
+                entry.outs.append(outs)
+                entry.x_after.append(g.x)
+            else:
+                entry.logits = logits
+        elif j == 0:
+            entry.group = g  # the warm-up's group, replaced by the capture's
