@@ -107,21 +107,36 @@ class GraphSettings:
 # ---- the graphs ------------------------------------------------------------------------------------------------------
 
 @dataclass
+class _Outputs:
+    """What a segment leaves for the expert round and the next segment, in static tensors shared by every graph of
+    one batch size (a graph copies its results in at its end): memory O(batch × (hidden + vocab)) per batch
+    bucket, not per graph and MoE layer (kept per graph, DeepSeek-V3's 58 MoE layers × 3 [256, 7168] bf16 tensors
+    would take 640 MiB per bucket). Allocated from the first warm-up's shapes, outside any capture."""
+
+    # x, h and identity are what segment j writes and segment j+1 reads: two of each, segment j writing [j % 2], so
+    # a segment never overwrites its own inputs (its warm-up, then its capture, then its replay must all read
+    # the same inputs).
+    x: tuple[torch.Tensor, torch.Tensor]  # [b, H] residual stream after the segment
+    h: tuple[torch.Tensor, torch.Tensor]  # [b, H] the MoE layer's normed input (its shared expert and combine)
+    expert_in: torch.Tensor  # [b, H] what the expert round takes (Llama 4: h scaled by the router score)
+    mlp: torch.Tensor  # [b, H] the expert round's output, copied in before the next segment
+    routing: dict[str, torch.Tensor]  # the routing's per-token tensors ([b, k], [b, E], ...)
+    identity: tuple[torch.Tensor, torch.Tensor] | None  # [b] float32 identity-expert weight, or None
+    logits: torch.Tensor | None  # [b, V] float32 (allocated at the first warm-up of the last segment)
+
+
+@dataclass
 class _Bucket:
-    """One (batch, history blocks) shape: its static inputs, its graphs, and what each segment left behind."""
+    """One (batch, history blocks) shape: its static inputs, its graphs, the layout its attention reads."""
 
     batch: int
     blocks: int
     meta: torch.Tensor  # [4, b] int64 on the device: token ids, positions, cache slots, history lengths
     table: torch.Tensor  # [b, nb] int64 block table
     staging: torch.Tensor  # [4 + nb, b] int64 on the host (pinned on CUDA): the next step's meta and table
-    mlp: torch.Tensor  # [b, H] the current MoE layer's expert output, copied in before the next segment
     layout: StepLayout
     graphs: list = field(default_factory=list)  # torch.cuda.CUDAGraph per segment, in order
-    # per MoE layer: (h [b, H], expert input [b, H], routing over b rows, identity [b] | None), and x after it
-    outs: list = field(default_factory=list)
-    x_after: list = field(default_factory=list)
-    logits: torch.Tensor | None = None  # [b, V] float32
+    routings: list = field(default_factory=list)  # per MoE layer: its Routing over the static tensors
     group: object = None  # the modeling _Group the segments share (rotary tables, layout)
     failed: str | None = None  # why capture failed: the bucket then runs eagerly
 
@@ -133,6 +148,7 @@ class DecodeGraphs:
         self.decoder = decoder
         self.settings = settings or GraphSettings()
         self.buckets: dict[tuple[int, int], _Bucket] = {}
+        self.outputs: dict[int, _Outputs] = {}  # per batch bucket
         self.scratch_block: int | None = None  # the padding rows' K/V go here; taken from the pool on first use
         self.pool = None  # the graphs' shared memory pool (torch.cuda.graph_pool_handle)
         self.replays = self.captures = 0
@@ -173,14 +189,14 @@ class DecodeGraphs:
         for j, layer in enumerate(self.moe_layers):
             if not self._run_segment(entry, j):
                 return None
-            h, expert_in, routing, identity = entry.outs[j]
-            served = rows(routing, batch)
-            mlp = experts.run(layer, expert_in[:batch], served)  # [B, H]
+            out = self.outputs[entry.batch]
+            served = rows(entry.routings[j], batch)
+            mlp = experts.run(layer, out.expert_in[:batch], served)  # [B, H]
             routings[layer] = experts.effective_routing(layer, served)
-            entry.mlp[:batch].copy_(mlp)
+            out.mlp[:batch].copy_(mlp)
         if not self._run_segment(entry, len(self.moe_layers)):
             return None
-        return routings, entry.logits[:batch].clone()  # out of graph memory: the next replay overwrites it
+        return routings, self.outputs[entry.batch].logits[:batch].clone()  # the next step overwrites the static
 
     def _fill(self, entry: _Bucket, ids: torch.Tensor, caches: list, starts: list[int]) -> None:
         """The step's inputs into the bucket's static tensors: one host buffer, one copy up."""
@@ -223,8 +239,7 @@ class DecodeGraphs:
             decode_table=table, decode_kv_len=meta[3],
             prefill_rows=[], prefill_index=empty.view(0, 0), prefill_valid=empty.view(0, 0).bool(),
             prefill_flat=empty, prefill_tokens=empty, prefill_table=None, prefill_kv_len=empty)
-        mlp = torch.zeros(batch, dec.cfg.hidden_size, dtype=dec.dtype, device=device)
-        return _Bucket(batch, blocks, meta, table, staging, mlp, layout)
+        return _Bucket(batch, blocks, meta, table, staging, layout)
 
     # ---- segments ----------------------------------------------------------------------------------------------
 
@@ -241,7 +256,7 @@ class DecodeGraphs:
             entry.failed = f"{type(exc).__name__}: {exc}"
             log.warning("decode graphs: capturing batch %d x %d blocks failed at segment %d; that bucket runs "
                         "eagerly (%s)", entry.batch, entry.blocks, j, entry.failed)
-            entry.graphs, entry.outs, entry.x_after = [], [], []
+            entry.graphs, entry.routings = [], []
             return False
         entry.graphs[j].replay()
         self.captures += 1
@@ -263,18 +278,21 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         entry.layout._masks, entry.layout.selections = cached
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the router's other threads (event loop, reporters) may use CUDA while this one captures
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._segment(entry, j, keep=True)
         entry.graphs.append(graph)
 
     def _segment(self, entry: _Bucket, j: int, keep: bool) -> None:
-        """Segment j's work on the bucket's static tensors (see the module docstring); keep: record its outputs
-        (the capture's tensors, which every replay refills) for the expert round and the next segment."""
+        """Segment j's work on the bucket's static tensors (see the module docstring), its results copied into the
+        batch's static outputs. keep: a capture (keep the group and the routing over the static tensors); else the
+        warm-up, which also allocates the static outputs on the batch's first warm-up."""
         from .modeling import _Group  # here, not at import: modeling imports this module
 
         dec = self.decoder
         ids, positions = entry.meta[0], entry.meta[1]  # [b] each
         layers = dec.w.layers
+        out = self.outputs.get(entry.batch)
         if j == 0:
             cos, sin = dec.rope.tables(positions, dec.dtype)  # [b, R] each
             g = _Group(F.embedding(ids, dec.w.embed), cos, sin, positions, [1] * entry.batch, [1] * entry.batch,
@@ -283,30 +301,48 @@ class DecodeGraphs:
             first = 0
         else:
             g = entry.group
-            g.x = entry.x_after[j - 1]
+            read = (j - 1) % 2
+            g.x = out.x[read]
             previous = self.moe_layers[j - 1]
-            h, _, _, identity = entry.outs[j - 1]
-            dec._add_moe(g, layers[previous], h, entry.mlp, identity)
+            dec._add_moe(g, layers[previous], out.h[read], out.mlp,
+                         None if out.identity is None else out.identity[read])
             first = previous + 1
         last = self.moe_layers[j] if j < len(self.moe_layers) else len(layers) - 1
         routed = None
         for i in range(first, last + 1):
             routed = dec._dense(i, layers[i], g)
-        if j < len(self.moe_layers):
-            assert routed is not None, f"layer {last} should end in a gate"
-            h, routing, identity = routed
-            expert_in, routing = dec._expert_input(h, routing)
-            outs = (h, expert_in, routing, identity)
-            logits = None
-        else:
-            outs = None
+        entry.group = g
+        if j == len(self.moe_layers):
             logits = F.linear(dec.norm(g.x, dec.w.final_norm), dec.w.lm_head).float()  # [b, V]
+            if out.logits is None:  # the batch's first warm-up of its last segment
+                out.logits = torch.empty_like(logits)
+            out.logits.copy_(logits)
+            return
+        assert routed is not None, f"layer {last} should end in a gate"
+        h, routing, identity = routed
+        expert_in, routing = dec._expert_input(h, routing)  # [b, H]
+        if out is None:  # the batch's first warm-up
+            def two(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return torch.empty_like(t), torch.empty_like(t)
+
+            out = self.outputs[entry.batch] = _Outputs(
+                x=two(g.x), h=two(h), expert_in=torch.empty_like(expert_in), mlp=torch.zeros_like(h),
+                routing=_routing_tensors(routing, torch.empty_like),
+                identity=None if identity is None else two(identity), logits=None)
+        write = j % 2
+        out.x[write].copy_(g.x)
+        out.h[write].copy_(h)
+        out.expert_in.copy_(expert_in)
+        for name, t in _routing_tensors(routing).items():
+            out.routing[name].copy_(t)
+        if identity is not None:
+            out.identity[write].copy_(identity)
         if keep:
-            entry.group = g
-            if outs is not None:
-                entry.outs.append(outs)
-                entry.x_after.append(g.x)
-            else:
-                entry.logits = logits
-        elif j == 0:
-            entry.group = g  # the warm-up's group, replaced by the capture's
+            entry.routings.append(replace(routing, **out.routing))
+
+
+def _routing_tensors(routing: Routing, make=lambda t: t) -> dict[str, torch.Tensor]:
+    """name -> make(tensor) for the routing's per-token tensor fields."""
+    return {f.name: make(getattr(routing, f.name)) for f in fields(routing)
+            if isinstance(getattr(routing, f.name), torch.Tensor)}
+
