@@ -238,6 +238,11 @@ class RouterConfig:
     # Ping-pong two micro-batches per step, expert rounds under dense work (README: Overlap): True, False, or "auto":
     # the latency model decides per step (cluster/overlap_policy.py; on a CPU it is always off).
     overlap: bool | Literal["auto"] = False
+    # Replay decode steps as CUDA graphs, per batch-size bucket (README: CUDA graphs; experts/decode_graphs.py):
+    # "auto": on for a router on a GPU whose model's decode step can be graphed, "on": that or refuse to start,
+    # "off": eager. Batches above cuda_graph_max_batch decode eagerly.
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    cuda_graph_max_batch: int = 256
     capacity_factor: float | None = None  # None: no cap, no token is ever moved or dropped
     # torch threads of a router; None: the CPUs it was given (a Serve replica: what Ray assigned it, at least 1; an
     # in-process router: torch's default, the process's CPUs). Setting it also makes a Serve replica reserve as many.
@@ -267,6 +272,15 @@ class RouterConfig:
         if self.overlap is True and self.capacity_factor is not None:
             raise ValueError("overlap: cannot be combined with capacity_factor (capacity is per step; micro-batches "
                              "would change which tokens overflow)")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs: must be auto, on or off, got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and self.gpus == 0:
+            raise ValueError("cuda_graphs: on needs a router on a GPU (router.gpus > 0); the router computes on CPU")
+        if self.cuda_graphs == "on" and self.capacity_factor is not None:
+            raise ValueError("cuda_graphs: on cannot be combined with capacity_factor (which tokens overflow is "
+                             "decided on the host)")
+        if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch: must be an integer ≥ 1, got {self.cuda_graph_max_batch!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads: must be ≥ 1, got {self.threads}")
         if not (self.gpus >= 0 and math.isfinite(self.gpus)):

@@ -17,6 +17,7 @@ from ..cluster.overlap_policy import StepOverlapPolicy, runtime_profile
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.routing_table import RoutingTable
 from ..experts.checkpoint import CheckpointReader
+from ..experts.decode_graphs import GraphSettings, graph_buckets, model_reason
 from ..experts.devices import compute_device, gpus_given
 from ..experts.dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
 from ..experts.kv_cache import blocks_for, settings_for
@@ -112,7 +113,8 @@ class Router:
                                 settings.kv_block_size, settings.prefix_caching,
                                 state_slots=settings.batcher.max_active)
         self.model = MoEDecoder(self.model_config, dense, self.backend, settings.capacity_factor,
-                                overlap=self._overlap_setting(settings, len(spec.actor_shards)), kv_cache=kv_cache)
+                                overlap=self._overlap_setting(settings, len(spec.actor_shards)), kv_cache=kv_cache,
+                                cuda_graphs=self._graph_setting(settings))
         prefetch = config.experts.prefetch_mode(self.transport_name)
         if prefetch != "off":  # README: Offload
             self.backend.prefetcher = NextLayerPredictor(
@@ -133,6 +135,21 @@ class Router:
         self.observer.start_reporter()
         # Follow the placement the controller publishes (live remap); switches happen between steps.
         self.follower = TableFollower(self.backend, self.observer.router_id, mesh_id=spec.mesh_id).start()
+
+    def _graph_setting(self, settings) -> GraphSettings | None:
+        """router.cuda_graphs as the decoder takes it: "on" needs a router on a GPU and a model whose decode step can
+        be graphed (else one error naming both the field and the reason); "auto" is on where both hold."""
+        if settings.cuda_graphs == "off":
+            return None
+        reason = (f"the router computes on {self.device}" if self.device.type != "cuda"
+                  else model_reason(self.model_config, settings.capacity_factor))
+        if reason is not None:
+            if settings.cuda_graphs == "on":
+                raise ValueError(f"router.cuda_graphs: on, but {reason}")
+            log.info("router: cuda_graphs auto -> off (%s)", reason)
+            return None
+        log.info("router: decode steps of up to %d sequences replay CUDA graphs", settings.cuda_graph_max_batch)
+        return GraphSettings(buckets=graph_buckets(settings.cuda_graph_max_batch))
 
     def _overlap_setting(self, settings, actors: int):
         """router.overlap as the decoder takes it: True / False, or for "auto" the latency model's per-step choice

@@ -95,6 +95,11 @@ FLAGS: tuple[Flag, ...] = (
          "overlap the other's dense compute (README: Transports / Overlap); `--overlap auto`: the latency model "
          "decides per step (off on a CPU), `--overlap off`: never",
          {"nargs": "?", "const": True, "type": _overlap_value, "metavar": "auto|on|off"}),
+    Flag("--cuda-graphs", "router.cuda_graphs", "router", "replay decode steps as CUDA graphs per batch-size bucket "
+         "(README: CUDA graphs): auto (default) = on for a router on a GPU whose model allows it, on = that or refuse "
+         "to start, off = eager", {"choices": ("auto", "on", "off")}),
+    Flag("--cuda-graph-max-batch", "router.cuda_graph_max_batch", "router", "decode batches above this many "
+         "sequences run eagerly (default 256)", {"type": int}),
     Flag("--capacity-factor", "router.capacity_factor", "router", "cap tokens per expert per step (default: no "
          "cap, no token is ever dropped)", {"type": float}),
     Flag("--router-threads", "router.threads", "router", "torch threads per router; a Serve replica also reserves "

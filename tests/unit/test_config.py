@@ -83,6 +83,10 @@ def test_bad_plain_data_is_refused_naming_the_field(data, field):
     ({"router.capacity_factor": float("inf")}, "router.capacity_factor"),
     ({"router.overlap": True, "router.capacity_factor": 1.0}, "router.overlap"),
     ({"router.autoscale": (3, 2)}, "router.autoscale"),
+    ({"router.cuda_graphs": "always"}, "router.cuda_graphs"),
+    ({"router.cuda_graphs": "on"}, "router.cuda_graphs"),  # a router on the CPU
+    ({"router.cuda_graphs": "on", "router.gpus": 1.0, "router.capacity_factor": 1.0}, "router.cuda_graphs"),
+    ({"router.cuda_graph_max_batch": 0}, "router.cuda_graph_max_batch"),
     ({"router.batcher.max_waiting": 0}, "router.batcher.max_waiting"),
     ({"router.kv_cache_gb": 0.0}, "router.kv_cache_gb"),
     ({"router.kv_cache_gb": float("nan")}, "router.kv_cache_gb"),
@@ -186,6 +190,16 @@ def test_expert_quant_flag_reaches_the_pool_spec_field():
     config = parse("--expert-quant", "int4")
     assert config.experts.quant == "int4" and MeshConfig().experts.quant == "none"
     assert MeshConfig.from_dict(config.to_dict()) == config
+
+
+def test_cuda_graphs_take_auto_on_or_off_from_flags_and_files():
+    assert MeshConfig().router.cuda_graphs == "auto" and MeshConfig().router.cuda_graph_max_batch == 256
+    config = parse("--cuda-graphs", "on", "--router-gpus", "1", "--cuda-graph-max-batch", "64")
+    assert (config.router.cuda_graphs, config.router.cuda_graph_max_batch) == ("on", 64)
+    assert MeshConfig.from_dict(config.to_dict()) == config
+    assert parse("--cuda-graphs", "off").router.cuda_graphs == "off"
+    with pytest.raises(SystemExit):
+        parse("--cuda-graphs", "sometimes")
 
 
 def test_overlap_takes_true_false_or_auto_from_flags_and_files():

@@ -184,3 +184,30 @@ def test_graphs_refuse_a_cpu_decoder_and_a_capacity_factor(models):
         build_router(models["mixtral"], "cpu", torch.float32, StepSetup(cuda_graphs=GraphSettings()))
     cfg = build_router(models["mixtral"], "cpu", torch.float32)[0].cfg
     assert "capacity factor" in model_reason(cfg, 1.25)
+
+
+@pytest.mark.parametrize("setting, device, family, expect", [
+    ("auto", "cuda", "mixtral", "graphs"),
+    ("auto", "cpu", "mixtral", None),  # a CPU router: eager
+    ("auto", "cuda", "qwen3_next", None),  # a model that cannot be graphed: eager, with a log line
+    ("off", "cuda", "mixtral", None),
+    ("on", "cuda", "mixtral", "graphs"),
+    ("on", "cpu", "mixtral", "router.cuda_graphs: on, but the router computes on cpu"),
+    ("on", "cuda", "kimi_linear", "router.cuda_graphs: on, but linear-attention layers"),
+])
+def test_the_router_setting_turns_graphs_on_where_they_can_run(models, setting, device, family, expect):
+    from types import SimpleNamespace
+
+    from expertmesh.router_service.config import RouterConfig
+    from expertmesh.router_service.router import Router
+
+    cfg = build_router(models[family], "cpu", torch.float32)[0].cfg
+    router = SimpleNamespace(device=torch.device(device), model_config=cfg)
+    settings = RouterConfig(cuda_graphs=setting, cuda_graph_max_batch=48)
+    if expect is None or expect == "graphs":
+        got = Router._graph_setting(router, settings)
+        assert (got is None) == (expect is None)
+        assert got is None or got.buckets == (1, 2, 4, 8, 16, 24, 32, 48)
+    else:
+        with pytest.raises(ValueError, match=expect):
+            Router._graph_setting(router, settings)
