@@ -4,7 +4,8 @@ Pure arithmetic: no torch, no Ray (constants in cluster/cost_profiles.py, the CP
 Per MoE layer, for a step of T new tokens over sequences with C cached positions each:
 
   router dense   attention + norms + gate (+ shared experts) on the router's device: roofline(FLOP, weight + KV
-                 bytes) + eager ops x launch overhead
+                 bytes) + eager ops x launch overhead, or at decode on a GPU one CUDA graph replay per MoE layer
+                 (experts/decode_graphs.py) + the few copies that stay eager
   plan           the router's host work: a + b x slots + c x calls (fitted on this CPU), / host speed
   transport      first call's round trip + issue cost per further call + device waits + rows' bytes (through the
                  host: PCIe down, host copies, PCIe up; or device to device over NVLink)
@@ -24,10 +25,12 @@ When router and experts share the same cores (the CPU), nothing runs side by sid
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .cost_profiles import (
     DENSE_OPS_PER_LAYER,
+    GRAPH_MAX_BATCH,
+    GRAPHED_EAGER_OPS_PER_MOE_LAYER,
     OPS_PER_EXPERT_CALL,
     OPS_PER_SHARD,
     PLAN_FIXED_S,
@@ -164,12 +167,24 @@ def expert_cpu_s(p: Profile, tokens: int, hit: float) -> float:
     return reads + expert_layer_flops(m, tokens) / hw.expert_flops_per_cpu_s
 
 
+def graphed(p: Profile, step: StepShape) -> bool:
+    """Whether the router replays this step as CUDA graphs: a pure decode step within the buckets, on a device
+    whose profile has graphs (router.cuda_graphs auto on a GPU)."""
+    return (p.hardware.graph_launch_s is not None and step.tokens == step.sequences
+            and step.sequences <= GRAPH_MAX_BATCH)
+
+
 def router_dense_s(p: Profile, step: StepShape, moe: bool = True) -> float:
+    """One layer's dense part on the router. Graphed, an MoE layer's segment costs one replay plus the copies that
+    stay eager, and a layer without experts runs inside the next segment's graph (no launch of its own)."""
     m, hw = p.model, p.hardware
     weights = router_layer_params(m, moe) * p.layout.act_bytes
     kv = step.sequences * step.context * m.kv_elems_per_token * p.layout.act_bytes  # every cached row read once
-    return hw.roofline_s(router_layer_flops(m, step.tokens, step.context, moe), weights + kv) \
-        + DENSE_OPS_PER_LAYER * hw.op_overhead_s
+    if graphed(p, step):
+        launch = hw.graph_launch_s + GRAPHED_EAGER_OPS_PER_MOE_LAYER * hw.op_overhead_s if moe else 0.0
+    else:
+        launch = DENSE_OPS_PER_LAYER * hw.op_overhead_s
+    return hw.roofline_s(router_layer_flops(m, step.tokens, step.context, moe), weights + kv) + launch
 
 
 def _calls(p: Profile, step: StepShape) -> tuple[float, float]:
@@ -207,7 +222,9 @@ def moe_layer_time(p: Profile, step: StepShape) -> LayerTime:
 
 
 def overlapped_layer_s(p: Profile, step: StepShape) -> float:
-    """One MoE layer with the step split in two micro-batches taking turns (experts/modeling.py ping-pong)."""
+    """One MoE layer with the step split in two micro-batches taking turns (experts/modeling.py ping-pong). The
+    halves run eagerly: the decoder graphs only whole, unsplit decode steps."""
+    p = replace(p, hardware=replace(p.hardware, graph_launch_s=None))
     h = moe_layer_time(p, step.half())
     if not p.hardware.concurrent:
         return 2 * h.total  # shared cores: the halves run one after the other, each paying its fixed costs
@@ -229,8 +246,8 @@ def should_overlap(step: StepShape, profile: Profile) -> bool:
 
 def head_s(p: Profile, step: StepShape) -> float:
     hw, m = p.hardware, p.model
-    return hw.roofline_s(head_flops(m, step.tokens), m.vocab_size * m.hidden_size * p.layout.act_bytes) \
-        + 4 * hw.op_overhead_s
+    launch = hw.graph_launch_s if graphed(p, step) else 4 * hw.op_overhead_s  # graphed: the last segment's replay
+    return hw.roofline_s(head_flops(m, step.tokens), m.vocab_size * m.hidden_size * p.layout.act_bytes) + launch
 
 
 def predict_step(p: Profile, step: StepShape, overlap: bool | str = "auto") -> StepPrediction:

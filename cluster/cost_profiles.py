@@ -27,6 +27,9 @@ class HardwareProfile:
     mem_eff: float = 0.8  # estimate: decode GEMVs reach ~80 % of HBM peak
     flop_eff: float = 0.6  # estimate: small-batch GEMMs reach ~60 % of peak
     op_overhead_s: float = 0.0  # per eager kernel launch (PyTorch eager, no CUDA graphs)
+    # One CUDA graph replay (experts/decode_graphs.py: one per MoE layer's dense segment and one for the last),
+    # replacing that segment's eager launches at decode; None: no graphs (a CPU, or router.cuda_graphs off).
+    graph_launch_s: float | None = None
     sync_s: float = 0.0  # one device -> host wait
     host_speed: float = 1.0  # the host's Python speed relative to the calibrated 2-core box
     concurrent: bool = True  # router and experts on separate devices (False: they share the same cores)
@@ -51,6 +54,7 @@ class HardwareProfile:
 _HOPPER = dict(flops=989.5e12, device_link_bw=450e9, host_link_bw=64e9 * 0.8,  # 0.8: PCIe efficiency, estimate
                host_copy_bw=10e9,  # estimate: one pageable host memcpy of a few MB on a server core
                op_overhead_s=6e-6,  # estimate: PyTorch eager dispatch + launch per kernel
+               graph_launch_s=10e-6,  # estimate: torch.cuda.CUDAGraph.replay (cudaGraphLaunch + Python) of ~50 nodes
                sync_s=15e-6,  # estimate: cudaStreamSynchronize + a small D2H read
                host_speed=2.0,  # estimate: a dedicated server core vs this shared 2-core box
                source="NVIDIA datasheet figures; efficiencies and overheads are estimates")
@@ -61,6 +65,10 @@ GPUS = {"H100": H100, "H200": H200}
 # Ops per layer of the router's eager dense part (2 norms, q/k/v/o, rope, cache write, attend, gate, top-k,
 # residuals): an estimate from reading experts/modeling.py, to be replaced by a profiler count on a GPU.
 DENSE_OPS_PER_LAYER = 30
+# With decode graphs, what still launches eagerly per MoE layer: the routing's copies out of graph memory (~5
+# per-token fields) and the expert output's copy into the static buffer (experts/decode_graphs.py).
+GRAPHED_EAGER_OPS_PER_MOE_LAYER = 6
+GRAPH_MAX_BATCH = 256  # router.cuda_graph_max_batch's default: larger decode batches run eagerly
 OPS_PER_EXPERT_CALL = 6  # gather rows, grouped gate/up, act, down, scale (estimate; + 3 per shard below)
 OPS_PER_SHARD = 3
 

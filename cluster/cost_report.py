@@ -141,8 +141,9 @@ def markdown_targets() -> str:
 
 
 def what_if(context: int = CONTEXT) -> list[dict]:
-    """Single-stream tokens/s (rdt) when the model's biggest fixed costs go: eager launches (CUDA graphs), the
-    router's host planning (planning on the device: infinite host speed), both. Where the targets would come from."""
+    """Single-stream tokens/s (rdt) without the router's decode graphs, as modelled (with them), and when the
+    biggest fixed costs left go: every launch (the expert side's too), the router's host planning (planning on the
+    device: infinite host speed), both. Where the targets would come from."""
     from dataclasses import replace
 
     out = []
@@ -151,9 +152,10 @@ def what_if(context: int = CONTEXT) -> list[dict]:
              ("Qwen3-30B-A3B, 1xH200", MODELS["qwen3-30b-a3b"], GPUS["H200"], 1)]
     for label, m, hw, gpus in cases:
         layout, _ = node_layout(m, hw, gpus, 1, context)
-        variants = {"as modelled": hw, "no launch overhead": replace(hw, op_overhead_s=0.0),
+        variants = {"eager (no CUDA graphs)": replace(hw, graph_launch_s=None), "as modelled": hw,
+                    "no launch overhead": replace(hw, op_overhead_s=0.0, graph_launch_s=0.0),
                     "no host planning": replace(hw, host_speed=float("inf")),
-                    "neither": replace(hw, op_overhead_s=0.0, host_speed=float("inf"))}
+                    "neither": replace(hw, op_overhead_s=0.0, graph_launch_s=0.0, host_speed=float("inf"))}
         row: dict = {"case": label}
         for name, variant in variants.items():
             row[name] = round(predict_step(Profile(m, variant, tr, layout), StepShape(1, 1, context)).tokens_per_s, 1)

@@ -60,6 +60,7 @@ README_SECTIONS = {
     "Transports / Overlap": "concepts/transports.md#overlap-ping-pong-micro-batches",
     "Transports": "concepts/transports.md",
     "Overlap": "concepts/transports.md#overlap-ping-pong-micro-batches",
+    "CUDA graphs": "concepts/transports.md#cuda-graphs-for-the-decode-step",
     "Paged KV cache": "concepts/kv-cache.md",
     "Prefix caching": "concepts/kv-cache.md#prefix-caching",
     "Expert layout": "concepts/expert-layouts.md",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 import torch
@@ -112,9 +112,10 @@ class Router:
         kv_cache = settings_for(dense.embed.device, settings.kv_cache_gb, settings.gpu_memory_utilization,
                                 settings.kv_block_size, settings.prefix_caching,
                                 state_slots=settings.batcher.max_active)
+        graphs = self._graph_setting(settings)
         self.model = MoEDecoder(self.model_config, dense, self.backend, settings.capacity_factor,
-                                overlap=self._overlap_setting(settings, len(spec.actor_shards)), kv_cache=kv_cache,
-                                cuda_graphs=self._graph_setting(settings))
+                                overlap=self._overlap_setting(settings, len(spec.actor_shards), graphs is not None),
+                                kv_cache=kv_cache, cuda_graphs=graphs)
         prefetch = config.experts.prefetch_mode(self.transport_name)
         if prefetch != "off":  # README: Offload
             self.backend.prefetcher = NextLayerPredictor(
@@ -151,7 +152,7 @@ class Router:
         log.info("router: decode steps of up to %d sequences replay CUDA graphs", settings.cuda_graph_max_batch)
         return GraphSettings(buckets=graph_buckets(settings.cuda_graph_max_batch))
 
-    def _overlap_setting(self, settings, actors: int):
+    def _overlap_setting(self, settings, actors: int, graphs: bool = False):
         """router.overlap as the decoder takes it: True / False, or for "auto" the latency model's per-step choice
         (cluster/overlap_policy.py: off on a CPU, off with a capacity factor, off on a GPU it has no profile of)."""
         if settings.overlap != "auto":
@@ -163,6 +164,8 @@ class Router:
         if profile is None:
             log.info("router: overlap auto -> off (no latency profile for %s / %s)", name, self.transport_name)
             return False
+        if not graphs:  # the plain step it weighs two micro-batches against runs eagerly too
+            profile = replace(profile, hardware=replace(profile.hardware, graph_launch_s=None))
         return StepOverlapPolicy(profile)
 
     @property

@@ -154,10 +154,15 @@ def test_bench_dispatch_decode_sequences_flag():
 # ---- the overlap choice --------------------------------------------------------------------------------------------
 
 
-def test_overlap_pays_on_a_gpu_at_batch_32_and_up_not_at_batch_1():
+def test_overlap_pays_on_a_gpu_at_batch_64_and_up_not_at_batch_1():
     p = _gpu(transport="refs")  # a round of ~1.5 ms latency: half a batch's dense work hides under the other's
     assert not should_overlap(StepShape(1, 1, 4096), p)  # one sequence: nothing to split
-    for batch in (32, 64, 256):
+    # At 32 the whole step replayed as CUDA graphs beats two eager halves (the decoder graphs unsplit steps only);
+    # with graphs off, overlap pays there too.
+    assert not should_overlap(StepShape(32, 32, 4096), p)
+    eager = replace(p, hardware=replace(p.hardware, graph_launch_s=None))
+    assert should_overlap(StepShape(32, 32, 4096), eager)
+    for batch in (64, 256):
         step = StepShape(batch, batch, 4096)
         assert should_overlap(step, p), batch
         assert overlapped_layer_s(p, step) < moe_layer_time(p, step).total
@@ -191,9 +196,9 @@ def test_step_policy_caches_and_follows_the_profile():
     cpu = StepOverlapPolicy(runtime_profile(_Cfg(), "cpu", "", "socket", 8))
     assert cpu([1] * 32, [4096] * 32) is False
     gpu = StepOverlapPolicy(runtime_profile(_Cfg(), "cuda", "NVIDIA H100 80GB HBM3", "socket", 7))
-    assert gpu([1], [4096]) is False and gpu([1] * 64, [4096] * 64) is True
+    assert gpu([1], [4096]) is False and gpu([1] * 128, [4096] * 128) is True
     assert len(gpu._seen) == 1  # one decision cached; a second call is a lookup
-    assert gpu([1] * 64, [4000] * 64) is True and len(gpu._seen) == 1  # same power-of-two context bucket
+    assert gpu([1] * 128, [4000] * 128) is True and len(gpu._seen) == 1  # same power-of-two context bucket
     assert runtime_profile(_Cfg(), "cuda", "NVIDIA A10G", "socket", 7) is None  # no profile: the router turns it off
     assert StepOverlapPolicy(None)([1] * 64, [4096] * 64) is False
 
