@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from .attention_core import StepLayout
 from .block_allocator import blocks_for
 from .gating import Routing
+from .step_group import StepGroup
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class _Bucket:
     layout: StepLayout
     graphs: list = field(default_factory=list)  # torch.cuda.CUDAGraph per segment, in order
     routings: list = field(default_factory=list)  # per MoE layer: its Routing over the static tensors
-    group: object = None  # the modeling _Group the segments share (rotary tables, layout)
+    group: object = None  # the StepGroup the segments share (rotary tables, layout)
     failed: str | None = None  # why capture failed: the bucket then runs eagerly
 
 
@@ -287,15 +288,13 @@ class DecodeGraphs:
         """Segment j's work on the bucket's static tensors (see the module docstring), its results copied into the
         batch's static outputs. keep: a capture (keep the group and the routing over the static tensors); else the
         warm-up, which also allocates the static outputs on the batch's first warm-up."""
-        from .modeling import _Group  # here, not at import: modeling imports this module
-
         dec = self.decoder
         ids, positions = entry.meta[0], entry.meta[1]  # [b] each
         layers = dec.w.layers
         out = self.outputs.get(entry.batch)
         if j == 0:
             cos, sin = dec.rope.tables(positions, dec.dtype)  # [b, R] each
-            g = _Group(F.embedding(ids, dec.w.embed), cos, sin, positions, [1] * entry.batch, [1] * entry.batch,
+            g = StepGroup(F.embedding(ids, dec.w.embed), cos, sin, positions, [1] * entry.batch, [1] * entry.batch,
                        None)  # x: [b, H]
             g._layout = entry.layout
             first = 0

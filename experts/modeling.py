@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import AttentionLayer, build_attention
-from .attention_core import StepLayout, attend
+from .attention_core import attend
 from .config import MoEModelConfig
 from .decode_graphs import DecodeGraphs, GraphSettings, model_reason
 from .dense_weights import DenseWeights
@@ -38,6 +38,7 @@ from .gating import DROPPED, Routing, concat_routings, route_for_model, split_id
 from .kv_cache import KVCache, KVCacheSettings, PagedKVPool
 from .norms import rms_norm, rms_norm_unit_offset
 from .rope import build_rope
+from .step_group import StepGroup
 
 __all__ = ["ExpertBackend", "KVCache", "MoEDecoder", "StepTrace", "rms_norm"]
 
@@ -62,36 +63,6 @@ class StepTrace:
     """What one forward routed, per MoE layer: kept for stats and tests (e.g. 'calls == experts hit')."""
 
     routings: dict[int, Routing] = field(default_factory=dict)
-
-
-@dataclass
-class _Group:
-    """A micro-batch of a step: some consecutive sequences, their hidden states and rotary tables."""
-
-    x: torch.Tensor  # [T_g, H] residual stream
-    cos: torch.Tensor  # [T_g, R] rotary tables of the group's positions
-    sin: torch.Tensor  # [T_g, R]
-    positions: torch.Tensor  # [T_g] int64 (Llama 4's NoPE layers scale their queries by position)
-    lengths: list[int]
-    starts: list[int]
-    caches: list[KVCache] | None  # None: a cacheless forward (each sequence is a whole prompt)
-    pending: tuple | None = None  # (layer, h [T_g, H], routing, identity, handle) of a submitted expert round
-    shortcut: torch.Tensor | None = None  # LongCat: [T_g, H] the MoE output to add after the next sublayer's MLP
-    _layout: StepLayout | None = None
-
-    @property
-    def layout(self) -> StepLayout:
-        """What every layer's attention shares (block tables, slots, masks): built at the group's first layer."""
-        if self._layout is None:
-            self._layout = StepLayout.build(self.lengths, self.starts, self.caches, self.x.device)
-        return self._layout
-
-    def part(self, first: int, last: int) -> _Group:
-        """Sequences first..last-1 of this group."""
-        lo, hi = sum(self.lengths[:first]), sum(self.lengths[:last])
-        return _Group(self.x[lo:hi], self.cos[lo:hi], self.sin[lo:hi], self.positions[lo:hi],
-                      self.lengths[first:last], self.starts[first:last],
-                      None if self.caches is None else self.caches[first:last])
 
 
 class MoEDecoder:
@@ -225,7 +196,7 @@ class MoEDecoder:
         return None if key is None else self.graphs.step(key, ids, caches, starts)
 
     def _embed(self, ids: torch.Tensor, lengths: list[int], starts: list[int], caches: list[KVCache] | None
-               ) -> _Group:
+               ) -> StepGroup:
         """The step as one group: embeddings of ids [T] (host or device) and the rotary tables of its positions."""
         device = self.device
         ids = to_device(ids, device) if ids.device.type == "cpu" else ids
@@ -233,7 +204,7 @@ class MoEDecoder:
                               torch.int64, device)  # [T]; one tensor, not one per sequence
         cos, sin = self.rope.tables(positions, self.dtype)  # [T, R] each
         x = F.embedding(ids, self.w.embed)  # [T, H]
-        return _Group(x, cos, sin, positions, lengths, starts, caches)
+        return StepGroup(x, cos, sin, positions, lengths, starts, caches)
 
     def _logits(self, x: torch.Tensor, lengths: list[int], wanted: list[str]) -> list[torch.Tensor]:
         """Final norm and lm_head on the rows `wanted` asks for only (x [T, H]); per sequence [rows_i, V]."""
@@ -275,7 +246,7 @@ class MoEDecoder:
                 best, best_gap = cut, gap
         return best
 
-    def _run_layers(self, g: _Group) -> StepTrace:
+    def _run_layers(self, g: StepGroup) -> StepTrace:
         """Every layer in order over one group, each expert round waited for at once; LongCat's shortcut round is
         submitted at its sublayer and waited for only after the next sublayer's attention and dense MLP, the work
         the shortcut connection was designed to hide the expert round behind."""
@@ -299,7 +270,7 @@ class MoEDecoder:
             self._add_moe(g, layer, h, mlp, identity)
         return trace
 
-    def _run_layers_overlapped(self, groups: list[_Group]) -> StepTrace:
+    def _run_layers_overlapped(self, groups: list[StepGroup]) -> StepTrace:
         """Ping-pong: at layer i, group A finishes layer i-1 (waits for its expert round), runs its dense part of
         layer i and submits its round; then B does the same. So B's dense work runs while A's round is in flight,
         and A's next dense work while B's is."""
@@ -323,7 +294,7 @@ class MoEDecoder:
         # One routing per layer for the whole step, tokens in the original order (A's then B's).
         return StepTrace(routings={i: concat_routings(p) for i, p in sorted(parts.items())})
 
-    def _collect(self, g: _Group, record: Callable[[int, Routing], None]) -> None:
+    def _collect(self, g: StepGroup, record: Callable[[int, Routing], None]) -> None:
         """Wait for group g's pending expert round and finish that layer for it (shared expert, residual);
         record(layer, routing) keeps the routing the backend served for the step's trace."""
         i, h, routing, identity, pending = g.pending
@@ -332,7 +303,7 @@ class MoEDecoder:
         record(i, self.experts.effective_routing(i, routing))
         self._add_moe(g, self.w.layers[i], h, mlp, identity)
 
-    def _add_moe(self, g: _Group, layer, h: torch.Tensor, mlp: torch.Tensor, identity: torch.Tensor | None) -> None:
+    def _add_moe(self, g: StepGroup, layer, h: torch.Tensor, mlp: torch.Tensor, identity: torch.Tensor | None) -> None:
         """Finish an MoE layer for group g: routed experts (mlp [T_g, H]) + identity experts + shared expert into
         the residual, or (LongCat's shortcut MoE) held until the next sublayer's dense MLP is in."""
         if identity is not None:  # LongCat's identity experts: added after the real ones, as transformers does
@@ -343,7 +314,7 @@ class MoEDecoder:
         else:
             g.x = g.x + out
 
-    def _dense(self, i: int, layer, g: _Group, collect: Callable[[], None] | None = None
+    def _dense(self, i: int, layer, g: StepGroup, collect: Callable[[], None] | None = None
                ) -> tuple[torch.Tensor, Routing, torch.Tensor | None] | None:
         """Group g's dense part of layer i: attention, and either the dense MLP (a layer without experts: done,
         returns None) or the gate -> (h [T_g, H], routing, identity) for the expert round; identity [T_g] float32:
@@ -415,7 +386,7 @@ class MoEDecoder:
         gate = torch.sigmoid(F.linear(h, layer.shared_expert_gate))  # [T, 1]
         return mlp + gate * gated_mlp(h, layer.shared_expert, self.act)
 
-    def _attention(self, layer: int, h: torch.Tensor, g: _Group) -> torch.Tensor:
+    def _attention(self, layer: int, h: torch.Tensor, g: StepGroup) -> torch.Tensor:
         """Layer `layer`'s attention for group g: project, write the new tokens to the paged cache, attend (decode
         rows in one call, prefill rows in another; attention_core.attend). h: [T_g, H]."""
         attn = self.attention[layer]
