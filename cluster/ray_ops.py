@@ -51,21 +51,31 @@ def kill_actor(name: str, namespace: str) -> bool:
     return True
 
 
-def release_stale_name(name: str, namespace: str) -> bool:
-    """Kill the actor holding `name` if Ray's actor table places it on a node that is no longer alive (a restore
-    waiting on a name Ray has not released after its node died); True when one was killed. A holder on a live node,
-    or one not placed yet, is left alone: it may be a replacement some other pass just started."""
+def named_actor_node(name: str, namespace: str) -> tuple[str, str] | None:
+    """(state, node id) of the actor holding `name`, from Ray's actor table; None when no actor holds the name.
+    The node id is "" while the holder is not placed."""
     from ray._private import state  # as router_service/node_watch.py: the public state API needs the dashboard
 
     try:
         handle = ray.get_actor(name, namespace=namespace)
     except ValueError:
-        return False  # released meanwhile
+        return None
     info = state.actors(actor_id=handle._actor_id.hex()) or {}
     node = (info.get("Address") or {}).get("NodeID") or ""
-    if not node.strip("f0") or node in {n["NodeID"] for n in alive_nodes()}:
+    return info.get("State", ""), node if node.strip("f0") else ""
+
+
+def release_stale_name(name: str, namespace: str) -> bool:
+    """Kill the actor holding `name` if Ray's actor table places it on a node that is no longer alive (a restore
+    waiting on a name Ray has not released after its node died); True when one was killed. A holder on a live node,
+    or one not placed yet, is left alone: it may be a replacement some other pass just started."""
+    holder = named_actor_node(name, namespace)
+    if holder is None or not holder[1] or holder[1] in {n["NodeID"] for n in alive_nodes()}:
         return False
-    ray.kill(handle, no_restart=True)
+    try:
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    except ValueError:
+        return False  # released meanwhile
     return True
 
 
@@ -122,6 +132,11 @@ class RayActorOps:
 
     def release_stale_name(self, name: str) -> bool:
         return release_stale_name(name, self.names.namespace)
+
+    def actor_node(self, name: str) -> str | None:
+        """The node Ray runs the live holder of `name` on; None when no live, placed actor holds it."""
+        holder = named_actor_node(name, self.names.namespace)
+        return holder[1] or None if holder is not None and holder[0] == "ALIVE" else None
 
     def rooms(self) -> list[NodeRoom]:
         """Live nodes and what Ray has not given out on each, less nodes where every actor of ours is lost."""

@@ -70,6 +70,15 @@ class RestoreFlow:
         for node in loss.dead_nodes:
             self.history.event("node_lost", node, actors=sorted(n for (n, _), at in placed.items() if at == node))
         names = [name for name, _ in loss.lost if name not in reg.restoring]
+        # An actor this controller has not seen answer yet is placed by its slot, which a restore under an earlier
+        # controller may have moved: a controller recreated after a node loss read that node's old actors from the
+        # published slots and restored actors already running elsewhere (8-node chaos drill: 9 restores refused
+        # with "name already taken"). Ray's actor table says where the name's live holder runs.
+        for name in [n for n in names if n not in reg.nodes]:
+            node = self.ops.actor_node(name)
+            if node is not None and node not in self._nodes.dead:
+                reg.nodes[name] = node
+                names.remove(name)
         if not names:
             return []
         lost, to_restore = reg.probed(names, [None] * len(names), restore=self.config.restore)

@@ -27,6 +27,7 @@ class FakeOps:
         self.room_list = rooms
         self.log: list[tuple] = []
         self.generation: dict[str, int] = {}
+        self.holders: dict[str, str] = {}  # name -> the node Ray runs its live holder on (actor_node), if a test says
 
     def spawn(self, slot: ActorSlot, spec: PoolSpec, generation: int, soft: bool = True) -> str:
         assert slot.name in spec.actor_shards, "an actor starts hosting shards of the spec it is given"
@@ -59,6 +60,10 @@ class FakeOps:
         """Ray's side: kill a holder of `name` on a dead node. The fake holds no stale names unless a test says."""
         self.log.append(("release_stale_name", name))
         return name in self.stale_names and not self.stale_names.discard(name)
+
+    def actor_node(self, name: str) -> str | None:
+        self.log.append(("actor_node", name))
+        return self.holders.get(name) if name in self.alive else None
 
     def rooms(self) -> list[NodeRoom]:
         return self.room_list

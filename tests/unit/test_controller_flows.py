@@ -209,6 +209,29 @@ def test_a_dead_node_in_rays_table_restores_its_actors_at_once_in_one_replan_and
     assert sum(1 for entry in ops.log if entry[0] == "spawn") == 2 and not reg.restoring and not reg.lost
 
 
+def test_a_recreated_controller_does_not_restore_actors_a_dead_node_had_that_already_run_elsewhere():
+    """8-node chaos drill: a controller recreated after a node loss placed the node's old actors by their published
+    slots (the dead node), though an earlier controller had restored them elsewhere, and tried to restore them again
+    (refused: the names were taken). Ray's actor table, asked for actors this controller has not seen, settles it."""
+    placement = {"expert-e0-r0": [[0, 0]], "expert-e0-r1": [[0, 0]], "expert-e1-r0": [[0, 1]], "expert-e2-r0": [[0, 2]]}
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 4.0)], placement)
+    reg.slots["expert-e2-r0"] = ActorSlot("expert-e2-r0", "dead", 1.0, 0.0, None)  # both slots name the dead node
+    ops.holders["expert-e1-r0"] = "b"  # restored on b under the previous controller, alive
+    ops.alive.discard("expert-e2-r0")  # really lost with its node
+    table = [{"NodeID": "a", "Alive": True}, {"NodeID": "b", "Alive": True}, {"NodeID": "dead", "Alive": False}]
+
+    async def run():
+        assert flow.node_check(table) == ["expert-e2-r0"]
+        await settle()
+        assert flow.node_check(table) == []
+
+    asyncio.run(run())
+    assert reg.nodes["expert-e1-r0"] == "b" and "expert-e1-r0" not in reg.lost
+    spawned = [entry[1] for entry in ops.log if entry[0] == "spawn"]
+    assert spawned == ["expert-e2-r0"]
+    assert [e["kind"] for e in history.events] == ["node_lost", "lost", "restored"]
+
+
 def test_a_name_ray_keeps_holding_is_released_from_the_dead_node_and_the_restore_goes_on():
     """Ray held three lost actors' names for 30 s and more after their node died (a CI run): past the grace the
     restore asks ops to release a holder on a dead node, once, and then starts the replacement."""
