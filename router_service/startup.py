@@ -27,7 +27,7 @@ from ..experts.hub_token import publish_hub_token
 from ..experts.model_source import dense_tensors, open_checkpoint
 from ..experts.transport_secret import transport_secret
 from ..experts.weights import check_checkpoint
-from .config import MeshConfig, RayConfig
+from .config import EMBEDDED_RAY_SYSTEM_CONFIG, MeshConfig, RayConfig
 from .expert_pool import ExpertPool, cluster_nodes
 from .gpu_fit import fit_gpu_memory, keep_router_gpus
 from .pool_layout import pool_layout
@@ -49,7 +49,7 @@ def connect_ray(config: RayConfig, namespace: str = NAMESPACE) -> bool:
         # loopback only (README: Security).
         with _loopback_node():
             ray.init(address="local", namespace=namespace, num_cpus=config.num_cpus, include_dashboard=False,
-                     logging_level=logging.WARNING)
+                     logging_level=logging.WARNING, _system_config=dict(EMBEDDED_RAY_SYSTEM_CONFIG))
     else:
         prepare_join(config.address)  # token authentication, or one line saying why the cluster cannot be joined
         ray.init(address=config.address, namespace=namespace, logging_level=logging.WARNING)

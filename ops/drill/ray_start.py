@@ -21,6 +21,8 @@ import logging
 import os
 import time
 
+from ...router_service.config import EMBEDDED_RAY_SYSTEM_CONFIG
+
 LOOPBACK = "127.0.0.1"
 _SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _saved: list[tuple[str | None, bool]] = []
@@ -69,7 +71,8 @@ def start_node_cluster(nodes: int, node_cpus: int, node_gpus: int, namespace: st
     for attempt in (1, 2):
         cluster = Cluster(initialize_head=False)
         try:
-            cluster.add_node(num_cpus=1, num_gpus=0, **local, _system_config=dict(FAST_HEALTH_CHECKS))
+            cluster.add_node(num_cpus=1, num_gpus=0, **local,
+                             _system_config={**FAST_HEALTH_CHECKS, **EMBEDDED_RAY_SYSTEM_CONFIG})
             for _ in range(nodes):
                 cluster.add_node(num_cpus=node_cpus, num_gpus=node_gpus, **local)
             break
@@ -91,5 +94,6 @@ def start_local_ray(num_cpus: int | None, namespace: str) -> str:
     loopback_mode()
     cpus = num_cpus or max(2, os.cpu_count() or 2)
     ctx = ray.init(address="local", num_cpus=cpus, namespace=namespace, include_dashboard=False,
-                   logging_level=logging.WARNING, log_to_driver=False)
+                   logging_level=logging.WARNING, log_to_driver=False,
+                   _system_config=dict(EMBEDDED_RAY_SYSTEM_CONFIG))  # as `expertmesh serve`'s embedded Ray
     return ctx.address_info["gcs_address"]
