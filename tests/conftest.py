@@ -17,3 +17,14 @@ def checkpoints(tmp_path_factory) -> dict:
     dirs["mixtral_sharded"] = write_hf_checkpoint("mixtral", root / "mixtral_sharded", seed=7, max_shard_size="40KB")
     dirs["direct"] = write_direct_mixtral(root / "direct", seed=3)
     return dirs
+
+
+@pytest.fixture(scope="session")
+def router_step_checkpoints(tmp_path_factory) -> dict:
+    """family -> folder for every family the router-step scenarios run (tests/router_step_cuda.py FAMILIES), written
+    once per session (per xdist worker) for the fake-CUDA router step and the decode-graph tests."""
+    from tests.router_step_cuda import FAMILIES as STEP_FAMILIES
+    from tests.router_step_cuda import write_checkpoint
+
+    root = tmp_path_factory.mktemp("router-step-models")
+    return {family: write_checkpoint(family, root / family) for family in STEP_FAMILIES}

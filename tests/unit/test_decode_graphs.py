@@ -29,7 +29,7 @@ from expertmesh.experts.gating import route
 from expertmesh.experts.modeling import MoEDecoder
 from expertmesh.ops.fake_cuda import fake_cuda
 from tests.router_step import StepSetup, build_router, prefill_then_decode, prompts, serve, serving_requests
-from tests.router_step_cuda import FAMILIES, write_checkpoint
+from tests.router_step_cuda import FAMILIES
 
 FAKE = dict(kv_cache_gb=0.01, actor_device="cpu", observe=True)
 UNGRAPHABLE = ("qwen3_next", "kimi_linear", "longcat_flash")
@@ -76,10 +76,9 @@ def test_rows_cut_every_per_token_field_and_copy_out_of_graph_memory():
 
 # ---- the router step on the fake device ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("graph-models")
-    return {family: write_checkpoint(family, root / family) for family in FAMILIES}
+@pytest.fixture
+def models(router_step_checkpoints) -> dict[str, Path]:
+    return router_step_checkpoints
 
 
 def _graphed(model_dir: Path, buckets: tuple[int, ...], **setup) -> StepSetup:

@@ -29,17 +29,16 @@ from tests.router_step import (
     serve,
     serving_requests,
 )
-from tests.router_step_cuda import FAMILIES, write_checkpoint
+from tests.router_step_cuda import FAMILIES
 
 # On the fake device: a small KV pool (the default would take 90 % of the fake 80 GiB), actors on the host (their
 # reads are the actors', in other processes, not the router's).
 FAKE = dict(kv_cache_gb=0.01, actor_device="cpu", observe=True)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("fake-cuda-models")
-    return {family: write_checkpoint(family, root / family) for family in FAMILIES}
+@pytest.fixture
+def models(router_step_checkpoints) -> dict[str, Path]:
+    return router_step_checkpoints
 
 
 def _both(model_dir: Path, run, **setup):
