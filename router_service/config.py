@@ -112,8 +112,9 @@ class ModelConfig:
 
 # An embedded Ray's GCS keeps the events of the last `task_events_max_num_task_in_gcs` tasks (Ray's default 100,000),
 # and every Serve request and controller probe is a task: Ray's daemons grew 33 % over a 30-minute soak, and a
-# 6-minute one showed it is the GCS (187 -> 402 MiB), still short of that cap. Nothing of expertmesh reads Ray's task history, so an embedded Ray keeps 10,000
-# (docs/operations/drills.md, the soak). A joined cluster's settings are its operator's.
+# 6-minute one showed it is the GCS (187 -> 402 MiB), still short of that cap. Nothing of expertmesh reads Ray's
+# task history, so an embedded Ray keeps 10,000 (docs/operations/drills.md, the soak). A joined cluster's settings
+# are its operator's.
 EMBEDDED_RAY_SYSTEM_CONFIG = {"task_events_max_num_task_in_gcs": 10_000}
 
 
