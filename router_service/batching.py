@@ -226,7 +226,7 @@ class ContinuousBatcher:
                 "kv_blocks_free": pool.allocator.num_free, "kv_blocks_total": pool.num_blocks,
                 "kv_blocks_cached": pool.allocator.num_cached, "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_hit_tokens": self.prefix_hit_tokens, "expert_shard_calls": self.expert_shard_calls,
-                "finished_requests": self.finished_requests}
+                "finished_requests": self.finished_requests, **graph_stats(getattr(self.model, "graphs", None))}
 
     # ---- requests --------------------------------------------------------------------------------------------
 
@@ -601,3 +601,13 @@ def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
                 best = n
                 break
     return best
+
+
+def graph_stats(graphs) -> dict:
+    """The decoder's CUDA graphs (experts/decode_graphs.py DecodeGraphs, or None when off) as RouterStats fields."""
+    if graphs is None:
+        return {"cuda_graph_buckets": 0, "cuda_graph_replays": 0, "cuda_graph_captures": 0,
+                "cuda_graph_failed_buckets": 0}
+    s = graphs.stats()
+    return {"cuda_graph_buckets": s["buckets"], "cuda_graph_replays": s["replays"],
+            "cuda_graph_captures": s["captures"], "cuda_graph_failed_buckets": len(s["failed"])}

@@ -394,7 +394,10 @@ class RouterDeployment:
             kv_blocks_total=s.get("kv_blocks_total", 0), stage_seconds=self.router.profile.snapshot(),
             prefix_query_tokens=s.get("prefix_query_tokens", 0), prefix_hit_tokens=s.get("prefix_hit_tokens", 0),
             kv_blocks_cached=s.get("kv_blocks_cached", 0), expert_shard_calls=s.get("expert_shard_calls", 0),
-            finished_requests=s.get("finished_requests", 0),
+            finished_requests=s.get("finished_requests", 0), cuda_graphs=self.router.graphs_note,
+            cuda_graph_buckets=s.get("cuda_graph_buckets", 0), cuda_graph_replays=s.get("cuda_graph_replays", 0),
+            cuda_graph_captures=s.get("cuda_graph_captures", 0),
+            cuda_graph_failed_buckets=s.get("cuda_graph_failed_buckets", 0),
         )
 
     def _batcher_gauges(self) -> dict:

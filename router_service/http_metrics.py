@@ -34,6 +34,12 @@ ROUTER_FIELDS = {
     "retried_calls": ("expertmesh_router_retried_calls_total", "counter", "expert calls re-sent elsewhere"),
     "degraded_slots": ("expertmesh_router_degraded_slots_total", "counter", "slots moved off a dead expert"),
     "shed_slots": ("expertmesh_router_shed_slots_total", "counter", "slots moved off an overloaded expert"),
+    "cuda_graph_buckets": ("expertmesh_router_cuda_graph_buckets", "gauge",
+                           "decode-step CUDA graph buckets captured (batch x history blocks)"),
+    "cuda_graph_replays": ("expertmesh_router_cuda_graph_replays_total", "counter", "decode-step graph replays"),
+    "cuda_graph_captures": ("expertmesh_router_cuda_graph_captures_total", "counter", "decode-step graph captures"),
+    "cuda_graph_failed_buckets": ("expertmesh_router_cuda_graph_failed_buckets", "gauge",
+                                  "decode-step buckets whose capture failed (they run eagerly)"),
 }
 
 

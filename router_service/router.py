@@ -140,6 +140,7 @@ class Router:
     def _graph_setting(self, settings) -> GraphSettings | None:
         """router.cuda_graphs as the decoder takes it: "on" needs a router on a GPU and a model whose decode step can
         be graphed (else one error naming both the field and the reason); "auto" is on where both hold."""
+        self.graphs_note = "off"  # what RouterStats.cuda_graphs says (expertmesh status)
         if settings.cuda_graphs == "off":
             return None
         reason = (f"the router computes on {self.device}" if self.device.type != "cuda"
@@ -148,8 +149,10 @@ class Router:
             if settings.cuda_graphs == "on":
                 raise ValueError(f"router.cuda_graphs: on, but {reason}")
             log.info("router: cuda_graphs auto -> off (%s)", reason)
+            self.graphs_note = f"off ({reason})"
             return None
         log.info("router: decode steps of up to %d sequences replay CUDA graphs", settings.cuda_graph_max_batch)
+        self.graphs_note = f"on (decode batches up to {settings.cuda_graph_max_batch})"
         return GraphSettings(buckets=graph_buckets(settings.cuda_graph_max_batch))
 
     def _overlap_setting(self, settings, actors: int, graphs: bool = False):

@@ -58,6 +58,7 @@ def status_lines(state) -> list[str]:
         f"{r.kv_blocks_free}/{r.kv_blocks_total} blocks free, {r.preemptions} preemptions",
         prefix_cache_line(r),
         expert_loads_line(r),
+        cuda_graphs_line(r),
     ]
     profile = status_profile_line(dict(r.stage_seconds), r.steps)
     if profile is not None:
@@ -84,6 +85,17 @@ def prefix_cache_line(r) -> str:
     rate = f"{100 * r.prefix_hit_tokens / r.prefix_query_tokens:.1f}%" if r.prefix_query_tokens else "-"
     return (f"prefix cache: {rate} of prompt tokens served from cache ({r.prefix_hit_tokens} of "
             f"{r.prefix_query_tokens}), {r.kv_blocks_cached} blocks cached")
+
+
+def cuda_graphs_line(r) -> str:
+    """The router's decode-step CUDA graphs (README: CUDA graphs): on or off (and why), buckets, replays."""
+    state = r.cuda_graphs or "off"
+    if not state.startswith("on"):
+        return f"CUDA graphs: {state}"
+    failed = f", {r.cuda_graph_failed_buckets} buckets failed to capture (eager; see the router's log)" \
+        if r.cuda_graph_failed_buckets else ""
+    return (f"CUDA graphs: {state}: {r.cuda_graph_buckets} buckets captured, {r.cuda_graph_replays} replays"
+            f"{failed}")
 
 
 def expert_loads_line(r) -> str:

@@ -207,6 +207,42 @@ def test_the_router_setting_turns_graphs_on_where_they_can_run(models, setting, 
         got = Router._graph_setting(router, settings)
         assert (got is None) == (expect is None)
         assert got is None or got.buckets == (1, 2, 4, 8, 16, 24, 32, 48)
+        # what `expertmesh status` shows: on, or off and why (plain "off" when the setting says so)
+        if got is not None:
+            assert router.graphs_note == "on (decode batches up to 48)"
+        elif setting == "off":
+            assert router.graphs_note == "off"
+        else:
+            assert router.graphs_note.startswith("off (") and router.graphs_note.endswith(")")
     else:
         with pytest.raises(ValueError, match=expect):
             Router._graph_setting(router, settings)
+
+
+def test_status_metrics_and_batcher_stats_report_the_graphs(models):
+    """What an operator sees: `expertmesh status` says whether graphs are on (and why not), the buckets and replays;
+    /metrics exports them; the batcher's stats carry the decoder's counts."""
+    from expertmesh.ops.commands.status import status_lines
+    from expertmesh.protos import admin_pb2
+    from expertmesh.router_service.batching import graph_stats
+    from expertmesh.router_service.http_metrics import FrontCounters, prometheus_text
+
+    on = admin_pb2.RouterStats(cuda_graphs="on (decode batches up to 256)", cuda_graph_buckets=3,
+                               cuda_graph_replays=120, cuda_graph_failed_buckets=1)
+    lines = status_lines(admin_pb2.ClusterState(model="m", router=on))
+    assert ("CUDA graphs: on (decode batches up to 256): 3 buckets captured, 120 replays, 1 buckets failed to "
+            "capture (eager; see the router's log)") in lines
+    off = admin_pb2.RouterStats(cuda_graphs="off (the router computes on cpu)")
+    assert "CUDA graphs: off (the router computes on cpu)" in status_lines(admin_pb2.ClusterState(router=off))
+    text = prometheus_text(FrontCounters(), {"cuda_graph_buckets": 3, "cuda_graph_replays": 120, "replica": "r"})
+    assert 'expertmesh_router_cuda_graph_buckets{replica="r"} 3' in text
+    assert 'expertmesh_router_cuda_graph_replays_total{replica="r"} 120' in text
+    assert graph_stats(None) == {"cuda_graph_buckets": 0, "cuda_graph_replays": 0, "cuda_graph_captures": 0,
+                                 "cuda_graph_failed_buckets": 0}
+    with fake_cuda():
+        model, _ = build_router(models["mixtral"], "cuda", torch.float32,
+                                _graphed(models["mixtral"], (1, 2, 3)))
+        prefill_then_decode(model, prompts(model.cfg.vocab_size), steps=2)
+        got = graph_stats(model.graphs)
+    assert got["cuda_graph_buckets"] == 1 and got["cuda_graph_captures"] == 3 and got["cuda_graph_replays"] > 3
+    assert got["cuda_graph_failed_buckets"] == 0
