@@ -159,7 +159,9 @@ def test_single_greedy_stream_equals_plain_greedy_loop(model):
     assert stats == {"live_caches": 0, "active": 0, "waiting": 0, "steps": max_tokens,
                                "max_batch_seen": 1, "preemptions": 0, "kv_blocks_free": pool.num_blocks,
                                "kv_blocks_total": pool.num_blocks, "kv_blocks_cached": 0,  # 12 tokens: no full block
-                               "prefix_query_tokens": len(prompt_ids), "prefix_hit_tokens": 0}
+                               "prefix_query_tokens": len(prompt_ids), "prefix_hit_tokens": 0,
+                               "cuda_graph_buckets": 0, "cuda_graph_replays": 0, "cuda_graph_captures": 0,
+                               "cuda_graph_failed_buckets": 0}  # a CPU decoder: no graphs
 
 
 def test_max_tokens_one_is_prefill_only(model):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from expertmesh.experts import modeling
+from expertmesh.experts import modeling, step_group
 from expertmesh.experts.attention_core import StepLayout, attend, attend_prefill
 from expertmesh.experts.kv_cache import KVCacheSettings, PagedKVPool
 from expertmesh.experts.modeling import MoEDecoder
@@ -98,7 +98,7 @@ def test_paged_steps_equal_the_concatenated_cache_oracle(which, request, monkeyp
         got = model.forward(tokens, [caches[name] for name, _ in step])
         with monkeypatch.context() as patch:
             patch.setattr(modeling, "attend", oracle)
-            patch.setattr(modeling, "StepLayout", _OracleLayout)
+            patch.setattr(step_group, "StepLayout", _OracleLayout)  # what StepGroup.layout builds
             oracle.names = [name for name, _ in step]
             oracle_caches = [_Length(fed[name]) for name, _ in step]
             want = model.forward(tokens, oracle_caches)
