@@ -51,9 +51,9 @@ def kill_actor(name: str, namespace: str) -> bool:
     return True
 
 
-def named_actor_node(name: str, namespace: str) -> tuple[str, str] | None:
-    """(state, node id) of the actor holding `name`, from Ray's actor table; None when no actor holds the name.
-    The node id is "" while the holder is not placed."""
+def _named_holder(name: str, namespace: str) -> tuple[object, str, str] | None:
+    """(handle, state, node id) of the actor holding `name`, from Ray's actor table; None when no actor holds the
+    name. The node id is "" while the holder is not placed."""
     from ray._private import state  # as router_service/node_watch.py: the public state API needs the dashboard
 
     try:
@@ -62,20 +62,23 @@ def named_actor_node(name: str, namespace: str) -> tuple[str, str] | None:
         return None
     info = state.actors(actor_id=handle._actor_id.hex()) or {}
     node = (info.get("Address") or {}).get("NodeID") or ""
-    return info.get("State", ""), node if node.strip("f0") else ""
+    return handle, info.get("State", ""), node if node.strip("f0") else ""
+
+
+def named_actor_node(name: str, namespace: str) -> tuple[str, str] | None:
+    """(state, node id) of the actor holding `name`; None when no actor holds the name ("" node: not placed)."""
+    holder = _named_holder(name, namespace)
+    return None if holder is None else holder[1:]
 
 
 def release_stale_name(name: str, namespace: str) -> bool:
     """Kill the actor holding `name` if Ray's actor table places it on a node that is no longer alive (a restore
     waiting on a name Ray has not released after its node died); True when one was killed. A holder on a live node,
     or one not placed yet, is left alone: it may be a replacement some other pass just started."""
-    holder = named_actor_node(name, namespace)
-    if holder is None or not holder[1] or holder[1] in {n["NodeID"] for n in alive_nodes()}:
+    holder = _named_holder(name, namespace)
+    if holder is None or not holder[2] or holder[2] in {n["NodeID"] for n in alive_nodes()}:
         return False
-    try:
-        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-    except ValueError:
-        return False  # released meanwhile
+    ray.kill(holder[0], no_restart=True)
     return True
 
 

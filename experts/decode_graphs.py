@@ -89,9 +89,7 @@ def step_bucket(lengths: Sequence[int], starts: Sequence[int], buckets: Sequence
 def rows(routing: Routing, n: int) -> Routing:
     """The routing of the first n tokens (every per-token field cut to [:n]), copied out of graph memory: the next
     replay overwrites the captured tensors, and a routing may be kept after the step (load statistics)."""
-    cut = {f.name: getattr(routing, f.name)[:n].clone() for f in fields(routing)
-           if isinstance(getattr(routing, f.name), torch.Tensor)}
-    return replace(routing, **cut)
+    return replace(routing, **_routing_tensors(routing, lambda t: t[:n].clone()))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 from expertmesh.experts.checkpoint import CheckpointReader  # noqa: E402
 from expertmesh.experts.decode_graphs import GraphSettings, model_reason  # noqa: E402
 from tests.router_step import StepSetup, build_router, prefill_then_decode, prompts, serve, serving_requests  # noqa: E402
-from tests.router_step_cuda import FAMILIES, write_checkpoint  # noqa: E402
+from tests.router_step_cuda import FAMILIES, cuda_banner, write_checkpoint  # noqa: E402
 
 
 def _setup(graphs: bool) -> StepSetup:
@@ -102,10 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("SKIP no CUDA device")
+    if not cuda_banner():
         return 0
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}", flush=True)
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):

@@ -11,6 +11,7 @@ import torch
 from expertmesh.cluster.routing_table import RoutingTable
 from expertmesh.experts.arrays import HostTensor, pack, to_tensor
 from expertmesh.experts.ffn import GatedMLPWeights, activation, gated_mlp
+from expertmesh.ops.fake_cuda import FakeCudaTensor
 
 # Hidden and intermediate sizes of the weights `expert_weights` builds (small: the math, not the size, is tested).
 HIDDEN, INTER = 16, 24
@@ -150,3 +151,9 @@ class FakeMetric:
 
     def observe(self, value, tags=None):
         self.inc(1, tags)
+
+
+def host(t: torch.Tensor) -> torch.Tensor:
+    """The CPU data under a fake-CUDA tensor, read without counting."""
+    assert isinstance(t, FakeCudaTensor), type(t)
+    return t._elem

@@ -125,15 +125,22 @@ def check_pool(model_dir: Path, utilization: float, say) -> bool:
     return passed
 
 
+def cuda_banner() -> bool:
+    """Print the GPU scripts' first line: torch, CUDA and the device, or SKIP without one. -> whether CUDA is there."""
+    if not torch.cuda.is_available():
+        print("SKIP no CUDA device")
+        return False
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}", flush=True)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("SKIP no CUDA device")
+    if not cuda_banner():
         return 0
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}", flush=True)
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {f: write_checkpoint(f, Path(tmp) / f) for f in args.families.split(",")}

@@ -12,3 +12,12 @@ def _single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fc():
+    """The fake-CUDA double open for one test (ops/fake_cuda/__init__.py)."""
+    from expertmesh.ops.fake_cuda import fake_cuda
+
+    with fake_cuda() as fc:
+        yield fc

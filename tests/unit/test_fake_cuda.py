@@ -14,22 +14,11 @@ import torch.nn.functional as F
 
 from expertmesh.ops.fake_cuda import FakeCudaGenerator, FakeCudaTensor, fake_cuda
 from expertmesh.ops.fake_cuda.rules import Kind, rule_for
+from tests.fakes import host
 
 MISMATCH = r"Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
 CPU_FIRST = r"Expected all tensors to be on the same device, but found at least two devices, cpu and cuda:0!"
 aten = torch.ops.aten
-
-
-@pytest.fixture
-def fc():
-    with fake_cuda() as fc:
-        yield fc
-
-
-def host(t: torch.Tensor) -> torch.Tensor:
-    """The CPU data under a fake tensor, read without counting."""
-    assert isinstance(t, FakeCudaTensor), type(t)
-    return t._elem
 
 
 def assert_same(fake: torch.Tensor, cpu: torch.Tensor) -> None:

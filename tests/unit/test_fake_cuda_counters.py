@@ -15,12 +15,6 @@ import torch.nn.functional as F
 from expertmesh.ops.fake_cuda import FakeCudaTensor, fake_cuda
 
 
-@pytest.fixture
-def fc():
-    with fake_cuda() as fc:
-        yield fc
-
-
 def counted(fc, fn) -> tuple[int, int, int]:
     with fc.counting() as c:
         fn()

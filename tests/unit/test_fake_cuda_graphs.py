@@ -7,20 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from expertmesh.ops.fake_cuda import FakeCudaTensor, fake_cuda
+from tests.fakes import host
 
 NOT_PERMITTED = "operation not permitted when stream is capturing"
-
-
-@pytest.fixture
-def fc():
-    with fake_cuda() as fc:
-        yield fc
-
-
-def host(t: torch.Tensor) -> torch.Tensor:
-    assert isinstance(t, FakeCudaTensor), type(t)
-    return t._elem
 
 
 def _mlp(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
