@@ -38,15 +38,24 @@ class ControllerConfig:
     # schedule an actor and report its node's new free room (about a second; several on a loaded machine); a claim
     # Ray never shows (the actor landed elsewhere) makes its node look fuller than it is for this long.
     claim_ttl_s: float = 10.0
+    # How long a restore may wait with Ray placing it on no node before the controller kills it and plans it again by
+    # the free table (cluster/restore_flow.py). A lost actor restarts on its own node without checking free room (its
+    # share comes back there), but when Ray had already handed that share to another plan's actor the restart waits
+    # in Ray's queue for good (CI chaos drill: a fraction-killed actor never came back within the 60 s settle, with
+    # restore_timeout_s at 30 min). Longer than a worker process takes to start on a loaded node.
+    restore_unplaced_s: float = 15.0
     elastic: ElasticConfig | None = None  # rebalancing / autoscaling from load (README: Elasticity); None: off
 
     def validate(self) -> ControllerConfig:
         for name in ("check_interval_s", "ping_timeout_s", "restore_timeout_s", "drain_timeout_s", "router_ttl_s",
-                     "stand_in_min_cpus", "return_check_s", "claim_ttl_s"):
+                     "stand_in_min_cpus", "return_check_s", "claim_ttl_s", "restore_unplaced_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.claim_ttl_s == float("inf"):  # a claim that never expires could keep a node looking full for good
-            raise ValueError(f"claim_ttl_s: must be finite, got {self.claim_ttl_s}")
+        # A claim that never expires could keep a node looking full for good; an unplaced restore never re-planned
+        # waits for good.
+        for name in ("claim_ttl_s", "restore_unplaced_s"):
+            if getattr(self, name) == float("inf"):
+                raise ValueError(f"{name}: must be finite, got {getattr(self, name)}")
         if isinstance(self.probe_misses, bool) or not isinstance(self.probe_misses, int) or self.probe_misses < 1:
             raise ValueError(f"probe_misses: must be an integer >= 1, got {self.probe_misses!r}")
         if self.placement not in CONTROLLER_PLACEMENTS:

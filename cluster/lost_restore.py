@@ -91,10 +91,12 @@ def bundle(slot: ActorSlot) -> dict[str, float]:
 
 def plan_restore(lost: Sequence[LostActor], rooms: Sequence[NodeRoom], live_nodes: Mapping[Shard, Collection[str]],
                  normal: Sequence[ActorSlot], stand_in_name: Callable[[int], str],
-                 min_cpus: float = 0.1) -> RestorePlan:
+                 min_cpus: float = 0.1, home_taken: Collection[str] = ()) -> RestorePlan:
     """lost: the actors to bring back; rooms: the live nodes; live_nodes: shard -> nodes that hold a live replica of
     it now; normal: every other actor of the normal placement at its normal slot (for the request);
-    stand_in_name(i): the name of the i-th stand-in (0, 1, ...); min_cpus: the least CPU share worth its own actor."""
+    stand_in_name(i): the name of the i-th stand-in (0, 1, ...); min_cpus: the least CPU share worth its own actor;
+    home_taken: lost actors whose restart on their own node waited unplaced (another actor had their returned share):
+    they fit by free room like anywhere else."""
     assert min_cpus > 0, "min_cpus must be > 0"
     free = {r.node_id: [r.free_cpus, r.free_gpus] for r in rooms}
     hosted = {r.node_id: set() for r in rooms}  # shards each node holds a live (or planned) replica of
@@ -102,7 +104,8 @@ def plan_restore(lost: Sequence[LostActor], rooms: Sequence[NodeRoom], live_node
         for node in nodes:
             if node in hosted:
                 hosted[node].add(tuple(shard))
-    full = _place_full(sorted(lost, key=lambda a: a.slot.name), rooms, free, hosted, home_fits=True)
+    full = _place_full(sorted(lost, key=lambda a: a.slot.name), rooms, free, hosted, home_fits=True,
+                       home_taken=home_taken)
     rest = [a for a in sorted(lost, key=lambda a: a.slot.name) if a.slot.name not in full]
     deferred = tuple(a.slot.name for a in rest if all(live_nodes.get(tuple(s)) for s in a.shards))
     needy = [a for a in rest if a.slot.name not in deferred]
@@ -161,16 +164,16 @@ def plan_return(displaced: Mapping[str, Sequence[LostActor]], rooms: Sequence[No
 
 
 def _place_full(actors: Sequence[LostActor], rooms: Sequence[NodeRoom], free: dict[str, list[float]],
-                hosted: dict[str, set], home_fits: bool) -> dict[str, ActorSlot]:
+                hosted: dict[str, set], home_fits: bool, home_taken: Collection[str] = ()) -> dict[str, ActorSlot]:
     """Each actor that fits somewhere at its normal share: with home_fits, on its own node while that is alive and
-    unclaimed (the share it held comes back there; `free` may go below 0 until Ray's table shows it), else on the
-    fitting node with no replica of its shards if any, then the most free CPU; `free` and `hosted` are updated in
-    place."""
+    unclaimed and the actor is not in home_taken (the share it held comes back there; `free` may go below 0 until
+    Ray's table shows it), else on the fitting node with no replica of its shards if any, then the most free CPU;
+    `free` and `hosted` are updated in place."""
     placed = {}
     alive = {r.node_id: r for r in rooms}
     for actor in actors:
         slot = actor.slot
-        home = alive.get(slot.node_id) if home_fits else None
+        home = alive.get(slot.node_id) if home_fits and slot.name not in home_taken else None
         if home is not None and (home.claimed_cpus > _EPS or home.claimed_gpus > _EPS):
             # A plan made since it died may have put an actor into its returned share (the CI chaos drill: the
             # node's re-plan took it and this in-place restore then waited PENDING): fit by what is left instead.

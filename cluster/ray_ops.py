@@ -51,9 +51,10 @@ def kill_actor(name: str, namespace: str) -> bool:
     return True
 
 
-def _named_holder(name: str, namespace: str) -> tuple[object, str, str] | None:
-    """(handle, state, node id) of the actor holding `name`, from Ray's actor table; None when no actor holds the
-    name. The node id is "" while the holder is not placed."""
+def _named_holder(name: str, namespace: str) -> tuple[object, str, str, bool] | None:
+    """(handle, state, node id, has a worker) of the actor holding `name`, from Ray's actor table; None when no actor
+    holds the name. The node id is "" while the holder is not placed. Ray names a node as soon as it picks one, also
+    for an actor queued there for want of room; only a worker process (a pid, an address) means it got its share."""
     from ray._private import state  # as router_service/node_watch.py: the public state API needs the dashboard
 
     try:
@@ -62,13 +63,21 @@ def _named_holder(name: str, namespace: str) -> tuple[object, str, str] | None:
         return None
     info = state.actors(actor_id=handle._actor_id.hex()) or {}
     node = (info.get("Address") or {}).get("NodeID") or ""
-    return handle, info.get("State", ""), node if node.strip("f0") else ""
+    worker = bool(info.get("Pid") or (info.get("Address") or {}).get("Port"))
+    return handle, info.get("State", ""), node if node.strip("f0") else "", worker
 
 
 def named_actor_node(name: str, namespace: str) -> tuple[str, str] | None:
     """(state, node id) of the actor holding `name`; None when no actor holds the name ("" node: not placed)."""
     holder = _named_holder(name, namespace)
-    return None if holder is None else holder[1:]
+    return None if holder is None else holder[1:3]
+
+
+def named_actor_has_worker(name: str, namespace: str) -> bool | None:
+    """Whether Ray gave the actor holding `name` a worker process (its share on a node); False while it waits in a
+    queue for room (or for its worker to start); None when no actor holds the name."""
+    holder = _named_holder(name, namespace)
+    return None if holder is None else holder[3]
 
 
 def release_stale_name(name: str, namespace: str) -> bool:
@@ -140,6 +149,14 @@ class RayActorOps:
         """The node Ray runs the live holder of `name` on; None when no live, placed actor holds it."""
         holder = named_actor_node(name, self.names.namespace)
         return holder[1] or None if holder is not None and holder[0] == "ALIVE" else None
+
+    def placed(self, name: str) -> bool | None:
+        """Whether Ray has given the actor holding `name` its share and a worker on a node (False: queued, no room for
+        its share where it was sent); None when no actor holds the name or Ray's table is unreadable."""
+        try:
+            return named_actor_has_worker(name, self.names.namespace)
+        except Exception:
+            return None
 
     def rooms(self) -> list[NodeRoom]:
         """Live nodes and what Ray has not given out on each, less nodes where every actor of ours is lost."""

@@ -36,6 +36,9 @@ class ReplicaRegistry:
         self.restoring: set[str] = set()
         self.lost: set[str] = set()  # expected actors whose last probe failed (restoring or not)
         self.silent: dict[str, int] = {}  # name -> probes in a row it left unanswered while Ray still listed it
+        # Lost actors whose restart on their own node waited unplaced (cluster/restore_flow.py): their returned share
+        # went to another actor, so their next plan fits them by free room. Forgotten once they answer.
+        self.home_taken: set[str] = set()
         # Lost actors not back at their normal share: name -> {"slot", "shards", "by": the stand-in hosting its
         # shards, or None while its shards run on their other replicas}. Moved back when a node with room joins.
         self.displaced: dict[str, dict] = dict(record.displaced)
@@ -118,6 +121,7 @@ class ReplicaRegistry:
         self.nodes[name] = info["node_id"]
         self.lost.discard(name)
         self.silent.pop(name, None)
+        self.home_taken.discard(name)
 
     def probed(self, names: Sequence[str], infos: Sequence[dict | str | None], restore: bool,
                misses: int = 1) -> tuple[list[str], list[str]]:
@@ -151,7 +155,8 @@ class ReplicaRegistry:
         normal = [self.slot_of(n) for n in self.expected() if n not in names and not self.is_stand_in(n)]
         normal += [ActorSlot(**d["slot"]) for d in self.displaced.values()]
         return plan_restore(lost, rooms, self.live_nodes(), normal,
-                            lambda i: stand_in_name(self.stand_in_serial + i), min_cpus=min_cpus)
+                            lambda i: stand_in_name(self.stand_in_serial + i), min_cpus=min_cpus,
+                            home_taken=self.home_taken)
 
     # ---- what others see -----------------------------------------------------------------------------------------
 

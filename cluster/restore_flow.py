@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 NAME_GRACE_S = 1.0
 
 
+class RestoreUnplaced(Exception):
+    """A restore Ray placed on no node for controller.restore_unplaced_s: the share it was planned into is taken."""
+
+
 class RestoreFlow:
     def __init__(self, registry: ReplicaRegistry, ops, history: ActivityLog, config: ControllerConfig,
                  remapper: Remapper):
@@ -136,11 +140,22 @@ class RestoreFlow:
     async def restore(self, name: str, slot: ActorSlot | None = None) -> None:
         """Start `name` again under its own name. slot: where (its normal share on a node with room); None: its own
         slot."""
-        reg, started = self.reg, time.time()
+        reg, started, replan = self.reg, time.time(), False
+        slot = slot or reg.slot_of(name)
         try:
             generation = reg.generations.get(name, 0) + 1
-            handle = await self._spawn_when_name_free(name, slot or reg.slot_of(name), generation)
-            info = await self.ops.ready(handle, self.config.restore_timeout_s)  # after warm-up
+            handle = await self._spawn_when_name_free(name, slot, generation)
+            try:
+                info = await self._ready_unless_unplaced(name, handle)  # after warm-up
+            except RestoreUnplaced as exc:
+                # Planned into a share another actor holds (its own node's returned share, taken before this plan
+                # read the table): Ray would keep it queued for restore_timeout_s. Plan it again by free room.
+                self.ops.kill(handle)
+                reg.home_taken.add(name)
+                self.history.event("restore_unplaced", name, node_id=slot.node_id,
+                                   seconds=round(time.time() - started, 3), error=str(exc))
+                replan = True
+                return
             if name not in reg.spec.actor_shards or name in reg.drained:
                 # A remap retired (or an operator drained) it while it was coming back: nobody routes to it.
                 reg.claims.release(name, "retired")
@@ -157,7 +172,32 @@ class RestoreFlow:
             self.history.event("restore_failed", name, error=f"{type(exc).__name__}: {exc}"[:500])
         finally:
             reg.claims.release(name, "failed")  # no-op once it ended above (or Ray's table showed it)
-            reg.restoring.discard(name)
+            if replan:  # still restoring: the watch must not start a second restore of it meanwhile
+                asyncio.get_running_loop().create_task(self.restore_lost([name]))
+            else:
+                reg.restoring.discard(name)
+
+    async def _ready_unless_unplaced(self, name: str, handle) -> dict:
+        """ops.ready(handle), unless Ray leaves the actor on no node for restore_unplaced_s in a row (then raises
+        RestoreUnplaced). Placed actors get restore_timeout_s to load and warm up."""
+        limit = self.config.restore_unplaced_s
+        ready = asyncio.ensure_future(self.ops.ready(handle, self.config.restore_timeout_s))
+        unplaced_since = None
+        try:
+            while True:
+                done, _ = await asyncio.wait({ready}, timeout=min(1.0, limit / 4))
+                if done:
+                    return ready.result()
+                placed, now = self.ops.placed(name), time.monotonic()
+                if placed is not False:  # placed, or Ray's table unreadable: wait on
+                    unplaced_since = None
+                elif unplaced_since is None:
+                    unplaced_since = now
+                elif now - unplaced_since >= limit:
+                    raise RestoreUnplaced(f"on no node for {limit:g} s: no room for its share where it was planned")
+        finally:
+            if not ready.done():
+                ready.cancel()
 
     async def _spawn_when_name_free(self, name: str, slot: ActorSlot, generation: int):
         """ops.spawn, tried again while Ray still holds the lost actor's name: the node watch can find an actor lost

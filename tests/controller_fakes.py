@@ -28,6 +28,7 @@ class FakeOps:
         self.log: list[tuple] = []
         self.generation: dict[str, int] = {}
         self.holders: dict[str, str] = {}  # name -> the node Ray runs its live holder on (actor_node), if a test says
+        self.unplaced: set[str] = set()  # started but on no node (Ray's queue): never ready while named here
 
     def spawn(self, slot: ActorSlot, spec: PoolSpec, generation: int, soft: bool = True) -> str:
         assert slot.name in spec.actor_shards, "an actor starts hosting shards of the spec it is given"
@@ -36,6 +37,8 @@ class FakeOps:
         return slot.name
 
     async def ready(self, handle: str, timeout_s: float) -> dict:
+        while handle in self.unplaced:
+            await asyncio.sleep(0.01)
         if handle in self.broken:
             raise TimeoutError(f"{handle} did not warm up")
         self.alive.add(handle)
@@ -44,6 +47,7 @@ class FakeOps:
     def kill(self, handle: str) -> None:
         self.log.append(("kill", handle))
         self.alive.discard(handle)
+        self.unplaced.discard(handle)  # a queued actor killed leaves Ray's queue
 
     def kill_named(self, name: str) -> bool:
         self.log.append(("kill", name))
@@ -64,6 +68,9 @@ class FakeOps:
     def actor_node(self, name: str) -> str | None:
         self.log.append(("actor_node", name))
         return self.holders.get(name) if name in self.alive else None
+
+    def placed(self, name: str) -> bool | None:
+        return name not in self.unplaced if name in self.generation else None
 
     def rooms(self) -> list[NodeRoom]:
         return self.room_list

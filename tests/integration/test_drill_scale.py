@@ -3,8 +3,8 @@
 
 - In CI: chaos on a head + 3 workers with the tiny 4-expert Mixtral, two replicas of each expert (8 actors): at the
   first tick a worker node, the controller and a share of the actors go together, then actors every tick and the
-  controller every second one. No request may fail and no greedy output may change; every kill recovers. The CLI's
-  report, record and files are checked as an operator reads them.
+  controller every second one. No request may fail and no greedy output may change; every kill recovers (the node's
+  included). The CLI's report, record and files are checked as an operator reads them.
 - Slow-marked (reports committed under docs/benchmarks/results/drills/): the same on 8 workers with a 32-expert model
   (64 actors), and a 30-minute soak whose resident memory and descriptors must stay flat within +-5 %.
 """
@@ -52,12 +52,10 @@ def _assert_chaos_recovered(report: dict, expected_actors: int) -> None:
     for kill in kills:
         assert kill["error"] is None, kill
         assert kill["mode"] == "controller" or kill.get("detect_s") is not None, kill
-        # Known gap (issue 30 note): when a node goes together with other kills, the controller's one re-plan for
-        # the node can restore some of its actors "at their normal share" onto room the other restores then take;
-        # those stay pending (their shards keep their other replica, so no request fails). Actor and controller
-        # kills must recover; node kills only need to be detected.
-        if kill["mode"] != "node":
-            assert kill["recovered_at_s"] is not None, kill
+        # Every kill recovers: restored, or stood in for / deferred to the shards' other replicas. A restore planned
+        # into a share another plan's actor took waits in Ray's queue; the controller kills it after
+        # restore_unplaced_s and plans it again (stop 36's CI run: a fraction kill queued for good without that).
+        assert kill["recovered_at_s"] is not None, kill
     assert report["cluster"]["replicas_expected"] == expected_actors
     samples = report["resources"]["series"]
     assert len(samples["t_s"]) >= 3 and max(samples["procs"]["expert_actors"]) >= expected_actors // 2, samples

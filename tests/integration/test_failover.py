@@ -249,3 +249,33 @@ class TestTwoReplicas:
         for name in victims:
             with pytest.raises(ValueError):
                 ray.get_actor(name, namespace=NAMESPACE)
+
+
+def test_rays_actor_table_tells_a_restore_queued_for_room_from_one_given_a_worker():
+    """What the controller's unplaced-restore watch reads (cluster/ray_ops.py named_actor_has_worker): Ray names a
+    node for an actor queued there for want of room too, so only a worker says it got its share."""
+    from expertmesh.cluster.ray_ops import named_actor_has_worker, named_actor_node
+
+    @ray.remote
+    class Holder:
+        def ping(self) -> int:
+            return 1
+
+    cpus = ray.available_resources().get("CPU", 0)
+    assert cpus > 0, ray.available_resources()
+    big = Holder.options(name="room-taker", namespace=NAMESPACE, num_cpus=cpus).remote()
+    ray.get(big.ping.remote())
+    queued = Holder.options(name="room-wanter", namespace=NAMESPACE, num_cpus=cpus).remote()
+    try:
+        wait_for(lambda: named_actor_node("room-wanter", NAMESPACE) is not None, timeout=10,
+                 what="the queued actor in Ray's actor table")
+        time.sleep(1.0)
+        assert named_actor_has_worker("room-taker", NAMESPACE) is True
+        assert named_actor_has_worker("room-wanter", NAMESPACE) is False  # queued: no share, no worker
+        assert named_actor_has_worker("no-such-actor", NAMESPACE) is None
+        ray.kill(big, no_restart=True)
+        assert ray.get(queued.ping.remote(), timeout=30) == 1
+        assert named_actor_has_worker("room-wanter", NAMESPACE) is True
+    finally:
+        for handle in (big, queued):
+            ray.kill(handle, no_restart=True)

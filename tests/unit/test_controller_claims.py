@@ -45,14 +45,14 @@ class GatedOps(FakeOps):
         return await super().ready(handle, timeout_s)
 
 
-def setup(rooms: list[NodeRoom], ttl_s: float = 10.0):
+def setup(rooms: list[NodeRoom], ttl_s: float = 10.0, unplaced_s: float = 15.0):
     spec = PoolSpec("m", "float32", {}).with_actor_shards(PLACEMENT)
     clock = Clock()
     reg = ReplicaRegistry(spec, {n: ActorSlot(n, NODES[n], 1.0, 0.0, None) for n in PLACEMENT},
                           claims=ClaimLedger(ttl_s, clock=clock))
     ops = GatedOps({"expert-e0-r0"}, rooms)
     history, routers = ActivityLog(), RouterReports()
-    config = ControllerConfig(drain_timeout_s=0.3, claim_ttl_s=ttl_s)
+    config = ControllerConfig(drain_timeout_s=0.3, claim_ttl_s=ttl_s, restore_unplaced_s=unplaced_s)
     remapper = Remapper(reg, ops, history, routers, config)
     for name in ("expert-e1-r0", "expert-e2-r0"):
         reg.lost.add(name)
@@ -257,3 +257,48 @@ def test_a_remaps_claim_ends_when_the_free_table_shows_its_actor_still_loading()
     assert asyncio.run(run())["ok"]
     assert ("spawn", "expert-e1-r0", "a", 1, True) in ops.log and "restore_replanned" not in kinds(history)
     assert reg.claims.ended == {"reflected": 1, "alive": 1}
+
+
+def test_a_restore_ray_leaves_on_no_node_is_killed_and_planned_again_by_free_room():
+    """The CI chaos drill's failure: e0-r0 was killed on a, another plan's actor (now up, its claim ended) took the
+    share it gave back, and e0-r0's restart at home waited in Ray's queue (restore_timeout_s: 30 min). After
+    restore_unplaced_s on no node it is killed and planned again by free room: none anywhere, so a stand-in."""
+    reg, ops, history, _, flow, _ = setup([NodeRoom("a", 0.0), NodeRoom("b", 0.0)], unplaced_s=0.1)
+    reg.nodes["expert-e0-r0"] = "a"
+    for name in ("expert-e1-r0", "expert-e2-r0"):  # up again elsewhere; only e0-r0 is lost
+        reg.lost.discard(name)
+        reg.restoring.discard(name)
+        reg.nodes[name] = "b"
+        ops.alive.add(name)
+    reg.lost.add("expert-e0-r0")
+    reg.restoring.add("expert-e0-r0")
+    ops.unplaced.add("expert-e0-r0")
+
+    async def run():
+        await flow.restore_lost(["expert-e0-r0"])
+        await until(lambda: "remap" in kinds(history), tries=300)
+
+    asyncio.run(run())
+    assert ops.log[0] == ("spawn", "expert-e0-r0", "a", 1, True) and ("kill", "expert-e0-r0") in ops.log
+    unplaced = next(e for e in history.events if e["kind"] == "restore_unplaced")
+    assert unplaced["actor"] == "expert-e0-r0" and unplaced["node_id"] == "a"
+    assert unplaced["seconds"] >= 0.1
+    assert kinds(history)[:2] == ["restore_unplaced", "restore_replanned"]
+    assert "expert-e0-r0" in reg.displaced and not reg.restoring and len(reg.claims) == 0
+    assert sum(1 for e in ops.log if e[:2] == ("spawn", "expert-e0-r0")) == 1  # not sent home a second time
+
+
+def test_a_restore_on_a_node_loading_longer_than_the_unplaced_limit_is_left_to_load():
+    reg, ops, history, _, flow, _ = setup([NodeRoom("a", 1.0)], unplaced_s=0.05)
+    ops.held = {"expert-e1-r0"}  # placed (the fake says so), still loading its weights
+    reg.home_taken.add("expert-e1-r0")
+
+    async def run():
+        restore = asyncio.create_task(flow.restore_lost(["expert-e1-r0"]))
+        await asyncio.sleep(0.3)
+        ops.gate.set()
+        await restore
+
+    asyncio.run(run())
+    assert kinds(history) == ["restored"] and ("kill", "expert-e1-r0") not in ops.log
+    assert not reg.home_taken  # it answered: its home is its own again

@@ -150,3 +150,19 @@ def test_an_actor_killed_on_a_live_node_comes_back_there_even_before_the_free_ta
     plan = plan_restore([lost(2, node="a"), lost(3)], [NodeRoom("a", 0.0)], {}, normal_slots(),
                         stand_in_name=stand_in_actor_name)
     assert set(plan.full) == {"expert-e2-r0"} and plan.displaced == ["expert-e3-r0"]
+
+
+def test_an_actor_whose_home_share_was_taken_fits_by_free_room_like_anywhere_else():
+    # Its restart at home waited unplaced (another actor got the share it gave back): the next plan does not trust
+    # home; with a's table full it goes to b if b has room, else it is displaced.
+    rooms = [NodeRoom("a", 0.0), NodeRoom("b", 1.0)]
+    plan = plan_restore([lost(2, node="a")], rooms, {}, normal_slots(), stand_in_name=stand_in_actor_name,
+                        home_taken={"expert-e2-r0"})
+    assert plan.full == {"expert-e2-r0": slot("expert-e2-r0", "b")}
+    plan = plan_restore([lost(2, node="a")], [NodeRoom("a", 0.0)], {(0, 2): {"b"}, (1, 2): {"b"}}, normal_slots(),
+                        stand_in_name=stand_in_actor_name, home_taken={"expert-e2-r0"})
+    assert not plan.full and plan.deferred == ("expert-e2-r0",) and plan.request  # its shards live on b: it waits
+    # Another actor's taken home changes nothing for this one.
+    plan = plan_restore([lost(2, node="a")], [NodeRoom("a", 0.0)], {}, normal_slots(),
+                        stand_in_name=stand_in_actor_name, home_taken={"expert-e3-r0"})
+    assert plan.full == {"expert-e2-r0": slot("expert-e2-r0", "a")}

@@ -113,9 +113,10 @@ def test_the_view_lists_live_claims_with_their_age():
 
 
 @pytest.mark.parametrize("ttl", [0.0, -1.0, float("inf")])
-def test_claim_ttl_must_be_a_positive_finite_number(ttl):
-    with pytest.raises(ValueError, match="claim_ttl_s"):
-        ControllerConfig(claim_ttl_s=ttl).validate()
+@pytest.mark.parametrize("field", ["claim_ttl_s", "restore_unplaced_s"])
+def test_claim_ttl_and_the_unplaced_limit_must_be_positive_finite_numbers(field, ttl):
+    with pytest.raises(ValueError, match=field):
+        ControllerConfig(**{field: ttl}).validate()
 
 
 def test_expertmesh_status_shows_the_live_claims_only_while_there_are_some():
