@@ -158,7 +158,7 @@ class MoEDecoder:
         ids = torch.cat([t.reshape(-1) for t in tokens])  # [T]; token ids come from the host (or are on device)
         begin, end = getattr(self.experts, "begin_step", None), getattr(self.experts, "end_step", None)
         if begin is not None:
-            begin()
+            begin(lengths)
         try:
             split = self._split(lengths) if self._can_overlap(lengths, starts) else None
             # A pure decode step within the graphs' buckets replays them (experts/decode_graphs.py); None: eager

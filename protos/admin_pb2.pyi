@@ -11,7 +11,7 @@ class RouterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json", "dtype", "device", "threads", "preemptions", "kv_blocks_free", "kv_blocks_total", "stage_seconds", "shed_slots", "prefix_query_tokens", "prefix_hit_tokens", "kv_blocks_cached", "expert_shard_calls", "finished_requests", "cuda_graphs", "cuda_graph_buckets", "cuda_graph_replays", "cuda_graph_captures", "cuda_graph_failed_buckets")
+    __slots__ = ("live_kv_caches", "active_sequences", "waiting_requests", "steps", "max_batch_seen", "replica", "retried_calls", "degraded_slots", "load_json", "dtype", "device", "threads", "preemptions", "kv_blocks_free", "kv_blocks_total", "stage_seconds", "shed_slots", "prefix_query_tokens", "prefix_hit_tokens", "kv_blocks_cached", "expert_shard_calls", "finished_requests", "cuda_graphs", "cuda_graph_buckets", "cuda_graph_replays", "cuda_graph_captures", "cuda_graph_failed_buckets", "prefetch")
     class StageSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class RouterStats(_message.Message):
     CUDA_GRAPH_REPLAYS_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPH_CAPTURES_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPH_FAILED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     live_kv_caches: int
     active_sequences: int
     waiting_requests: int
@@ -73,7 +74,8 @@ class RouterStats(_message.Message):
     cuda_graph_replays: int
     cuda_graph_captures: int
     cuda_graph_failed_buckets: int
-    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., shed_slots: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., expert_shard_calls: _Optional[int] = ..., finished_requests: _Optional[int] = ..., cuda_graphs: _Optional[str] = ..., cuda_graph_buckets: _Optional[int] = ..., cuda_graph_replays: _Optional[int] = ..., cuda_graph_captures: _Optional[int] = ..., cuda_graph_failed_buckets: _Optional[int] = ...) -> None: ...
+    prefetch: str
+    def __init__(self, live_kv_caches: _Optional[int] = ..., active_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., replica: _Optional[str] = ..., retried_calls: _Optional[int] = ..., degraded_slots: _Optional[int] = ..., load_json: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., threads: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., stage_seconds: _Optional[_Mapping[str, float]] = ..., shed_slots: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., expert_shard_calls: _Optional[int] = ..., finished_requests: _Optional[int] = ..., cuda_graphs: _Optional[str] = ..., cuda_graph_buckets: _Optional[int] = ..., cuda_graph_replays: _Optional[int] = ..., cuda_graph_captures: _Optional[int] = ..., cuda_graph_failed_buckets: _Optional[int] = ..., prefetch: _Optional[str] = ...) -> None: ...
 
 class ClusterStateRequest(_message.Message):
     __slots__ = ()

@@ -191,6 +191,10 @@ class ExpertsConfig:
     prefetch_min_confidence: float = 0.0
     prefetch_max_shards: int | None = None
     prefetch_min_precision: float = 0.0
+    # Keep hints on only while they make decode steps faster (router_service/prefetch_governor.py): the router
+    # alternates 8-step windows with hints on and off (3 pairs), keeps the faster, and measures again after this many
+    # decode steps (0: at once). None: no governor, hints always follow the policy above.
+    prefetch_governor_hold_steps: int | None = 256
 
     def prefetch_mode(self, transport: str = "refs") -> str:
         """prefetch with "auto" resolved: gate with a memory budget (unless the transport is compiled, whose actors
@@ -204,6 +208,14 @@ class ExpertsConfig:
         from .prefetch_policy import PrefetchPolicy
 
         return PrefetchPolicy(self.prefetch_min_confidence, self.prefetch_max_shards, self.prefetch_min_precision)
+
+    def prefetch_governor(self):
+        """A fresh governor of these settings (router_service/prefetch_governor.py), or None when off."""
+        from .prefetch_governor import GovernorSettings, PrefetchGovernor
+
+        if self.prefetch_governor_hold_steps is None:
+            return None
+        return PrefetchGovernor(GovernorSettings(hold_steps=self.prefetch_governor_hold_steps))
 
     def validate(self) -> ExpertsConfig:
         if self.replicas_per_expert < 1:
@@ -232,6 +244,9 @@ class ExpertsConfig:
                 raise ValueError(f"{name}: must be in [0, 1], got {value}")
         if self.prefetch_max_shards is not None and self.prefetch_max_shards < 1:
             raise ValueError(f"prefetch_max_shards: must be ≥ 1 or null, got {self.prefetch_max_shards}")
+        hold = self.prefetch_governor_hold_steps
+        if hold is not None and (isinstance(hold, bool) or not isinstance(hold, int) or hold < 0):
+            raise ValueError(f"prefetch_governor_hold_steps: must be an integer ≥ 0 or null, got {hold!r}")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction: must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         if self.prefetch not in PREFETCH_SETTINGS:

@@ -42,6 +42,7 @@ from .error_log import ClientErrorLog, quiet_serve_request_logs
 from .errors import RequestError, check_token_ids
 from .expert_pool import connect_actors
 from .grammar_mask import grammar_tokenizer
+from .prefetch import prefetch_note
 from .proto_mapping import ApiError
 from .router import Router
 from .startup import start_mesh
@@ -398,6 +399,7 @@ class RouterDeployment:
             cuda_graph_buckets=s.get("cuda_graph_buckets", 0), cuda_graph_replays=s.get("cuda_graph_replays", 0),
             cuda_graph_captures=s.get("cuda_graph_captures", 0),
             cuda_graph_failed_buckets=s.get("cuda_graph_failed_buckets", 0),
+            prefetch=prefetch_note(backend.prefetcher),
         )
 
     def _batcher_gauges(self) -> dict:

@@ -92,6 +92,7 @@ class RemoteExperts:
         # Prefetch (README: Offload): predicts the next MoE layer's experts (router_service/prefetch.py); the
         # prediction rides with this layer's calls to the actors hosting those shards. None = off.
         self.prefetcher = None
+        self._step_began: float | None = None  # perf_counter at begin_step, for the prefetch governor
         # Node watch (router_service/node_watch.py): hands over actors found on dead nodes. None = off.
         self.node_watch = None
         self.prefetch_calls = 0  # hints sent as calls of their own (to actors this layer does not call)
@@ -136,10 +137,14 @@ class RemoteExperts:
         """Switch inside a held step unless the staged table retires an actor that may still answer a call of it."""
         return self.switch.apply_while_held(lambda: self._in_flight.actors() - self.health.gone())
 
-    def begin_step(self) -> None:
-        """The decoder starts a forward: switch to a staged table now, then no switch until end_step (same
-        thread)."""
+    def begin_step(self, lengths: list[int] | None = None) -> None:
+        """The decoder starts a forward over sequences feeding `lengths` tokens each: switch to a staged table now,
+        then no switch until end_step (same thread)."""
         self.switch.begin_step(self._new_step)
+        governor = getattr(self.prefetcher, "governor", None)
+        if governor is not None and lengths is not None:
+            governor.begin(decode=all(n == 1 for n in lengths), rows=len(lengths))
+            self._step_began = time.perf_counter()
 
     def _new_step(self) -> None:
         self.calls_per_layer = {}
@@ -148,6 +153,10 @@ class RemoteExperts:
 
     def end_step(self) -> None:
         self.switch.end_step()
+        governor = getattr(self.prefetcher, "governor", None)
+        if governor is not None and self._step_began is not None:
+            governor.end(time.perf_counter() - self._step_began)
+            self._step_began = None
 
     def apply_if_idle(self, idle_s: float) -> bool:
         """Switch to a staged table now when no step is running and none ended within idle_s."""

@@ -23,6 +23,7 @@ import torch
 
 from ..cluster.routing_table import Shard
 from ..experts.setting_choices import PREFETCH_MODES, PREFETCH_SETTINGS  # noqa: F401  (PREFETCH_SETTINGS re-exported)
+from .prefetch_governor import PrefetchGovernor
 from .prefetch_policy import PrefetchPolicy, choose_experts, expert_confidence, precision_allows
 
 
@@ -34,10 +35,15 @@ class NextLayerPredictor:
     def __init__(self, mode: str, moe_layers: list[int],
                  gate: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
                  policy: PrefetchPolicy | None = None,
-                 gate_probs: Callable[[int, torch.Tensor], torch.Tensor] | None = None, top_k: int = 2):
+                 gate_probs: Callable[[int, torch.Tensor], torch.Tensor] | None = None, top_k: int = 2,
+                 governor: PrefetchGovernor | None = None):
         assert mode in PREFETCH_MODES and mode != "off", mode
         assert mode != "gate" or gate is not None, "gate mode needs the routers"
         self.policy = policy or PrefetchPolicy()
+        # Hints only while they make decode steps faster (prefetch_governor.py); None: always. The dispatcher tells
+        # it where steps begin and end.
+        self.governor = governor
+        self.governed = 0  # predictions the governor kept back (hints off in this step)
         self.gate_probs, self.top_k = gate_probs, top_k
         self.predictions = 0  # predict() calls that had something to go on (the precision floor's probe clock)
         self.withheld = 0  # of those, how many the precision floor kept back
@@ -66,6 +72,10 @@ class NextLayerPredictor:
         nxt = self.next_of.get(layer)
         if nxt is None or nxt == layer:
             return None
+        if self.governor is not None and not self.governor.hinting:
+            self.governed += 1
+            self.pending.pop(nxt, None)  # nothing was predicted for it: score nothing
+            return None
         wraps = nxt <= layer  # the next step's first MoE layer
         policy = self.policy
         if self.mode == "gate" and not wraps:
@@ -88,7 +98,8 @@ class NextLayerPredictor:
         return {"mode": self.mode, "predicted_shards": self.predicted, "actual_shards": self.actual,
                 "hit_shards": self.hits, "recall": self.hits / self.actual if self.actual else None,
                 "precision": self.hits / self.predicted if self.predicted else None,
-                "withheld_layers": self.withheld}
+                "withheld_layers": self.withheld, "governed_layers": self.governed,
+                "governor": None if self.governor is None else self.governor.stats()}
 
 
 def address_hints(layer: int, experts: Sequence[int], replicas: Mapping[Shard, Sequence[str]],
@@ -101,3 +112,20 @@ def address_hints(layer: int, experts: Sequence[int], replicas: Mapping[Shard, S
             if actor not in dead:
                 hints.setdefault(actor, []).append((layer, expert))
     return hints
+
+
+def prefetch_note(prefetcher: NextLayerPredictor | None) -> str:
+    """RouterStats.prefetch: "" when off; "gate" (no governor); "gate, measuring"; "gate, hints on: 10.1 ms per
+    sequence-row with them, 13.6 without" (the governor's last measurement)."""
+    if prefetcher is None:
+        return ""
+    governor = prefetcher.governor
+    if governor is None:
+        return prefetcher.mode
+    last = governor.verdicts[-1] if governor.verdicts else None
+    if last is None:
+        return f"{prefetcher.mode}, measuring"
+    state = "hints on" if governor.verdict else "hints off"
+    again = ", measuring again" if governor.measuring else ""
+    return (f"{prefetcher.mode}, {state}: {last['on_s_per_row'] * 1e3:.1f} ms per sequence-row with them, "
+            f"{last['off_s_per_row'] * 1e3:.1f} without{again}")

@@ -121,7 +121,7 @@ class Router:
             self.backend.prefetcher = NextLayerPredictor(
                 prefetch, self.model_config.moe_layers, self.model.predict_experts,
                 policy=config.experts.prefetch_policy(), gate_probs=self.model.predict_expert_probs,
-                top_k=self.model_config.top_k)
+                top_k=self.model_config.top_k, governor=config.experts.prefetch_governor())
         # Load statistics, metrics, traces (router_service/observability.py).
         self.observer = RouterObserver(self.model_config, self.backend, router_id or default_router_id(),
                                        config.observability, build_tracer(config.tracing, "router"),

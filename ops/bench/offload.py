@@ -36,6 +36,7 @@ from ...router_service.config import MeshConfig
 from .checkpoints import MIXTRAL, write_bench_checkpoint
 from .common import all_cores, machine_info, say_to_stderr
 from .offload_affinity import AffinityWorkload, serve_fifo_vs_affinity
+from .offload_governor import GovernorWorkload, decode_with_and_without_governor
 from .offload_report import TIER_KEYS, counter_delta, rebase_on_best_resident, stall_removed_by_prefetch, tier_summary
 from .routing_trace import ROUTING_TRACE
 
@@ -55,6 +56,10 @@ class OffloadParams:
     # FIFO vs expert-affinity admission served on a two-topic workload (ops/bench/offload_affinity.py) in the first
     # offloaded mesh: AffinityWorkload's fields to override; None: skip.
     affinity: dict | None = field(default_factory=lambda: {"requests": AffinityWorkload().requests})
+    # A long decode on demand, with gate prefetch and with gate prefetch under its governor, in the first offloaded
+    # mesh (ops/bench/offload_governor.py): GovernorWorkload's fields to override; None: skip.
+    governor: dict | None = field(default_factory=lambda: {"steps": GovernorWorkload().steps,
+                                                           "rounds": GovernorWorkload().rounds})
     ppl: dict = field(default_factory=dict)  # held_out_perplexity's tokens / window (default: its own)
     model: dict = field(default_factory=lambda: MIXTRAL)
     prefill: dict = field(default_factory=lambda: dict(sequences=2, tokens=128, repeats=3))
@@ -65,7 +70,9 @@ class OffloadParams:
         return cls(tuple(float(r) for r in args.residency.split(",")), tuple(args.prefetch_modes.split(",")),
                    eviction=tuple(args.evictions.split(",")), layers=args.layers, quant=tuple(args.quant.split(",")),
                    perplexity=not args.no_perplexity,
-                   affinity=dict(requests=args.affinity_requests) if args.affinity_requests else None)
+                   affinity=dict(requests=args.affinity_requests) if args.affinity_requests else None,
+                   governor=(dict(steps=args.governor_steps, rounds=args.governor_rounds) if args.governor_steps
+                             else None))
 
 
 def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = True,
@@ -130,6 +137,13 @@ def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = T
                             workload = AffinityWorkload(**params.affinity)
                             say(f"  FIFO vs affinity admission, {workload.requests} two-topic requests ...")
                             result["affinity"] = serve_fifo_vs_affinity(mesh, _actor_totals, workload) | {
+                                "residency": share, "eviction": eviction, "quant": q}
+                        if offload and params.governor is not None and "governor" not in result \
+                                and "gate" in prefetch:
+                            workload = GovernorWorkload(**params.governor)
+                            say(f"  on demand vs gate prefetch vs gate prefetch governed, {workload.steps} decode "
+                                f"steps x {workload.rounds} rounds ...")
+                            result["governor"] = decode_with_and_without_governor(mesh, context_ids, workload) | {
                                 "residency": share, "eviction": eviction, "quant": q}
             if baseline is not None and baseline["residency"] >= 1.0:
                 # The resident mesh once more at the end: on a shared machine the load drifts over minutes, so

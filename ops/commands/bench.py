@@ -139,6 +139,11 @@ def add_parser(sub) -> None:
     offload.add_argument("--layers", type=int, default=4, help="layers of the benchmark model")
     offload.add_argument("--affinity-requests", type=int, default=16, metavar="N", help="FIFO vs expert-affinity "
                          "admission on a two-topic burst of N requests in the first offloaded mesh (0: skip)")
+    offload.add_argument("--governor-steps", type=int, default=128, metavar="N", help="a long decode of N steps on "
+                         "demand, with gate prefetch and with gate prefetch under its governor "
+                         "(experts.prefetch_governor_hold_steps), in the first offloaded mesh (0: skip)")
+    offload.add_argument("--governor-rounds", type=int, default=2, metavar="N", help="rounds of that decode, the "
+                         "three modes alternating")
     offload.add_argument("--quant", default="none,int8,int4",
                          help="comma-separated expert quantisation modes (experts.quant), each against its own "
                          "all-resident run")

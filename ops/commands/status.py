@@ -60,6 +60,8 @@ def status_lines(state) -> list[str]:
         expert_loads_line(r),
         cuda_graphs_line(r),
     ]
+    if prefetch_line(r) is not None:
+        lines.append(prefetch_line(r))
     profile = status_profile_line(dict(r.stage_seconds), r.steps)
     if profile is not None:
         lines.append(profile)
@@ -85,6 +87,11 @@ def prefix_cache_line(r) -> str:
     rate = f"{100 * r.prefix_hit_tokens / r.prefix_query_tokens:.1f}%" if r.prefix_query_tokens else "-"
     return (f"prefix cache: {rate} of prompt tokens served from cache ({r.prefix_hit_tokens} of "
             f"{r.prefix_query_tokens}), {r.kv_blocks_cached} blocks cached")
+
+
+def prefetch_line(r) -> str | None:
+    """The router's offload prefetch and its governor's verdict (README: Offload); None when prefetch is off."""
+    return f"prefetch: {r.prefetch}" if r.prefetch else None
 
 
 def cuda_graphs_line(r) -> str:

@@ -25,7 +25,8 @@ def test_offload_bench_reports_each_mode_against_its_own_resident_run():
                            ppl=dict(tokens=512, window=128), model=SMALL,
                            prefill=dict(sequences=2, tokens=32, repeats=1),
                            decode=dict(sequences=4, context=8, steps=4),
-                           affinity=dict(requests=4, prompt=4, max_tokens=4, max_active=2, rounds=1))
+                           affinity=dict(requests=4, prompt=4, max_tokens=4, max_active=2, rounds=1),
+                           governor=dict(steps=6, rounds=1, window_steps=2, pairs=1, hold_steps=100))
     result = run_offload_bench(params, verbose=False)
     assert result["layout"] == "per-expert"  # budgets are shares of what each of the per-expert actors hosts
     runs = result["runs"]
@@ -47,6 +48,13 @@ def test_offload_bench_reports_each_mode_against_its_own_resident_run():
     assert (affinity["residency"], affinity["quant"]) == (0.5, "int8")
     assert affinity["summary"]["same_tokens"], affinity
     assert affinity["summary"]["shard_calls_fewer_x"] >= 1.3, affinity
+    # The long decode on demand / gate / gate governed: same tokens, and the governor measured and decided (2-step
+    # windows, one pair: after 4 decode steps) through the real dispatcher's step timing.
+    governor = result["governor"]
+    assert [r["mode"] for r in governor["runs"]] == ["off", "gate", "gate+governor"], governor
+    assert governor["summary"]["all_tokens_equal"], governor
+    governed = governor["runs"][2]["governor"]
+    assert governed["measurements"] == 1 and not governed["measuring"] and len(governed["verdicts"]) == 1, governed
     ppl = result["perplexity"]
     assert set(ppl) == {"int8"}
     for row in ppl.values():

@@ -54,6 +54,7 @@ def test_router_stats_report_the_resolved_dtype_device_and_threads(channel):
     assert (stats.dtype, stats.device, stats.threads) == ("float32", "cpu", 1)
     # router.cuda_graphs auto on a CPU router: off, and the reply says why
     assert stats.cuda_graphs == "off (the router computes on cpu)" and stats.cuda_graph_buckets == 0
+    assert stats.prefetch == ""  # experts.prefetch auto without a memory budget: off
 
 
 def test_router_stats_carry_the_step_profile_stage_clocks(channel):

@@ -12,6 +12,7 @@ import torch
 from expertmesh.experts.checkpoint import CheckpointReader
 from expertmesh.experts.weights import load_expert_shards
 from expertmesh.router_service.mesh import ExpertMesh, MeshConfig
+from expertmesh.router_service.prefetch import prefetch_note
 from expertmesh.router_service.router import Router
 from tests.tiny_checkpoints import VOCAB, greedy_tokens
 
@@ -60,6 +61,8 @@ def test_offloaded_serving_equals_the_resident_reference_bit_for_bit(mesh, refer
         assert router.generate(token_ids=PROMPT, max_tokens=6, stop_at_eos=False).token_ids == tokens, name
         stats = router.backend.prefetcher.stats()
         assert stats["actual_shards"] > 0 and stats["hit_shards"] > 0, (name, stats)
+        # The governor (on by default) is in its first, hinted window after 5 decode steps: still measuring.
+        assert stats["governor"]["measuring"] and prefetch_note(router.backend.prefetcher).endswith("measuring")
         # Hints ride with the layer's calls on every transport here; actors a layer does not call get their own.
         assert router.backend.prefetch_riding > 0 and router.backend.prefetch_calls > 0, name
 

@@ -108,7 +108,7 @@ class _Recorder:
     def effective_routing(self, layer: int, routing: Routing) -> Routing:
         return routing
 
-    def begin_step(self) -> None:
+    def begin_step(self, lengths: list[int] | None = None) -> None:
         self.events.append(("begin",))
 
     def end_step(self) -> None:
