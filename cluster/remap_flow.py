@@ -33,12 +33,17 @@ class Remapper:
         """Live routers (heard from within router_ttl_s) that still route with an older table."""
         return self.routers.behind(epoch, self.clock(), self.config.router_ttl_s)
 
-    async def remap(self, actor_shards: dict[str, list], slots: dict[str, dict], soft: bool = True) -> dict:
+    async def remap(self, actor_shards: dict[str, list] | Callable[[], dict[str, list]], slots: dict[str, dict],
+                    soft: bool = True) -> dict:
         """Controller.apply_placement, one at a time; soft False starts the added actors only on their slots' nodes.
-        ValueError (naming the argument) when an actor would change shards or a new one has no slot."""
+        actor_shards: the target, or a function computing it from the registry once this remap holds the lock (a
+        target read from the placement before another remap finished names actors that remap retired: CI chaos
+        drill, two deferrals at one tick, "slots: no slot for new actors"). ValueError (naming the argument) when
+        an actor would change shards or a new one has no slot."""
         await asyncio.get_running_loop().run_in_executor(None, self._lock.acquire)
         try:
-            return await self._apply(actor_shards, slots, soft)
+            target = actor_shards() if callable(actor_shards) else actor_shards
+            return await self._apply(target, slots, soft)
         finally:
             self._lock.release()
 

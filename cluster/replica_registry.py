@@ -152,7 +152,9 @@ class ReplicaRegistry:
         # Its slot on the node it last ran on (a restore may have moved it from the slot's first node).
         lost = [LostActor(replace(self.slot_of(n), node_id=self.node_of(n)),
                           tuple(map(tuple, self.spec.actor_shards[n]))) for n in names]
-        normal = [self.slot_of(n) for n in self.expected() if n not in names and not self.is_stand_in(n)]
+        # Displaced ones still in the placement (their remap not run yet) count once, by their record.
+        normal = [self.slot_of(n) for n in self.expected()
+                  if n not in names and not self.is_stand_in(n) and n not in self.displaced]
         normal += [ActorSlot(**d["slot"]) for d in self.displaced.values()]
         return plan_restore(lost, rooms, self.live_nodes(), normal,
                             lambda i: stand_in_name(self.stand_in_serial + i), min_cpus=min_cpus,

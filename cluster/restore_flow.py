@@ -230,14 +230,16 @@ class RestoreFlow:
                                       for n, s in plan.stand_ins.items()})
         reg.stand_in_serial += len(plan.stand_ins)
         try:
-            target = stand_in_placement(reg.spec.actor_shards, reg.drained, plan)
             # Record the displaced before the remap retires them (it forgets their slots).
             records = displace(reg.displaced, plan, reg.slots, reg.spec.actor_shards)
             reg.displaced.update(records)
             self.ops.persist()
             # Hard affinity: Ray would place a stand-in that reserves nothing on any node, not the one planned.
             stand_in_slots = {n: asdict(s.slot) for n, s in plan.stand_ins.items()}
-            result = await self.remapper.remap(target, stand_in_slots, soft=False)
+            # The target from the placement as it stands once this remap runs: another pass's remap may be
+            # retiring other actors meanwhile.
+            result = await self.remapper.remap(lambda: stand_in_placement(reg.spec.actor_shards, reg.drained, plan),
+                                               stand_in_slots, soft=False)
             if not result.get("ok"):
                 for name in records:
                     reg.displaced.pop(name, None)

@@ -313,3 +313,39 @@ def test_a_restore_waits_while_ray_still_holds_the_lost_actors_name():
 
     asyncio.run(run())
     assert kinds(history) == ["lost", "restored"] and not refusals and reg.generations["expert-e1-r0"] == 1
+
+
+def test_two_deferrals_planned_at_one_tick_both_land_and_the_request_counts_each_actor_once():
+    """CI chaos drill: two passes each deferred one lost actor (its shard lives on its other replica) at the same
+    moment; the second pass's remap target, read from the placement before the first remap retired its actor, named
+    that actor again, and the remap refused it ("slots: no slot for new actors"). The target is now computed once
+    the remap holds its lock."""
+    placement = {"expert-e0-r0": [[0, 0]], "expert-e0-r1": [[0, 0]], "expert-e1-r0": [[0, 1]],
+                 "expert-e1-r1": [[0, 1]]}
+    reg, ops, history, _, _, flow = setup([NodeRoom("a", 0.0), NodeRoom("b", 0.0)], placement)
+    for name in ("expert-e0-r0", "expert-e1-r0"):  # on a node that died; the survivors are full
+        ops.alive.discard(name)
+        reg.lost.add(name)
+        reg.restoring.add(name)
+        reg.nodes[name] = "dead"
+    reg.nodes.update({"expert-e0-r1": "b", "expert-e1-r1": "b"})
+
+    async def run():
+        flow.remapper._lock.acquire()  # another remap in progress: both passes plan and queue behind it
+        first = asyncio.create_task(flow.restore_lost(["expert-e0-r0"]))
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if "restore_replanned" in kinds(history):
+                break
+        assert "expert-e0-r0" in reg.displaced and "expert-e0-r0" in reg.spec.actor_shards  # queued, not retired
+        second = asyncio.create_task(flow.restore_lost(["expert-e1-r0"]))
+        await asyncio.sleep(0.05)
+        flow.remapper._lock.release()
+        await asyncio.gather(first, second)
+
+    asyncio.run(run())
+    assert "restore_failed" not in kinds(history), history.events
+    assert kinds(history).count("restore_replanned") == 2 and kinds(history).count("remap") == 2
+    assert set(reg.spec.actor_shards) == {"expert-e0-r1", "expert-e1-r1"}
+    assert set(reg.displaced) == {"expert-e0-r0", "expert-e1-r0"} and not reg.restoring
+    assert len(reg.restore_request) == 4  # each of the 4 actors once, at its normal share
