@@ -55,7 +55,8 @@ class OffloadParams:
     perplexity: bool = True
     # FIFO vs expert-affinity admission served on a two-topic workload (ops/bench/offload_affinity.py) in the first
     # offloaded mesh: AffinityWorkload's fields to override; None: skip.
-    affinity: dict | None = field(default_factory=lambda: {"requests": AffinityWorkload().requests})
+    affinity: dict | None = field(default_factory=lambda: {"requests": AffinityWorkload().requests,
+                                                           "topics": AffinityWorkload().topics})
     # A long decode on demand, with gate prefetch and with gate prefetch under its governor, in the first offloaded
     # mesh (ops/bench/offload_governor.py): GovernorWorkload's fields to override; None: skip.
     governor: dict | None = field(default_factory=lambda: {"steps": GovernorWorkload().steps,
@@ -70,7 +71,8 @@ class OffloadParams:
         return cls(tuple(float(r) for r in args.residency.split(",")), tuple(args.prefetch_modes.split(",")),
                    eviction=tuple(args.evictions.split(",")), layers=args.layers, quant=tuple(args.quant.split(",")),
                    perplexity=not args.no_perplexity,
-                   affinity=dict(requests=args.affinity_requests) if args.affinity_requests else None,
+                   affinity=(dict(requests=args.affinity_requests, topics=args.affinity_topics)
+                             if args.affinity_requests else None),
                    governor=(dict(steps=args.governor_steps, rounds=args.governor_rounds) if args.governor_steps
                              else None))
 
@@ -135,7 +137,8 @@ def run_offload_bench(params: OffloadParams = OffloadParams(), verbose: bool = T
                             result["runs"].append({k: v for k, v in run.items() if not k.startswith("_")})
                         if offload and params.affinity is not None and "affinity" not in result:
                             workload = AffinityWorkload(**params.affinity)
-                            say(f"  FIFO vs affinity admission, {workload.requests} two-topic requests ...")
+                            say(f"  FIFO vs affinity admission, {workload.requests} requests on {workload.topics} "
+                                "topics ...")
                             result["affinity"] = serve_fifo_vs_affinity(mesh, _actor_totals, workload) | {
                                 "residency": share, "eviction": eviction, "quant": q}
                         if offload and params.governor is not None and "governor" not in result \

@@ -1,8 +1,8 @@
 """FIFO against expert-affinity admission served through an offloaded mesh (`bench offload`, README: Offload).
 
-The benchmark model's routing is random, so its router-side weights are bent into two topics first
-(ops/bench/topics.py: embeddings, gates, lm_head; the actors' experts untouched) and put back afterwards. The same
-burst of requests (alternating topics, prompts from the topic's half of the vocabulary) is served through a
+The benchmark model's routing is random, so its router-side weights are bent into topics first (two by default;
+ops/bench/topics.py: embeddings, gates, lm_head; the actors' experts untouched) and put back afterwards. The same
+burst of requests (cycling through the topics, prompts from the topic's part of the vocabulary) is served through a
 ContinuousBatcher over the mesh's model, once per admission policy per round, the policies alternating (the box is
 shared: its load drifts). Per run: expert shards called per request and per step (the batcher's counters), the
 actors' demand loads per request (tier misses), bytes moved, request latency p50 / p99 (submit to last token), and
@@ -27,6 +27,7 @@ class AffinityWorkload:
     max_wait_s: float = 60.0  # affinity's fairness bound
     rounds: int = 2  # FIFO, affinity, FIFO, affinity, ...
     strength: float = 3.0  # make_topical's
+    topics: int = 2  # requests cycle through them; each gets 1/topics of the experts (make_topical)
 
 
 def serve_fifo_vs_affinity(mesh, actor_totals, workload: AffinityWorkload = AffinityWorkload()) -> dict:
@@ -36,8 +37,9 @@ def serve_fifo_vs_affinity(mesh, actor_totals, workload: AffinityWorkload = Affi
 
     model = mesh.model
     saved = _dense_copies(model.w)
-    make_topical(model.w, model.cfg.num_experts, workload.strength)
-    prompts = [topic_prompt(r % 2, workload.prompt, model.cfg.vocab_size, seed=1000 + r)
+    make_topical(model.w, model.cfg.num_experts, workload.strength, topics=workload.topics)
+    prompts = [topic_prompt(r % workload.topics, workload.prompt, model.cfg.vocab_size, seed=1000 + r,
+                            topics=workload.topics)
                for r in range(workload.requests)]
     runs = []
     try:

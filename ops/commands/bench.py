@@ -138,7 +138,9 @@ def add_parser(sub) -> None:
                          "mesh each per offloaded level (all four are also replayed on the recorded routing trace)")
     offload.add_argument("--layers", type=int, default=4, help="layers of the benchmark model")
     offload.add_argument("--affinity-requests", type=int, default=16, metavar="N", help="FIFO vs expert-affinity "
-                         "admission on a two-topic burst of N requests in the first offloaded mesh (0: skip)")
+                         "admission on a mixed-topic burst of N requests in the first offloaded mesh (0: skip)")
+    offload.add_argument("--affinity-topics", type=int, default=2, metavar="N", help="topics the affinity burst's "
+                         "requests cycle through (each routes to 1/N of the experts; N must divide the experts)")
     offload.add_argument("--governor-steps", type=int, default=128, metavar="N", help="a long decode of N steps on "
                          "demand, with gate prefetch and with gate prefetch under its governor "
                          "(experts.prefetch_governor_hold_steps), in the first offloaded mesh (0: skip)")

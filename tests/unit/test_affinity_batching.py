@@ -9,6 +9,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from expertmesh.experts.reference import load_reference_model
 from expertmesh.ops.bench.topics import make_topical, topic_prompt
@@ -70,6 +71,28 @@ def test_prompt_signature_follows_the_topic(topical):
     vocab, half = topical.cfg.vocab_size, topical.cfg.num_experts // 2
     assert prompt_signature(topical, topic_prompt(0, 8, vocab, seed=1), keep=0) <= set(range(half))
     assert prompt_signature(topical, topic_prompt(1, 8, vocab, seed=1), keep=0) <= set(range(half, 2 * half))
+
+
+def test_more_topics_each_route_to_their_own_experts(checkpoints):
+    """bench offload --affinity-topics N: N topics, each routed to its 1/N of the experts (olmoe: 8 experts, so 4
+    topics of 2 each; its top-3's third pick necessarily lies outside the topic's 2), and the directions point away
+    from each other as a regular simplex's corners."""
+    from expertmesh.ops.bench.topics import topic_directions
+
+    u = topic_directions(64, 4)
+    gram = u @ u.T  # [4, 4]
+    assert torch.allclose(gram, torch.full((4, 4), -1 / 3) + torch.eye(4) * (4 / 3), atol=1e-5)
+    two = topic_directions(64, 2)
+    assert torch.equal(two[0], -two[1])  # two topics: +u and -u, as the committed runs used
+    model = load_reference_model(checkpoints["olmoe"])
+    make_topical(model.w, model.cfg.num_experts, topics=4)
+    vocab = model.cfg.vocab_size
+    for topic in range(4):
+        prompt = topic_prompt(topic, 8, vocab, seed=7, topics=4)
+        assert all(t * 4 // vocab == topic for t in prompt), prompt  # the topic's part of the vocabulary
+        h = torch.nn.functional.embedding(torch.tensor(prompt), model.w.embed)  # [8, H]
+        picks = model.predict_experts(model.cfg.moe_layers[0], h)  # [8, 3]
+        assert all(set(row[:2]) == {2 * topic, 2 * topic + 1} for row in picks.tolist()), (topic, picks)
 
 
 async def _serve(model, config: BatcherConfig, prompts: list[list[int]], max_tokens: int):
