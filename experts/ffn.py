@@ -47,9 +47,10 @@ class GatedMLPWeights:
     def from_parts(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, **extra) -> GatedMLPWeights:
         return cls(gate_up=torch.cat([gate, up], dim=0).contiguous(), down=down.contiguous(), **extra)
 
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> GatedMLPWeights:
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None,
+           non_blocking: bool = False) -> GatedMLPWeights:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=dtype)
+            return None if t is None else t.to(device=device, dtype=dtype, non_blocking=non_blocking)
 
         return dataclasses.replace(self, gate_up=move(self.gate_up), down=move(self.down),
                                    gate_up_bias=move(self.gate_up_bias), down_bias=move(self.down_bias))

@@ -47,16 +47,43 @@ class DiskTier:
 
 class HostTier:
     """Every shard held in host memory (pinned where CUDA is, so copies to the GPU are DMA), moved with
-    `.to(device)`. Only meaningful for a GPU device: on a CPU `.to("cpu")` is the same tensors."""
+    `.to(device)`. Only meaningful for a GPU device: on a CPU `.to("cpu")` is the same tensors.
+
+    On CUDA the copy runs on a stream of its own. A plain `.to(device)` from the loader thread goes on the legacy
+    default stream, the one the actor's expert kernels run on, so a prefetch would queue between them instead of
+    overlapping them. The loader thread waits for its own copy (an event), never the compute stream, and each new
+    tensor is recorded on the compute stream, so the caching allocator does not hand its memory to the next copy
+    while kernels queued before its eviction may still read it."""
 
     name = "host"
 
     def __init__(self, host_weights: dict[Shard, object], device: torch.device):
         self.host = host_weights
-        self.device = device
+        self.device = torch.device(device)
+        self._copy_stream = None  # made on first use, on the loading thread's device context
 
     def fetch(self, shard: Shard):
-        return self.host[shard].to(self.device)
+        weights = self.host[shard]
+        if self.device.type != "cuda":
+            return weights.to(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            out = weights.to(self.device, non_blocking=True)  # pinned source: a DMA on the copy stream
+        self._copy_stream.record_event().synchronize()  # this thread waits for its copy, the kernels do not
+        compute = torch.cuda.default_stream(self.device)
+        for t in _tensors(out):
+            t.record_stream(compute)
+        return out
+
+
+def _tensors(weights) -> list[torch.Tensor]:
+    """Every tensor a shard's weights hold (a dataclass of tensors, possibly of quantised matrices)."""
+    if isinstance(weights, torch.Tensor):
+        return [weights]
+    if not dataclasses.is_dataclass(weights):
+        return []
+    return [t for f in dataclasses.fields(weights) for t in _tensors(getattr(weights, f.name))]
 
 
 def pinned_copy(weights):

@@ -43,3 +43,20 @@ def test_host_tier_on_cuda_equals_resident_bit_for_bit(tmp_path):
     threading.Event().wait(0.1)
     assert store.stats()["bytes_moved"] > 0 and store.stats()["tier"] == "host"
     store.close()
+
+
+def test_a_host_tier_load_overlaps_kernels_already_queued_on_the_compute_stream(tmp_path):
+    """The copy runs on the tier's own stream: a load started while the default stream is busy returns before that
+    work ends (a copy on the default stream would queue behind it and return only after)."""
+    reader = CheckpointReader(write_direct_mixtral(tmp_path / "m", layers=1, experts=2))
+    host = {s: pinned_copy(w) for s, w in load_expert_shards(reader, [(0, 0)], torch.float32, "cpu").items()}
+    tier = HostTier(host, CUDA)
+    tier.fetch((0, 0))  # the copy stream exists, the allocator has warmed up
+    a = torch.randn(4096, 4096, device=CUDA)
+    torch.cuda.synchronize()
+    for _ in range(50):  # ~100 ms or more of kernels queued on the default stream
+        a = torch.tanh(a @ a)
+    tier.fetch((0, 0))
+    busy_after_load = not torch.cuda.default_stream(CUDA).query()
+    torch.cuda.synchronize()
+    assert busy_after_load, "the load waited for the compute stream's queued kernels"

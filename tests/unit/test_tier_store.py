@@ -285,3 +285,39 @@ def test_one_row_calls_offloaded_equal_resident_on_weights_stored_off_the_bounda
     for layer, expert in shards:
         x = torch.randn(1, 64, generator=gen)  # [1, H]
         assert torch.equal(gated_mlp(x, tier.fetch((layer, expert)), SILU), grouped.run(layer, [expert], [1], x))
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_host_tier_copies_to_cuda_on_its_own_stream_and_waits_only_for_that_copy(reader, fc, quant):
+    """On the fake-CUDA double: the pinned host copy goes up with non_blocking on a stream of the tier's own (not the
+    default stream the expert kernels run on), the loading thread waits on that copy's event (one sync, no device-wide
+    one), every new tensor is recorded on the compute stream, and the bits are the host's."""
+    from expertmesh.experts.tier_store import HostTier, _tensors, pinned_copy
+
+    host = {s: pinned_copy(w) for s, w in load_expert_shards(reader, [(0, 1), (1, 2)], quant=quant).items()}
+    tier = HostTier(host, torch.device("cuda:0"))
+    seen: list = []
+    real_to = type(host[(0, 1)]).to
+
+    def spy(self, device, *args, **kwargs):
+        seen.append((torch.cuda.current_stream(), kwargs.get("non_blocking")))
+        return real_to(self, device, *args, **kwargs)
+
+    from expertmesh.ops.fake_cuda.tensor import FakeCudaTensor
+
+    recorded: list = []
+    real_record = FakeCudaTensor.record_stream
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(host[(0, 1)]), "to", spy)
+        mp.setattr(FakeCudaTensor, "record_stream", lambda t, s: recorded.append(s) or real_record(t, s))
+        with fc.counting() as counts:
+            out = tier.fetch((0, 1))
+    (stream, non_blocking), = seen
+    assert stream is tier._copy_stream and stream is not torch.cuda.default_stream() and non_blocking is True
+    tensors = _tensors(out)
+    assert tensors and all(t.device.type == "cuda" for t in tensors)
+    assert recorded == [torch.cuda.default_stream()] * len(tensors)
+    for got, want in zip(tensors, _tensors(host[(0, 1)])):
+        assert torch.equal(got.cpu(), want)
+    assert counts.syncs == 1 and counts.host_reads == 0, counts  # the copy event's synchronize, nothing else
+    assert tier.fetch((1, 2)) is not None and tier._copy_stream is stream  # one stream for every load
