@@ -116,7 +116,8 @@ def address_hints(layer: int, experts: Sequence[int], replicas: Mapping[Shard, S
 
 def prefetch_note(prefetcher: NextLayerPredictor | None) -> str:
     """RouterStats.prefetch: "" when off; "gate" (no governor); "gate, measuring"; "gate, hints on: 10.1 ms per
-    sequence-row with them, 13.6 without" (the governor's last measurement)."""
+    sequence-row with them, 13.6 without, held 256 steps (40 done)" (the governor's last measurement and how long its
+    verdict holds)."""
     if prefetcher is None:
         return ""
     governor = prefetcher.governor
@@ -126,6 +127,7 @@ def prefetch_note(prefetcher: NextLayerPredictor | None) -> str:
     if last is None:
         return f"{prefetcher.mode}, measuring"
     state = "hints on" if governor.verdict else "hints off"
-    again = ", measuring again" if governor.measuring else ""
+    again = (", measuring again" if governor.measuring else
+             f", held {governor.current_hold} steps ({governor.held} done)")
     return (f"{prefetcher.mode}, {state}: {last['on_s_per_row'] * 1e3:.1f} ms per sequence-row with them, "
             f"{last['off_s_per_row'] * 1e3:.1f} without{again}")

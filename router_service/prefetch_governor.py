@@ -8,8 +8,14 @@ save. No prediction-side measure (precision, recall, the gate's margin) sees tha
 
 So the governor measures it, like an A/B test run inside the serving loop: it alternates windows of `window_steps`
 decode steps with hints on and off, `rounds` pairs, and keeps hints on only when the on windows' median time per
-sequence-row is below the off windows'. The verdict holds for `hold_steps` decode steps, then it measures again
-(the workload, the residency or the node's load may have changed). The first step of every window is not counted: it
+sequence-row is below the off windows'. A pair whose on and off windows differ by more than `decisive` (a share
+of the faster) decides at once, like a sequential test stopping early: measuring costs the losing mode's windows,
+and at one stream on the 2-core box hints made a step 25-130 % slower, so three pairs cost more than the verdict
+saved. The verdict holds for `hold_steps` decode steps, then it measures again
+(the workload, the residency or the node's load may have changed). A measurement that repeats the previous verdict
+doubles the hold, up to `max_hold_factor` × `hold_steps`, and a changed verdict resets it: measuring costs the
+losing mode's windows (3 × 8 steps of 256 by default), and a workload whose answer does not change should stop paying
+that. The first step of every window is not counted: it
 pays for the previous window's choice (shards the other mode left resident or not). Prefill and mixed steps are not
 measured (their time depends on prompt lengths, not on the hints) and follow the current verdict.
 
@@ -35,9 +41,12 @@ class GovernorSettings:
     window_steps: int = 8  # decode steps per measuring window (the first one is not counted)
     rounds: int = 3  # on/off window pairs per measurement
     hold_steps: int = 256  # decode steps a verdict holds before the next measurement
+    max_hold_factor: int = 16  # a verdict repeated in a row holds up to this many times hold_steps
+    decisive: float = 0.25  # a pair this far apart (share of the faster window) decides without the other pairs
 
     def __post_init__(self) -> None:
-        assert self.window_steps >= 2 and self.rounds >= 1 and self.hold_steps >= 0, self
+        assert (self.window_steps >= 2 and self.rounds >= 1 and self.hold_steps >= 0 and self.max_hold_factor >= 1
+                and self.decisive >= 0), self
 
 
 @dataclass
@@ -54,6 +63,7 @@ class PrefetchGovernor:
     verdict: bool = True  # hints on between measurements (True until the first measurement says otherwise)
     measuring: bool = True
     held: int = 0  # decode steps since the last verdict
+    hold: int | None = None  # decode steps the current verdict holds (None: settings.hold_steps)
     windows: list[_Window] = field(default_factory=list)
     verdicts: list[dict] = field(default_factory=list)  # every measurement's outcome, for stats and the bench
     _step: tuple[bool, int] | None = None  # (decode, rows) of the step that began
@@ -80,7 +90,7 @@ class PrefetchGovernor:
         rows = step[1]
         if not self.measuring:
             self.held += 1
-            if self.held >= self.settings.hold_steps:
+            if self.held >= self.current_hold:
                 self.measuring, self.windows = True, []
             return
         window = self.windows[-1]
@@ -88,23 +98,41 @@ class PrefetchGovernor:
             window.seconds += seconds
             window.rows += rows
         window.steps += 1
-        if len(self.windows) == 2 * self.settings.rounds and window.steps >= self.settings.window_steps:
+        if window.steps < self.settings.window_steps or window.hinting:
+            return  # the pair is not complete yet
+        if len(self.windows) == 2 * self.settings.rounds or self._decisive():
             self._decide()
+
+    def _decisive(self) -> bool:
+        """Every complete pair so far had its on and off windows more than `decisive` apart, the same way round."""
+        pairs = [(on.seconds / on.rows, off.seconds / off.rows)
+                 for on, off in zip(self.windows[::2], self.windows[1::2]) if on.rows and off.rows]
+        if not pairs:
+            return False
+        margin = 1.0 + self.settings.decisive
+        return all(on > off * margin for on, off in pairs) or all(off > on * margin for on, off in pairs)
 
     def _decide(self) -> None:
         on = [w.seconds / w.rows for w in self.windows if w.hinting and w.rows]
         off = [w.seconds / w.rows for w in self.windows if not w.hinting and w.rows]
         on_s, off_s = statistics.median(on), statistics.median(off)
         verdict = on_s < off_s  # a tie goes to no hints: the same speed for fewer bytes moved
+        repeated = bool(self.verdicts) and self.verdicts[-1]["hints"] == verdict
+        self.hold = (min(2 * self.current_hold, self.settings.max_hold_factor * self.settings.hold_steps)
+                     if repeated else self.settings.hold_steps)
         if verdict != self.verdict:
             log.info("prefetch governor: hints %s (%.3f ms per row with hints, %.3f ms without)",
                      "on" if verdict else "off", on_s * 1e3, off_s * 1e3)
         self.verdict, self.measuring, self.held, self.windows = verdict, False, 0, []
         self.verdicts.append({"hints": verdict, "on_s_per_row": on_s, "off_s_per_row": off_s})
 
+    @property
+    def current_hold(self) -> int:
+        return self.settings.hold_steps if self.hold is None else self.hold
+
     def stats(self) -> dict:
         last = self.verdicts[-1] if self.verdicts else None
         return {"hints": self.verdict, "measuring": self.measuring, "measurements": len(self.verdicts),
-                "measurements_on": sum(v["hints"] for v in self.verdicts),
+                "measurements_on": sum(v["hints"] for v in self.verdicts), "hold_steps": self.current_hold,
                 "last": None if last is None else {k: round(v, 6) if isinstance(v, float) else v
                                                    for k, v in last.items()}}

@@ -10,10 +10,14 @@ TIER_KEYS = ("hits", "misses", "bytes_moved", "stall_s", "prefetch_issued", "pre
 def rebase_on_best_resident(runs: list[dict], again: dict) -> None:
     """Ratios against the faster of the two all-resident runs, per workload."""
     first = runs[0]
-    best = {k: max(first[k], again[k]) for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+    rates = ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_mean_tokens_per_s")
+    best = {k: max(first[k], again[k]) for k in rates if k in first and k in again}
     for run in runs:
         run["prefill_vs_resident"] = round(run["prefill_tokens_per_s"] / best["prefill_tokens_per_s"], 3)
         run["decode_vs_resident"] = round(run["decode_tokens_per_s"] / best["decode_tokens_per_s"], 3)
+        if "decode_mean_tokens_per_s" in best:  # results written before the mean was recorded lack it
+            run["decode_mean_vs_resident"] = round(run["decode_mean_tokens_per_s"] /
+                                                   best["decode_mean_tokens_per_s"], 3)
 
 
 def counter_delta(before: dict, after: dict) -> dict:

@@ -137,6 +137,11 @@ def add_parser(sub) -> None:
     offload.add_argument("--evictions", default="layer-cycle", help="comma-separated experts.eviction orders, one "
                          "mesh each per offloaded level (all four are also replayed on the recorded routing trace)")
     offload.add_argument("--layers", type=int, default=4, help="layers of the benchmark model")
+    offload.add_argument("--decode-sequences", type=int, default=16, metavar="B", help="sequences decoded together "
+                         "in the timed decode (16 calls every expert at every layer; 1 is a single stream, which "
+                         "calls top-k of them)")
+    offload.add_argument("--decode-steps", type=int, default=10, metavar="N", help="timed decode steps per run "
+                         "(the table reports the best one)")
     offload.add_argument("--affinity-requests", type=int, default=16, metavar="N", help="FIFO vs expert-affinity "
                          "admission on a mixed-topic burst of N requests in the first offloaded mesh (0: skip)")
     offload.add_argument("--affinity-topics", type=int, default=2, metavar="N", help="topics the affinity burst's "

@@ -22,6 +22,16 @@ def test_ratios_use_the_faster_resident_run_per_workload():
     again = {"prefill_tokens_per_s": 80.0, "decode_tokens_per_s": 16.0}  # prefill slower, decode faster the 2nd time
     rebase_on_best_resident(runs, again)
     assert [(r["prefill_vs_resident"], r["decode_vs_resident"]) for r in runs] == [(1.0, 0.625), (0.6, 0.25)]
+    assert all("decode_mean_vs_resident" not in r for r in runs)  # older results carry no mean
+
+
+def test_mean_decode_ratio_rebases_on_the_faster_resident_mean():
+    runs = [_run("none", 1.0, "off", 0, decode=10) | {"decode_mean_tokens_per_s": 8.0},
+            _run("none", 0.5, "off", 1, decode=9) | {"decode_mean_tokens_per_s": 5.0}]
+    again = {"prefill_tokens_per_s": 80.0, "decode_tokens_per_s": 9.0, "decode_mean_tokens_per_s": 10.0}
+    rebase_on_best_resident(runs, again)
+    # best step: the first resident run (10); mean: the second (10), so the offloaded run is 0.9x and 0.5x
+    assert [(r["decode_vs_resident"], r["decode_mean_vs_resident"]) for r in runs] == [(1.0, 0.8), (0.9, 0.5)]
 
 
 def test_tier_summary_rates_and_shares():
