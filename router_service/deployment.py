@@ -40,6 +40,7 @@ from .config import MeshConfig
 from .dispatch import NoReplicaError
 from .error_log import ClientErrorLog, quiet_serve_request_logs
 from .errors import RequestError, check_token_ids
+from .event_batches import batched_events
 from .expert_pool import connect_actors
 from .grammar_mask import grammar_tokenizer
 from .prefetch import prefetch_note
@@ -57,6 +58,16 @@ _errors = ClientErrorLog()  # one line per refused request, rate-limited (router
 MAX_ACTOR_NAME_CHARS = 256  # actor names are short (expert-e12-r3); longer ones are refused unread
 HEALTH_CACHE_S = 0.5  # health checks (every Watch stream polls) reuse a verdict this young
 CONTROLLER_ASK_S = 2.0  # the controller's liveness view, or the router's own without it
+# A non-streamed OpenAI generation's events cross to the front at most this long after the first of a batch: the
+# client sees nothing before the end, and the front's resume point stays this fresh (router_service/event_batches.py).
+NON_STREAMED_HOLD_S = 0.5
+
+
+async def _rewritten(events, special: tool_calls.SpecialText):
+    """A generation's events with special-token text rewritten (tool-call families whose markers are special)."""
+    async with contextlib.aclosing(events) as events:
+        async for event in events:
+            yield special.rewrite(event)
 
 
 def pool_spec_from_dict(pool: dict) -> PoolSpec:
@@ -233,9 +244,11 @@ class RouterDeployment:
                 tokenizer = self.router.tokenizer
                 special = tool_calls.SpecialText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
                                                  self.cfg.eos_token_id, job.resumed)
-            async with contextlib.aclosing(events) as events:
-                async for event in events:
-                    yield event if special is None else special.rewrite(event)
+            if special is not None:
+                events = _rewritten(events, special)
+            # Batched: one Serve stream item per ready batch, not per token (router_service/event_batches.py).
+            async for batch in batched_events(events, 0.0 if job.stream else NON_STREAMED_HOLD_S):
+                yield batch
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
+from .event_batches import flattened
 from .resume_streak import ResumeStreak
 
 T = TypeVar("T")
@@ -30,15 +31,19 @@ class Progress(Protocol):
 
 
 async def first_then_rest(responses, first_wait_s: float | None) -> AsyncIterator:
-    """The events of a Serve streaming call, the first awaited for at most `first_wait_s` (None: unbounded)."""
+    """The events of a Serve streaming call, the first item awaited for at most `first_wait_s` (None: unbounded).
+    An item that is a list is a batch of events (router_service/event_batches.py): its events are yielded one by
+    one."""
     iterator = responses.__aiter__()
     try:
         first = await asyncio.wait_for(iterator.__anext__(), first_wait_s)
     except StopAsyncIteration:
         return
-    yield first
+    for event in flattened(first):
+        yield event
     async for message in iterator:
-        yield message
+        for event in flattened(message):
+            yield event
 
 
 async def resumed_events(start: Callable[[Any], Any], progress: Progress, lost: Callable[[BaseException], bool],

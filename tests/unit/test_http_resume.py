@@ -14,6 +14,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from expertmesh.router_service import http_resume
 from expertmesh.router_service.config import ServerConfig
+from expertmesh.router_service.event_batches import batched_events
 from expertmesh.router_service.http_front import start_http_front
 from expertmesh.router_service.proto_mapping import ApiError
 from expertmesh.router_service.resume_streak import ResumeStreak
@@ -26,8 +27,10 @@ class DyingReplicas:
     """OpenAIGenerate as the deployment streams it (choice i: tokens i*10+1 .. i*10+TOTAL, then done), honouring a
     continued job's resumed / finished choices; call k dies after dies_after[k] events (None: never)."""
 
-    def __init__(self, dies_after: list[int | None], fail_first: list[BaseException] = ()):
+    def __init__(self, dies_after: list[int | None], fail_first: list[BaseException] = (),
+                 hold_s: float | None = None):
         self.dies_after = dies_after
+        self.hold_s = hold_s
         self.jobs: list = []
         self.cancelled: list[bool] = []
         self.unary_calls = 0
@@ -75,7 +78,9 @@ class DyingReplicas:
                 handle.cancelled[call] = True
 
             def __aiter__(self):
-                return handle._events(call, job)
+                events = handle._events(call, job)
+                # As the deployment sends them: in batches (router_service/event_batches.py), when asked.
+                return events if handle.hold_s is None else batched_events(events, handle.hold_s)
 
         return Call()
 
@@ -149,9 +154,10 @@ USAGE = {"prompt_tokens": 2, "completion_tokens": 2 * TOTAL, "total_tokens": 2 +
          "prompt_tokens_details": {"cached_tokens": 0}}
 
 
+@pytest.mark.parametrize("hold_s", [None, 0.0])
 @pytest.mark.parametrize("dies_after", [[3], [0], [3, 0, 4], [6], [11]])
-def test_a_stream_whose_replica_dies_resumes_with_every_chunk_once(dies_after):
-    handle = DyingReplicas(dies_after)
+def test_a_stream_whose_replica_dies_resumes_with_every_chunk_once(dies_after, hold_s):
+    handle = DyingReplicas(dies_after, hold_s=hold_s)
     texts, usage, reasons = run(handle, streamed)
     assert texts == EXPECTED_TEXT and usage == USAGE and reasons == ["length", "length"]
     assert len(handle.jobs) == len(dies_after) + 1
@@ -168,10 +174,11 @@ def test_the_continued_job_carries_what_was_relayed():
     assert again.resumed == ((1, 2, 3, 4, 5), (11,)) and again.finished == (0,) and again.echoed == ()
 
 
+@pytest.mark.parametrize("hold_s", [None, 0.0, 0.5])
 @pytest.mark.parametrize("dies_after", [[4], [0, 0], [11]])
-def test_a_non_streamed_request_whose_replica_dies_is_completed_on_a_live_one(dies_after):
+def test_a_non_streamed_request_whose_replica_dies_is_completed_on_a_live_one(dies_after, hold_s):
     undisturbed = run(DyingReplicas([]), whole)
-    handle = DyingReplicas(dies_after)
+    handle = DyingReplicas(dies_after, hold_s=hold_s)
     got = run(handle, whole)
     assert [c["text"] for c in got["choices"]] == [EXPECTED_TEXT[0], EXPECTED_TEXT[1]]
     assert got["choices"] == undisturbed["choices"] and got["usage"] == USAGE
