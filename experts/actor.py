@@ -27,6 +27,7 @@ from .arrays import HostStager, HostTensor, pack, to_tensor
 from .devices import gpus_given, local_device
 from .dtypes import read_checkpoint_dtype, resolve_dtype, torch_dtype
 from .ffn import activation, gated_mlp
+from .gil_handoff import shorten_gil_switch_interval
 from .grouped_ffn import GroupedExperts
 from .load_progress import ProgressReporter
 from .model_source import open_checkpoint, shard_tensors
@@ -54,6 +55,7 @@ class ExpertActor:
         this actor's expert weights (None: every shard resident); eviction: experts.eviction, the order its device
         tier gives shards back in (experts/eviction.py); quant: experts.quant ("none", "int8", "int4");
         gpu_without_cuda: devices.gpu_without_cuda, what to do when Ray gave a GPU that torch cannot see."""
+        shorten_gil_switch_interval()  # its socket server thread answers short calls (experts/gil_handoff.py)
         self.name = name
         self.generation = generation  # 0 for the first actor of this name; +1 each time it is restored
         self.started = time.time()

@@ -26,6 +26,7 @@ from ..cluster.naming import DEFAULT_MESH_ID, parse_expert_actor_name
 from ..cluster.pool_spec import PoolSpec
 from ..cluster.shard_liveness import HealthVerdict, health_verdict
 from ..cluster.table_store import read_table
+from ..experts.gil_handoff import shorten_gil_switch_interval
 from ..experts.load_progress import read_progress
 from ..experts.telemetry import carrier_from_metadata
 from ..experts.token_compare import bearer_matches
@@ -128,6 +129,7 @@ class RouterDeployment:
         """config: the MeshConfig tree as a dict (router_service/config.py); pool: the running expert pool's
         PoolSpec as a dict. Plain data, so Serve ships it and a Serve YAML's builder produces it."""
         self.config = MeshConfig.from_dict(config)
+        shorten_gil_switch_interval()  # the forward thread's many short socket calls (experts/gil_handoff.py)
         assigned = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
         torch.set_num_threads(replica_threads(self.config.router.threads, assigned))
         spec = pool_spec_from_dict(pool)

@@ -27,6 +27,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from ray import serve
 
+from ..experts.gil_handoff import shorten_gil_switch_interval
 from ..experts.token_compare import bearer_matches
 from ..protos import admin_pb2
 from . import http_metrics, http_protocol, http_resume, json_body, openai_api, openai_responses
@@ -385,6 +386,7 @@ async def start_http_front(handle: serve.handle.DeploymentHandle | Mapping[str, 
     """Serve the HTTP API on settings.host:settings.http_port; returns the runner (cleanup() stops it) and the
     port it bound (useful with port 0). `handle` and `model_name`: one mesh and the name it serves; or `handle`
     alone, {served model name: handle}, for a front over several meshes."""
+    shorten_gil_switch_interval()  # the front's loop relays events from Serve's threads (experts/gil_handoff.py)
     if isinstance(handle, Mapping):
         assert model_name is None, "the model names are the mapping's keys"
         handles = handle
