@@ -128,6 +128,6 @@ def prefetch_note(prefetcher: NextLayerPredictor | None) -> str:
         return f"{prefetcher.mode}, measuring"
     state = "hints on" if governor.verdict else "hints off"
     again = (", measuring again" if governor.measuring else
-             f", held {governor.current_hold} steps ({governor.held} done)")
+             f", held {governor.hold} steps ({governor.held} done)")
     return (f"{prefetcher.mode}, {state}: {last['on_s_per_row'] * 1e3:.1f} ms per sequence-row with them, "
             f"{last['off_s_per_row'] * 1e3:.1f} without{again}")

@@ -63,10 +63,13 @@ class PrefetchGovernor:
     verdict: bool = True  # hints on between measurements (True until the first measurement says otherwise)
     measuring: bool = True
     held: int = 0  # decode steps since the last verdict
-    hold: int | None = None  # decode steps the current verdict holds (None: settings.hold_steps)
+    hold: int = field(init=False)  # decode steps the current verdict holds (settings.hold_steps, doubled by repeats)
     windows: list[_Window] = field(default_factory=list)
     verdicts: list[dict] = field(default_factory=list)  # every measurement's outcome, for stats and the bench
     _step: tuple[bool, int] | None = None  # (decode, rows) of the step that began
+
+    def __post_init__(self) -> None:
+        self.hold = self.settings.hold_steps
 
     @property
     def hinting(self) -> bool:
@@ -90,7 +93,7 @@ class PrefetchGovernor:
         rows = step[1]
         if not self.measuring:
             self.held += 1
-            if self.held >= self.current_hold:
+            if self.held >= self.hold:
                 self.measuring, self.windows = True, []
             return
         window = self.windows[-1]
@@ -118,7 +121,7 @@ class PrefetchGovernor:
         on_s, off_s = statistics.median(on), statistics.median(off)
         verdict = on_s < off_s  # a tie goes to no hints: the same speed for fewer bytes moved
         repeated = bool(self.verdicts) and self.verdicts[-1]["hints"] == verdict
-        self.hold = (min(2 * self.current_hold, self.settings.max_hold_factor * self.settings.hold_steps)
+        self.hold = (min(2 * self.hold, self.settings.max_hold_factor * self.settings.hold_steps)
                      if repeated else self.settings.hold_steps)
         if verdict != self.verdict:
             log.info("prefetch governor: hints %s (%.3f ms per row with hints, %.3f ms without)",
@@ -126,13 +129,9 @@ class PrefetchGovernor:
         self.verdict, self.measuring, self.held, self.windows = verdict, False, 0, []
         self.verdicts.append({"hints": verdict, "on_s_per_row": on_s, "off_s_per_row": off_s})
 
-    @property
-    def current_hold(self) -> int:
-        return self.settings.hold_steps if self.hold is None else self.hold
-
     def stats(self) -> dict:
         last = self.verdicts[-1] if self.verdicts else None
         return {"hints": self.verdict, "measuring": self.measuring, "measurements": len(self.verdicts),
-                "measurements_on": sum(v["hints"] for v in self.verdicts), "hold_steps": self.current_hold,
+                "measurements_on": sum(v["hints"] for v in self.verdicts), "hold_steps": self.hold,
                 "last": None if last is None else {k: round(v, 6) if isinstance(v, float) else v
                                                    for k, v in last.items()}}

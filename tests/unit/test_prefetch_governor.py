@@ -73,11 +73,11 @@ def test_a_repeated_verdict_doubles_the_hold_up_to_its_cap_and_a_change_resets_i
     for _ in range(4):  # hints cost time every time: off, off, off, off
         run(gov, MEASURE, lambda on, i: 0.030 if on else 0.020)
         holds.append(gov.stats()["hold_steps"])
-        assert run(gov, gov.current_hold, lambda on, i: 0.020) == [False] * gov.current_hold
+        assert run(gov, gov.hold, lambda on, i: 0.020) == [False] * gov.hold
         assert gov.measuring
     assert holds == [10, 20, 40, 40]  # the first verdict holds hold_steps; each repeat doubles it, capped at 4x
     run(gov, MEASURE, lambda on, i: 0.010 if on else 0.020)  # now hints pay: a new answer, measured again soon
-    assert gov.verdict is True and gov.current_hold == 10
+    assert gov.verdict is True and gov.hold == 10
 
 
 @pytest.mark.parametrize("hint_s, verdict", [(0.030, False), (0.012, True)])
