@@ -31,7 +31,7 @@ from .gil_handoff import shorten_gil_switch_interval
 from .grouped_ffn import GroupedExperts
 from .load_progress import ProgressReporter
 from .model_source import open_checkpoint, shard_tensors
-from .rdt_box import rdt_box, rdt_unbox
+from .rdt_box import RdtBox, rdt_box, rdt_reading
 from .telemetry import ExpertMetrics, build_tracer, context_of
 from .tier_store import GIB, DiskTier, HostTier, TierStore, pinned_copy
 from .tracing_config import TracingConfig
@@ -132,22 +132,23 @@ class ExpertActor:
         # Arrays from Ray's object store (and gRPC messages) are read-only views; we never write to them.
         return self._traced(layer, experts, counts, to_tensor(x), trace, prefetch, to_host=True)
 
-    def forward_rdt(self, layer: int, experts: list[int], counts: list[int], rows: list,
-                    trace: dict[str, str] | None = None, prefetch: list[Shard] | None = None) -> tuple:
-        """The `rdt` transport's call (router_service/transports/rdt.py). rows: [ObjectRef of the [sum(counts), H]
-        rows], boxed in a list so Ray does not resolve it: this call reads them out of the router's memory itself
-        (NIXL, one-sided) on its own thread, with a timeout. Ray's own receive for an unboxed argument would run in
-        the actor's `_ray_system` concurrency group, which a compiled graph's loop holds for as long as it is up.
-        The output stays here, on this actor's device, in Ray's RDT store; the router reads it the same way.
-        -> (ObjectRef of the [sum(counts), H] output,), a tuple so Ray hands the ref back instead of resolving it."""
-        x = rdt_unbox(rows[0])  # [sum(counts), H]
-        out = self._traced(layer, experts, counts, x, trace, prefetch, to_host=False)
-        return (rdt_box(out),)
+    def forward_rdt(self, layer: int, experts: list[int], counts: list[int], rows: RdtBox | torch.Tensor,
+                    trace: dict[str, str] | None = None, prefetch: list[Shard] | None = None) -> RdtBox | torch.Tensor:
+        """The `rdt` transport's call (router_service/transports/rdt.py). rows: the box of the [sum(counts), H] rows
+        (experts/rdt_box.py; an empty tensor comes as itself). The box keeps Ray from resolving the ref: this call
+        reads the rows out of the router's memory itself (NIXL, one-sided) into this process's registered read slab,
+        on its own thread, with a timeout. Ray's own receive for a bare ref would run in the actor's `_ray_system`
+        concurrency group, which a compiled graph's loop holds for as long as it is up. The output stays here, on
+        this actor's device, in Ray's NIXL pool; the router reads it the same way. -> the output's box."""
+        with rdt_reading(rows, self.device) as x:  # [sum(counts), H]; the range is free again after the forward
+            out = self._traced(layer, experts, counts, x, trace, prefetch, to_host=False)
+            return rdt_box(out)
 
-    def rdt_echo(self, rows: list) -> tuple:
-        """Reads [ref] like forward_rdt and puts the tensor back: the `rdt` transport's warm-up, so NIXL's agent
-        (seconds to start under load) is up before the first real call."""
-        return (rdt_box(rdt_unbox(rows[0]).clone()),)
+    def rdt_echo(self, rows: RdtBox | torch.Tensor) -> RdtBox | torch.Tensor:
+        """Reads a box like forward_rdt and puts the tensor back: the `rdt` transport's warm-up, so NIXL's agent
+        (seconds to start under load) and the registered memory are up before the first real call."""
+        with rdt_reading(rows, self.device) as x:
+            return rdt_box(x.clone())
 
     def _traced(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor,
                 trace: dict[str, str] | None, prefetch: list[Shard] | None, to_host: bool) -> HostTensor | torch.Tensor:
@@ -162,7 +163,7 @@ class ExpertActor:
     def _forward(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor,
                  to_host: bool, prefetch: list[Shard] | None = None) -> HostTensor | torch.Tensor:
         """rows: [sum(counts), H] on any device -> outputs packed as host bytes (to_host) or left on this actor's
-        device, synchronised so another process may read them at once (the `rdt` transport)."""
+        device for the `rdt` transport to put (experts/rdt_box.py waits for the device there)."""
         started, cpu_started = time.perf_counter(), time.thread_time()
         inputs = rows.to(self.device, self.dtype, non_blocking=True)  # [sum(counts), H]
         with torch.inference_mode():
@@ -173,8 +174,7 @@ class ExpertActor:
                 stager.finish()  # the one synchronisation of this call (none on a CPU)
                 out: HostTensor | torch.Tensor = pack(host)
             else:
-                if result.device.type == "cuda":
-                    torch.cuda.current_stream(result.device).synchronize()  # the router reads it one-sided
+                # Left on the device, unsynchronised: rdt_box waits for the stream before the router can read it.
                 out = result.contiguous()
         self.calls += 1
         self.tokens += int(rows.shape[0])

@@ -1,13 +1,14 @@
 """The `rdt` transport: expert rows and outputs travel as tensors through Ray Direct Transport (RDT) with NIXL, Ray's
 one-sided tensor transport, and only the call itself (layer, experts, counts, two object refs) through Ray's RPC.
 
-    router: ray.put(rows, nixl) ──[ref]──► actor.forward_rdt: ray.get reads the rows out of the router's memory
-    router: ray.get(out, nixl)  ◄──(ref)── compute; ray.put(out, nixl): the output stays in the actor's memory
-                                            and the router reads it out
-Both reads are one-sided NIXL reads made by the reading process on its own thread with a timeout. The refs travel
-boxed, so Ray never starts its own receive task for them: that would run in the actor's `_ray_system` concurrency
-group, which a compiled graph's loop holds while it is up (measured: every call then waited until the controller
-found the actors hung and killed them).
+    router: rows → send slab; ray.put ──[box]──► actor.forward_rdt: reads the rows out of the router's memory
+    router: reads the output out        ◄──(box)── compute; ray.put(out): the output stays in the actor's memory
+            of the actor's memory into its read slab    (Ray's NIXL pool) until the router has read it
+Both reads are one-sided NIXL reads made by the reading process on its own thread with a timeout, into memory it
+registered once (experts/rdt_box.py: a per-call registration makes every peer reconnect). The refs travel in an
+`RdtBox` (with shape and dtype, so the reader picks its landing range first), so Ray never starts its own receive
+task for them: that would run in the actor's `_ray_system` concurrency group, which a compiled graph's loop holds
+while it is up (measured: every call then waited until the controller found the actors hung and killed them).
 
 On a CPU NIXL moves host memory over UCX (shared memory / TCP on one node); on GPUs UCX moves device memory (CUDA
 IPC on a node, RDMA across nodes): the same calls. Why NIXL and not the collective transports (GLOO, NCCL) or
@@ -32,18 +33,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import ray
 import torch
 
 from ...experts.arrays import HostTensor, to_tensor
-from ...experts.rdt_box import rdt_box
+from ...experts.rdt_box import rdt_box_rows, rdt_read
 from .grpc import liveness_error
 
 log = logging.getLogger(__name__)
 
 WARMUP_TIMEOUT_S = 120.0
+OUTPUT_DEVICE = "cpu"  # dispatch combines host outputs today (see the module docstring)
 NIXL_MISSING = ("transport: 'rdt' moves tensors with NIXL (Ray Direct Transport's one-sided transport), which is not "
                 "installed here: pip install 'expertmesh[rdt]' (or nixl) on the router's and every expert node")
 
@@ -59,12 +62,12 @@ def rdt_available() -> bool:
 
 @dataclass
 class RdtCall:
-    """One submitted call: the actor's result ref (a 1-tuple holding the output's RDT ref) and the rows' ref, kept
-    until the call is gathered so Ray keeps the rows registered while the actor reads them."""
+    """One submitted call: the actor's result ref (it resolves to the output's RdtBox), and what frees the rows'
+    range of the send slab once the call is over (the actor may read it until then)."""
 
     actor: str
     result: ray.ObjectRef
-    rows: ray.ObjectRef | torch.Tensor | None
+    give_back: Callable[[], None] = field(default=lambda: None)
 
 
 class RdtTransport:
@@ -77,40 +80,49 @@ class RdtTransport:
         self.failed_reads = 0  # outputs that could not be read (their actor died after computing them)
 
     def warm_up(self, timeout: float = WARMUP_TIMEOUT_S) -> None:
-        """Start NIXL's agent here and in every actor (seconds each under load) and read once each way, so the
-        first step runs at steady-state speed. An actor that fails here fails its first real call the same way."""
-        probe = torch.zeros(1, 1)
+        """Start NIXL's agent and register the slabs here and in every actor (seconds each under load), reading once
+        each way, so the first step runs at steady-state speed. An actor that fails here fails its first real call
+        the same way."""
+        probe, give_back = rdt_box_rows(torch.zeros(1, 1))
         names = list(self.actors)
-        calls = [self.actors[n].rdt_echo.remote([rdt_box(probe)]) for n in names]
+        calls = [self.actors[n].rdt_echo.remote(probe) for n in names]
+        deadline = time.monotonic() + timeout
         for name, call in zip(names, calls):
-            result = self._read(RdtCall(name, call, None), time.monotonic() + timeout)
+            result = self._read(RdtCall(name, call), deadline)
             if isinstance(result, BaseException):
                 log.warning("rdt warm-up of %s failed: %s: %s", name, type(result).__name__, result)
+        give_back()
 
     def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
                trace: dict[str, str] | None = None, prefetch: list | None = None) -> RdtCall:
-        rows = rdt_box(to_tensor(x))  # [n, H]: a ref the actor reads through NIXL (an empty tensor travels itself)
+        rows, give_back = rdt_box_rows(to_tensor(x))  # [n, H] in the send slab (an empty tensor travels itself)
         extra: dict = {}
         if trace is not None:
             extra["trace"] = trace
         if prefetch is not None:
             extra["prefetch"] = prefetch
-        # Boxed in a list: the actor reads it itself (see the module docstring).
-        return RdtCall(actor, self.actors[actor].forward_rdt.remote(layer, experts, counts, [rows], **extra), rows)
+        try:
+            result = self.actors[actor].forward_rdt.remote(layer, experts, counts, rows, **extra)
+        except BaseException:
+            give_back()
+            raise
+        return RdtCall(actor, result, give_back)
 
     def gather_settled(self, handles: list[RdtCall], timeout: float) -> list[torch.Tensor | BaseException]:
+        try:
+            return self._gather(handles, timeout)
+        finally:
+            for handle in handles:  # every call is over (done, failed or given up): its rows' range is free
+                handle.give_back()
+
+    def _gather(self, handles: list[RdtCall], timeout: float) -> list[torch.Tensor | BaseException]:
         deadline = time.monotonic() + timeout
         calls = [h.result for h in handles]
         ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout)
         if len(ready) == len(calls):
             try:
                 # The common case: every call succeeded; start every read at once and wait for them together.
-                outs = [out for (out,) in ray.get(calls)]
-                refs = [out for out in outs if isinstance(out, ray.ObjectRef)]
-                for ref in refs:
-                    _to_host(ref)
-                read = iter(ray.get(refs, timeout=max(0.0, deadline - time.monotonic())))  # [n_i, H] each
-                return [next(read) if isinstance(out, ray.ObjectRef) else out for out in outs]
+                return rdt_read(ray.get(calls), OUTPUT_DEVICE, max(0.0, deadline - time.monotonic()))  # [n_i, H]
             except Exception:  # some call or read failed: sort out which, one by one
                 pass
         finished = set(ready)
@@ -125,14 +137,12 @@ class RdtTransport:
     def _read(self, handle: RdtCall, deadline: float) -> torch.Tensor | BaseException:
         """The call's output, read out of its actor's memory, or the error the call or the read failed with."""
         try:
-            (out,) = ray.get(handle.result)
+            out = ray.get(handle.result)
         except Exception as exc:  # the actor died, its node went away, or its code raised: Ray's own error
             return exc
-        if not isinstance(out, ray.ObjectRef):
-            return out  # an empty output travels itself
-        _to_host(out)
         try:
-            return ray.get(out, timeout=max(0.0, deadline - time.monotonic()))  # [n, H]
+            (value,) = rdt_read([out], OUTPUT_DEVICE, max(0.0, deadline - time.monotonic()))  # [n, H]
+            return value
         except ray.exceptions.GetTimeoutError:
             return TimeoutError(f"reading {handle.actor}'s output did not finish in time")
         except ray.exceptions.RayActorError as dead:
@@ -140,10 +150,3 @@ class RdtTransport:
         except Exception as exc:  # RayDirectTransportError: the source may have died after computing
             self.failed_reads += 1
             return liveness_error(self.actors[handle.actor], handle.actor, "rdt", f"reading its output: {exc}")
-
-
-def _to_host(out: ray.ObjectRef) -> None:
-    """Read `out` into host memory: dispatch combines host outputs today (see the module docstring)."""
-    from ray.experimental import set_target_device_for_ref
-
-    set_target_device_for_ref(out, "cpu")

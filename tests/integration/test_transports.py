@@ -98,6 +98,31 @@ def test_every_transport_gives_the_reference_logits(routers, reference):
     assert isinstance(routers["rdt"].transport, RdtTransport)
 
 
+def _nixl_registrations(_actor=None) -> tuple[dict, int]:
+    """This process's rdt_box counters and its NIXL metadata version (bumped by every deregistration, after which
+    each peer drops its connection and reloads the metadata: Ray 2.60 nixl_tensor_transport.py)."""
+    from ray.experimental.rdt.util import get_tensor_transport_manager
+
+    from expertmesh.experts import rdt_box
+
+    return dict(rdt_box.stats), get_tensor_transport_manager("NIXL")._nixl_agent_meta_version
+
+
+def test_rdt_puts_and_reads_memory_registered_once(routers):
+    """Rounds on the rdt transport register no memory per call, in the router or in any actor: rows go out of the
+    router's send slab, outputs out of each actor's NIXL pool, reads land in read slabs (experts/rdt_box.py). So no
+    NIXL metadata changes and no peer reconnects between calls."""
+    router = routers["rdt"]
+    router.score_batch(sequences())
+    router.generate(token_ids=PROMPT, max_tokens=2)
+    counters, version = _nixl_registrations()
+    assert counters == {"slab_misses": 0, "pool_misses": 0, "retired_reads": 0} and version == 0
+    handles = router.transport.actors
+    for name, (counters, version) in zip(handles, ray.get([h.__ray_call__.remote(_nixl_registrations)
+                                                           for h in handles.values()], timeout=60)):
+        assert counters == {"slab_misses": 0, "pool_misses": 0, "retired_reads": 0} and version == 0, name
+
+
 def test_expert_grpc_servers_listen_on_the_node_ip_and_want_the_cluster_secret(routers):
     """Issue 18 item 13: each actor's gRPC server listens on its node's cluster IP, not every interface, and a
     caller without the cluster secret (kept in Ray's GCS) is refused with UNAUTHENTICATED. The router's transport

@@ -39,9 +39,14 @@ def test_rdt_available_answers_whether_nixl_imports(monkeypatch):
 def test_an_empty_tensor_travels_itself_since_nixl_cannot_register_zero_bytes():
     """Seen in `bench dispatch`'s empty round: a NIXL read of a 0-row tensor fails ("no specified or potential
     backend had the required registrations"), so rdt_box sends empty rows and outputs as themselves."""
-    from expertmesh.experts.rdt_box import rdt_box, rdt_unbox
+    from expertmesh.experts.rdt_box import rdt_box, rdt_box_rows, rdt_read, rdt_reading
 
     empty = torch.zeros(0, 8, dtype=torch.bfloat16)
     boxed = rdt_box(empty)
     assert isinstance(boxed, torch.Tensor) and boxed.shape == (0, 8) and boxed.dtype == torch.bfloat16
-    assert rdt_unbox(boxed) is boxed
+    rows, give_back = rdt_box_rows(empty)
+    assert isinstance(rows, torch.Tensor) and rows.shape == (0, 8)
+    give_back()
+    assert rdt_read([boxed], "cpu")[0] is boxed
+    with rdt_reading(boxed, "cpu") as read:
+        assert read is boxed
