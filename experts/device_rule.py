@@ -19,6 +19,9 @@ The crossings, and only these:
   `to_device`      host tensors the device needs (the combine's indices, weights and expert outputs; a step's token
                    ids and positions) go up from pinned memory without waiting: the stream orders the copy before
                    the kernels that read it.
+  `gather_rows`    for a transport that sends device rows itself (`rdt`: device to device), `layer_to_host` moves
+                   the routing alone, and each call's rows are gathered on the device in one index_select from one
+                   upload of the calls' token indices: no read, no wait.
 
 Nothing else in the router's hot path reads a device value; `ops/fake_cuda/` runs the whole step under a
 fake-CUDA double that raises on mixed devices and counts every read (tests/unit/test_router_step_fake_cuda.py).
@@ -35,7 +38,7 @@ import torch
 from .arrays import HostStager
 from .gating import Routing
 
-__all__ = ["cat_to_device", "layer_to_host", "routing_on_host", "to_device", "tensor_on", "HOST"]
+__all__ = ["cat_to_device", "gather_rows", "layer_to_host", "routing_on_host", "to_device", "tensor_on", "HOST"]
 
 HOST = torch.device("cpu")
 
@@ -64,6 +67,18 @@ def cat_to_device(parts: Sequence[torch.Tensor], device: torch.device) -> torch.
     rows = sum(p.shape[0] for p in parts)
     pinned = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, pin_memory=True)
     return to_device(torch.cat(list(parts), out=pinned), device)
+
+
+def gather_rows(hidden: torch.Tensor, token_idx: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each call's rows hidden[idx] ([n_i, H] each), gathered where hidden is: on the host call by call; on a device
+    in one index_select after one upload of the host indices (no wait), as views of one [sum n_i, H] tensor."""
+    if hidden.device.type == "cpu":
+        return [hidden[idx] for idx in token_idx]
+    if not token_idx:
+        return []
+    sizes = [int(idx.numel()) for idx in token_idx]
+    index = cat_to_device(list(token_idx), hidden.device)  # [sum n_i] host ints, sent up without a wait
+    return list(hidden.index_select(0, index).split(sizes))
 
 
 def tensor_on(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -120,6 +120,7 @@ def rdt_box(tensor: torch.Tensor) -> RdtBox | torch.Tensor:
     if tensor.numel() == 0:
         return tensor.cpu()
     tensor = tensor.contiguous()
+    _stream_waits_only(tensor.device)
     _ensure_pool(tensor.device)
     from ray.experimental.rdt.nixl_memory_pool import NixlOutOfMemoryError
 
@@ -140,6 +141,7 @@ def rdt_box_rows(rows: torch.Tensor) -> tuple[RdtBox | torch.Tensor, Callable[[]
     if rows.numel() == 0:
         return rows.cpu(), _nothing
     rows = rows.contiguous()
+    _stream_waits_only(rows.device)
     send = slab("send", rows.device)
     taken = send.take(rows.numel() * rows.element_size())
     if taken is None:
@@ -182,6 +184,9 @@ def rdt_read(boxes: list[RdtBox | torch.Tensor], device: torch.device | str,
     try:
         values = ray.get(refs, timeout=timeout) if refs else []
         copies = iter([value if spot is None else value.clone() for value, spot in zip(values, landed)])
+        if device.type == "cuda" and any(spot is not None for spot in landed):
+            # The clones are queued on the stream: done before the ranges take the next read (one wait per gather).
+            torch.cuda.current_stream(device).synchronize()
     except BaseException:
         for spot in landed:
             if spot is not None:
@@ -227,6 +232,20 @@ def rdt_reading(box: RdtBox | torch.Tensor, device: torch.device | str,
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # the block's kernels are done with the range
         read_slab.give_back(offset)
+
+
+def _stream_waits_only(device: torch.device) -> None:
+    """Ray waits for a CUDA tensor before it registers or pools it: for the whole device unless told a stream
+    (`set_nixl_cuda_stream`). Tell it this process's current stream, where the router's and actors' kernels run."""
+    if device.type != "cuda" or _stream_told:
+        return
+    from ray.experimental import set_nixl_cuda_stream
+
+    set_nixl_cuda_stream(torch.cuda.current_stream(device))
+    _stream_told.append(device)
+
+
+_stream_told: list[torch.device] = []
 
 
 def _ensure_pool(device: torch.device) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .device_rule import cat_to_device
+from .device_rule import cat_to_device, to_device
 from .gating import Routing
 
 # Up to this many pieces, one index_add_ per piece (no copies: the pieces' outputs are views) beats the rank passes,
@@ -95,7 +95,7 @@ def combine_rows(hidden: torch.Tensor, routing: Routing, tokens: torch.Tensor, s
     sizes = torch.bincount(ranks, minlength=k).tolist()  # a device read only for a device routing (the reference)
     # A generator: on one device each rank's rows are gathered just before they are added (no [N, H] temporaries);
     # rows on the host are gathered once and sent up together by _accumulate.
-    groups = ((tokens[rows], weights[rows], outputs.index_select(0, rows.to(outputs.device)))
+    groups = ((tokens[rows], weights[rows], outputs.index_select(0, _index_on(rows, outputs.device)))
               for rows in by_rank.split(sizes) if rows.numel())
     return _accumulate(hidden, groups, same_device=_all_on(hidden.device, tokens, weights, outputs))
 
@@ -115,6 +115,11 @@ def combine_pieces(hidden: torch.Tensor, routing: Routing, pieces: Sequence[Piec
     return _accumulate(hidden, groups, same_device=all(_all_on(hidden.device, *g) for g in groups))
 
 
+def _index_on(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index for device outputs goes up without a wait (a pageable copy would wait for the stream)."""
+    return to_device(index, device) if index.device.type == "cpu" else index.to(device)
+
+
 def _all_on(device: torch.device, *tensors: torch.Tensor) -> bool:
     return all(t.device == device for t in tensors)
 
@@ -132,7 +137,10 @@ def _accumulate(hidden: torch.Tensor, groups: Iterable[tuple[torch.Tensor, torch
         sizes = [t.numel() for t, _, _ in groups]
         tokens = cat_to_device([t.cpu() for t, _, _ in groups], device).split(sizes)
         weights = cat_to_device([w.cpu() for _, w, _ in groups], device).split(sizes)
-        outputs = cat_to_device([y.cpu() for _, _, y in groups], device).split(sizes)
+        ys = [y for _, _, y in groups]
+        # Outputs a device-to-device transport read onto the device stay there; host ones go up with the indices.
+        outputs = (torch.cat(ys) if ys and all(y.device == device for y in ys)
+                   else cat_to_device([y.cpu() for y in ys], device)).split(sizes)
         groups = list(zip(tokens, weights, outputs))
     for tokens, weights, outputs in groups:
         weighted = outputs * weights[:, None]  # [n, H]

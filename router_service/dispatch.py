@@ -26,7 +26,7 @@ import torch
 from ..cluster.breaker import BreakerBoard
 from ..cluster.routing_table import RoutingTable, Shard
 from ..experts.arrays import HostStager, pack
-from ..experts.device_rule import layer_to_host
+from ..experts.device_rule import gather_rows, layer_to_host
 from ..experts.gating import Routing, degrade
 from .call_retry import MAX_CALL_ROUNDS, MAX_LAYER_ATTEMPTS, CallRounds, replan_failed
 from .dispatch_plan import ActorCall, combine, plan_calls
@@ -172,9 +172,13 @@ class RemoteExperts:
     def submit(self, layer: int, hidden: torch.Tensor, routing: Routing) -> PendingLayer:
         """Start a layer's expert round: apply the no-replica policy, plan the calls and send them. The
         retries, failover and combine happen in `wait`; other work can run in between (the decoder's overlap).
-        hidden [T, H] and routing are on the router's device; this is where they cross to the host, once."""
+        hidden [T, H] and routing are on the router's device; this is where they cross to the host, once (the
+        routing alone when the transport sends device rows: the rows are then gathered on the device)."""
         started = time.perf_counter()
-        routing, (host_hidden,) = layer_to_host(routing, [hidden], self.stager, wide=self._needs_probs())
+        device_rows = hidden.device.type != "cpu" and getattr(self.transport, "takes_device_rows", False)
+        routing, staged = layer_to_host(routing, [] if device_rows else [hidden], self.stager,
+                                        wide=self._needs_probs())
+        rows_from = hidden if device_rows else staged[0]
         span = None
         if self.tracer is not None:
             span = self.tracer.start_span("expertmesh.dispatch", attributes={"layer": layer})
@@ -204,12 +208,12 @@ class RemoteExperts:
             calls = plan_calls(layer, served, self.table, self.health.replicas_of(self.table))
             self.profile.since("dispatch.plan", planning)
             hints = self._prefetch_hints(layer, hidden, served) if self.prefetcher is not None else None
-            handles = self._send(layer, host_hidden, calls, range(len(calls)), carrier, hints)
+            handles = self._send(layer, rows_from, calls, range(len(calls)), carrier, hints)
         except BaseException:
             if span is not None:
                 span.end()
             raise
-        pending = PendingLayer(layer, hidden, host_hidden, routing, served, calls, handles, shed, deadline, give_up,
+        pending = PendingLayer(layer, hidden, rows_from, routing, served, calls, handles, shed, deadline, give_up,
                                carrier, span, started)
         pending.busy_s = time.perf_counter() - started
         self.profile.add("dispatch.submit", pending.busy_s)
@@ -237,7 +241,7 @@ class RemoteExperts:
                         served = apply_shed(served, p.shed, self._shed_targets(p.layer, served))
                     calls = plan_calls(p.layer, served, self.table, self.health.replicas_of(self.table))
                     self.profile.since("dispatch.plan", planning)
-                outputs = self._execute(p.layer, p.host_hidden, calls, p.give_up, p.carrier,
+                outputs = self._execute(p.layer, p.rows_from, calls, p.give_up, p.carrier,
                                         p.handles if attempt == 0 else None)
                 if outputs is not None:
                     break
@@ -248,8 +252,9 @@ class RemoteExperts:
             self.degraded_slots += served.degraded
             self.shed_slots += served.shed
             combining = time.perf_counter()
-            # Outputs arrive in host memory and the plan is host bookkeeping: combine sends them to hidden's device
-            # in one batch of non-blocking copies and adds up there.
+            # Outputs arrive in host memory (or on hidden's device, read there by a device-rows transport) and the
+            # plan is host bookkeeping: combine sends what is on the host to hidden's device in one batch of
+            # non-blocking copies and adds up there.
             result = combine(p.hidden, served, calls, outputs)
             self.profile.since("dispatch.combine", combining)
             # Time this thread spent on the round (submit + wait), not the work it did while the round flew.
@@ -310,13 +315,14 @@ class RemoteExperts:
               hints: dict[str, list[Shard]] | None = None):
         """Submit calls[i] for i in `which` through the transport; -> their handles.
         hidden [T, H] is the layer's host copy (submit brought it over with the routing in one wait): every call's
-        rows are gathered from it here, on the host, with no further device work.
+        rows are gathered from it here, on the host, with no further device work. For a transport that sends
+        device rows it is the device hidden itself, and the rows are gathered there (experts/device_rule.py).
         hints: actor -> shards to prefetch; they ride with the actor's call where the transport takes them (refs,
         grpc, socket), otherwise, and for actors without a call, go as `prefetch` calls of their own after the calls."""
         # `trace` only when tracing is on, so a transport without it still works with tracing off.
         extra = {} if trace is None else {"trace": trace}
         sending = time.perf_counter()
-        staged = [hidden[calls[i].tokens] for i in which]  # [n_i, H] each
+        staged = gather_rows(hidden, [calls[i].tokens for i in which])  # [n_i, H] each
         hints = dict(hints or {})
         rides = getattr(self.transport, "takes_prefetch", False)
         handles = []
@@ -324,8 +330,8 @@ class RemoteExperts:
             call = calls[i]
             hint = {"prefetch": hints.pop(call.actor)} if rides and call.actor in hints else {}
             self.prefetch_riding += bool(hint)
-            handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, pack(rows), **extra,
-                                                 **hint))
+            wire = pack(rows) if rows.device.type == "cpu" else rows  # device rows: the transport moves them
+            handles.append(self.transport.submit(call.actor, layer, call.experts, call.counts, wire, **extra, **hint))
         for actor, shards in hints.items():
             handle = self.transport.actors.get(actor)
             if handle is not None:

@@ -19,7 +19,8 @@ class PendingLayer:
 
     layer: int
     hidden: torch.Tensor  # [T, H] on the router's device: where the combine adds up
-    host_hidden: torch.Tensor  # [T, H] the same in host memory: the rows every call sends are gathered from it
+    rows_from: torch.Tensor  # [T, H] where every call's rows are gathered from: the host copy, or `hidden` itself
+    # for a transport that sends device rows (experts/device_rule.py: gather_rows)
     routing: Routing  # as the gate chose, in host memory (experts/device_rule.py)
     served: Routing  # after the no-replica policy
     calls: list[ActorCall]

@@ -42,22 +42,30 @@ class InProcessActors:
 
     takes_prefetch = False
 
-    def __init__(self, table: RoutingTable, experts: GroupedExperts, device: torch.device):
+    def __init__(self, table: RoutingTable, experts: GroupedExperts, device: torch.device, device_rows: bool = False):
         self.table = table
         self.experts = experts
         self.device = device
+        # As the `rdt` transport: a device router's rows come as device tensors, outputs go back onto its device.
+        self.takes_device_rows = device_rows
         self.actors = {name: object() for name in table.actors}
         self.calls = 0
+        self.device_row_calls = 0  # calls whose rows came as device tensors
 
     def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x, **_):
         assert all((layer, e) in self.table.actors[actor] for e in experts), (actor, layer, experts)
         self.calls += 1
+        if isinstance(x, torch.Tensor):  # device rows: only a transport that takes them may be handed them
+            assert self.takes_device_rows and x.device.type != "cpu", x.device
+            self.device_row_calls += 1
+            out = self.experts.run(layer, list(experts), list(counts), x.to(self.device))
+            return out.to(x.device)  # read back onto the router's device
         rows = to_tensor(x).to(self.device)  # [sum(counts), H]
         out = self.experts.run(layer, list(experts), list(counts), rows)
         return pack(out.cpu())
 
     def gather_settled(self, handles, timeout: float):
-        return [to_tensor(h) for h in handles]
+        return [h if isinstance(h, torch.Tensor) else to_tensor(h) for h in handles]
 
 
 @dataclass
@@ -76,6 +84,7 @@ class StepSetup:
     observe: bool | None = None
     # Decode steps replayed as CUDA graphs (experts/decode_graphs.py); None: eager. Only on a (fake) CUDA device.
     cuda_graphs: GraphSettings | None = None
+    device_rows: bool = False  # the in-process transport takes device rows, as `rdt` does
 
 
 def build_router(model_dir: Path, device: torch.device | str, dtype: torch.dtype,
@@ -96,7 +105,7 @@ def build_router(model_dir: Path, device: torch.device | str, dtype: torch.dtype
                                for e in range(a * per_actor, min(cfg.num_experts, (a + 1) * per_actor))]
               for a in range(setup.actors)}
     table = RoutingTable.from_actor_shards(layout)
-    backend = RemoteExperts(table, InProcessActors(table, experts, actor_device), setup.failover)
+    backend = RemoteExperts(table, InProcessActors(table, experts, actor_device, setup.device_rows), setup.failover)
     kv = (settings_for(device, setup.kv_cache_gb, setup.gpu_memory_utilization) if device.type == "cuda"
           else KVCacheSettings(max_tokens=4096))
     model = MoEDecoder(cfg, dense, backend, setup.capacity_factor, overlap=setup.overlap, kv_cache=kv,

@@ -8,7 +8,8 @@ decoder with its dense weights, paged KV pool, gates and sampling on cuda:0 in b
 `RemoteExperts` to in-process expert actors computing on the GPU, against the in-process reference on the CPU in
 the same dtype: logits within bf16 tolerance (fp32: 1e-4) and greedy tokens equal; served through the continuous batcher
 (chunked prefill, seeded sampling at temperature > 0) twice with the same tokens, and a resumed stream equal to the
-uninterrupted one; the paged pool sized by --gpu-memory-utilization. The same scenarios run under the fake-CUDA
+uninterrupted one; the device-rows dispatch path (`rdt`'s) equal to the host-staged one bit for bit; the paged pool
+sized by --gpu-memory-utilization. The same scenarios run under the fake-CUDA
 double in CPU CI (tests/unit/test_router_step_fake_cuda.py).
 """
 
@@ -125,6 +126,29 @@ def check_pool(model_dir: Path, utilization: float, say) -> bool:
     return passed
 
 
+def check_device_rows(model_dir: Path, utilization: float, say) -> bool:
+    """The device-to-device dispatch path (`rdt`'s: rows gathered on the GPU, outputs combined there) against the
+    host-staged one, on this GPU: the same logits bit for bit, and every call handed device rows."""
+    ok = True
+    for dtype in (torch.bfloat16, torch.float32):
+        runs = {}
+        for device_rows in (False, True):
+            _release()
+            model, backend = build_router(model_dir, "cuda", dtype,
+                                          StepSetup(gpu_memory_utilization=utilization, device_rows=device_rows))
+            runs[device_rows] = (prefill_then_decode(model, prompts(model.cfg.vocab_size)),
+                                 backend.transport.device_row_calls, backend.transport.calls)
+            del model, backend
+        (host, _, _), (device, row_calls, calls) = runs[False], runs[True]
+        same = all(torch.equal(a, b) for a, b in zip(host, device))
+        passed = same and row_calls == calls > 0
+        ok &= passed
+        say(f"{'PASS' if passed else 'FAIL'} device rows on cuda, {str(dtype)[6:]}: logits "
+            f"{'equal' if same else 'DIFFER'} to the host-staged path, {row_calls}/{calls} calls took device rows")
+    _release()
+    return ok
+
+
 def cuda_banner() -> bool:
     """Print the GPU scripts' first line: torch, CUDA and the device, or SKIP without one. -> whether CUDA is there."""
     if not torch.cuda.is_available():
@@ -146,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         dirs = {f: write_checkpoint(f, Path(tmp) / f) for f in args.families.split(",")}
         for family, model_dir in dirs.items():
             ok &= check_family(family, model_dir, args.gpu_memory_utilization, lambda line: print(line, flush=True))
-        ok &= check_pool(next(iter(dirs.values())), args.gpu_memory_utilization, lambda line: print(line, flush=True))
+        first = next(iter(dirs.values()))
+        ok &= check_device_rows(first, args.gpu_memory_utilization, lambda line: print(line, flush=True))
+        ok &= check_pool(first, args.gpu_memory_utilization, lambda line: print(line, flush=True))
     return 0 if ok else 1
 
 

@@ -24,9 +24,10 @@ actor is dead (dispatch marks it dead and re-sends), else into ExpertUnreachable
 elsewhere); a hung actor's call times out within the step (the user timeout of every get). No group to rebuild: a
 restored replica is a new handle in `actors`, the next call goes to it.
 
-Dispatch hands this transport host rows (HostTensor) and combines host outputs today, so outputs are read into host
-memory (`set_target_device_for_ref(..., "cpu")`); letting a GPU router put its device rows and read outputs onto its
-device is a change in dispatch (the layer's `layer_to_host`), left for after its refactor.
+Rows on a GPU router stay on its GPU (`takes_device_rows`): dispatch moves only the routing to the host and gathers
+each call's rows on the device (experts/device_rule.py: gather_rows); they are copied into the router's device send
+slab and read by the actor straight into its own device memory; outputs are read back into the router's device read
+slab, then combined there. A host router (a CPU, or a dispatch that staged the rows) puts and reads host memory.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from .grpc import liveness_error
 log = logging.getLogger(__name__)
 
 WARMUP_TIMEOUT_S = 120.0
-OUTPUT_DEVICE = "cpu"  # dispatch combines host outputs today (see the module docstring)
+HOST = torch.device("cpu")
 NIXL_MISSING = ("transport: 'rdt' moves tensors with NIXL (Ray Direct Transport's one-sided transport), which is not "
                 "installed here: pip install 'expertmesh[rdt]' (or nixl) on the router's and every expert node")
 
@@ -68,10 +69,12 @@ class RdtCall:
     actor: str
     result: ray.ObjectRef
     give_back: Callable[[], None] = field(default=lambda: None)
+    device: torch.device = HOST  # where the output is read to: where the rows came from
 
 
 class RdtTransport:
     takes_prefetch = True  # hints ride with the call (ExpertActor.forward_rdt's `prefetch=`)
+    takes_device_rows = True  # a GPU router's rows go as they are, outputs come back onto its device
 
     def __init__(self, actors: dict[str, ray.actor.ActorHandle]):
         if not rdt_available():
@@ -93,20 +96,24 @@ class RdtTransport:
                 log.warning("rdt warm-up of %s failed: %s: %s", name, type(result).__name__, result)
         give_back()
 
-    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor,
+    def submit(self, actor: str, layer: int, experts: list[int], counts: list[int], x: HostTensor | torch.Tensor,
                trace: dict[str, str] | None = None, prefetch: list | None = None) -> RdtCall:
-        rows, give_back = rdt_box_rows(to_tensor(x))  # [n, H] in the send slab (an empty tensor travels itself)
+        """x: the call's [n, H] rows, host bytes or (a GPU router's) device rows; the output is read back to
+        the same place."""
+        rows = x if isinstance(x, torch.Tensor) else to_tensor(x)  # [n, H]
+        device = HOST if rows.device.type == "cpu" else rows.device
+        boxed, give_back = rdt_box_rows(rows)  # copied into the send slab (an empty tensor travels itself)
         extra: dict = {}
         if trace is not None:
             extra["trace"] = trace
         if prefetch is not None:
             extra["prefetch"] = prefetch
         try:
-            result = self.actors[actor].forward_rdt.remote(layer, experts, counts, rows, **extra)
+            result = self.actors[actor].forward_rdt.remote(layer, experts, counts, boxed, **extra)
         except BaseException:
             give_back()
             raise
-        return RdtCall(actor, result, give_back)
+        return RdtCall(actor, result, give_back, device)
 
     def gather_settled(self, handles: list[RdtCall], timeout: float) -> list[torch.Tensor | BaseException]:
         try:
@@ -119,10 +126,11 @@ class RdtTransport:
         deadline = time.monotonic() + timeout
         calls = [h.result for h in handles]
         ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout)
-        if len(ready) == len(calls):
+        if len(ready) == len(calls) and len({h.device for h in handles}) <= 1:
             try:
                 # The common case: every call succeeded; start every read at once and wait for them together.
-                return rdt_read(ray.get(calls), OUTPUT_DEVICE, max(0.0, deadline - time.monotonic()))  # [n_i, H]
+                device = handles[0].device if handles else HOST
+                return rdt_read(ray.get(calls), device, max(0.0, deadline - time.monotonic()))  # [n_i, H]
             except Exception:  # some call or read failed: sort out which, one by one
                 pass
         finished = set(ready)
@@ -141,7 +149,7 @@ class RdtTransport:
         except Exception as exc:  # the actor died, its node went away, or its code raised: Ray's own error
             return exc
         try:
-            (value,) = rdt_read([out], OUTPUT_DEVICE, max(0.0, deadline - time.monotonic()))  # [n, H]
+            (value,) = rdt_read([out], handle.device, max(0.0, deadline - time.monotonic()))  # [n, H]
             return value
         except ray.exceptions.GetTimeoutError:
             return TimeoutError(f"reading {handle.actor}'s output did not finish in time")
