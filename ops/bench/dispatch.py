@@ -100,16 +100,34 @@ def device_reads(mesh, model_dir: Path, dtype: torch.dtype, model: dict = MIXTRA
     dense weights, KV pool and gates on a fake GPU (ops/fake_cuda: CUDA's device rules on the CPU, every
     device->host read and wait counted) against the mesh's live expert actors: one prefill forward and one decode
     step of the decode workload. -> per phase: waits and reads per MoE layer, and where they happen."""
+    n, ctx = decode["sequences"], decode["context"]
+    ids = torch.randint(0, model["vocab"], (n, ctx), generator=torch.Generator().manual_seed(1))
+    out: dict = {"method": "router step on a fake GPU (ops/fake_cuda) against the live expert actors",
+                 "sequences": n, "context": ctx}
+    transport = mesh.backend.transport
+    if getattr(transport, "takes_device_rows", False):
+        # NIXL cannot register a fake GPU's memory: the step stages its rows to the host here. The device-rows
+        # path's own count is tests/unit/test_router_step_fake_cuda.py's (the routing's one wait per layer).
+        transport.takes_device_rows = False
+        out["device_rows"] = "staged to the host on the fake GPU (NIXL needs real device memory)"
+    try:
+        out |= _counted_step(mesh, model_dir, dtype, ids)
+    finally:
+        if "device_rows" in out:
+            del transport.takes_device_rows  # the class's answer again
+    return out
+
+
+def _counted_step(mesh, model_dir: Path, dtype: torch.dtype, ids: torch.Tensor) -> dict:
+    """One prefill forward of ids [n, ctx] and one decode step on a fake GPU, every read counted -> per phase."""
     from ...experts.checkpoint import CheckpointReader
     from ...experts.kv_cache import KVCacheSettings
     from ...experts.modeling import MoEDecoder
     from ...experts.weights import load_dense_weights
     from ..fake_cuda import fake_cuda
 
-    n, ctx = decode["sequences"], decode["context"]
-    ids = torch.randint(0, model["vocab"], (n, ctx), generator=torch.Generator().manual_seed(1))
-    out: dict = {"method": "router step on a fake GPU (ops/fake_cuda) against the live expert actors",
-                 "sequences": n, "context": ctx}
+    n, ctx = ids.shape
+    out: dict = {}
     with fake_cuda() as fc:
         reader = CheckpointReader(model_dir)
         decoder = MoEDecoder(reader.config, load_dense_weights(reader, dtype, device="cuda"), mesh.backend,
