@@ -113,8 +113,19 @@ class TransportProfile:
 # each call shares the same 2 cores), so the GPU node's issue costs below are estimates under it.
 MEASURED_EMPTY_ROUND_S = {"refs": 9.3e-3, "grpc": 8.664e-3, "compiled": 3.965e-3, "socket": 0.243e-3}
 MEASURED_ACTORS = 8
+# rdt as built (Ray Direct Transport over NIXL, router_service/transports/rdt.py): a classic Ray actor call carries
+# each call, and Ray's RDT adds its own work around it: a put on each side (serialising the object, registering it
+# with its owner), a metadata fetch and a polled one-sided read on each side (Ray polls a read every 1 ms). Measured
+# on this 2-core box, one call of 8 rows to one actor, alone in flight (`expertmesh bench dispatch --transport rdt`,
+# one_call_ms; docs/benchmarks/results/bench/dispatch_rdt_one_call.json): 14.4 ms against 8.5 ms for a plain Ray call
+# carrying the same rows inline, 5.96 ms more. That extra is host work, taken at a server core's host speed (2).
+RDT_MEASURED_EXTRA_S = 5.96e-3
+GPU_NODE_HOST_SPEED = _HOPPER["host_speed"]
+# The router's put of a call's rows, ~1.3 ms of its CPU here (profiled), is serial per further call.
+RDT_PUT_S = 1.3e-3
 # estimate: the router's serial work per further call on a server core (submit / serialise / write)
-ISSUE_S = {"refs": 100e-6, "grpc": 50e-6, "compiled": 20e-6, "socket": 10e-6, "rdt": 20e-6}
+ISSUE_S = {"refs": 100e-6, "grpc": 50e-6, "compiled": 20e-6, "socket": 10e-6,
+           "rdt": 100e-6 + RDT_PUT_S / GPU_NODE_HOST_SPEED}
 
 
 def gpu_transports() -> dict[str, TransportProfile]:
@@ -135,11 +146,10 @@ def gpu_transports() -> dict[str, TransportProfile]:
                                  source="estimate"),
         "socket": TransportProfile("socket", 60e-6, issue["socket"], host_copies=1, device_direct=False,
                                    source="estimate"),
-        # rdt (Ray Direct Transport, NCCL / CUDA IPC; being built): rows stay on the devices; control assumed on a
-        # compiled-graph-like path (~87 us) + one NCCL send/recv launch. Estimate; if its control is a classic actor
-        # call, add ~880 us.
-        "rdt": TransportProfile("rdt", 87e-6 + 20e-6, issue["rdt"], host_copies=0, device_direct=True,
-                                source="estimate (compiled-graph control + NCCL p2p)"),
+        # rdt: rows stay on the devices (NVLink), but each call is a classic Ray call plus Ray's RDT work (above).
+        "rdt": TransportProfile("rdt", 969e-6 + RDT_MEASURED_EXTRA_S / GPU_NODE_HOST_SPEED, issue["rdt"],
+                                host_copies=0, device_direct=True,
+                                source="Ray docs: classic actor call 969 us + RDT's per-call work measured here / 2"),
     }
 
 

@@ -46,7 +46,8 @@ def tensor_parallel_b1_estimate(m: ModelShape, hw: HardwareProfile, gpus: int) -
 def prediction_rows(models: dict[str, ModelShape] | None = None, gpus: tuple[str, ...] = ("H100", "H200"),
                     transports: tuple[str, ...] = TRANSPORTS, batches: tuple[int, ...] = BATCHES,
                     gpus_per_node: int = 8, context: int = CONTEXT, overlap: bool | str = "auto") -> list[dict]:
-    """One row per (model, GPU, batch): the layout that fits, tokens/s per transport, the rdt layer breakdown."""
+    """One row per (model, GPU, batch): the layout that fits, tokens/s per transport, the fastest one's layer
+    breakdown."""
     rows = []
     tr = gpu_transports()
     for key, m in (models or MODELS).items():
@@ -66,9 +67,9 @@ def prediction_rows(models: dict[str, ModelShape] | None = None, gpus: tuple[str
                     pred = predict_step(Profile(m, hw, tr[name], layout), step, overlap)
                     row["tokens_per_s"][name] = round(pred.tokens_per_s, 1)
                     row["overlap"][name] = pred.overlap
-                best = "rdt" if "rdt" in transports else transports[0]
+                best = max(row["tokens_per_s"], key=row["tokens_per_s"].get)  # the fastest transport here
                 parts = moe_layer_time(Profile(m, hw, tr[best], layout), step)
-                row["layer_us"] = {"transport": best, **{k: round(v * 1e6, 1) for k, v in vars(parts).items()},
+                row["layer_us"] = {"via": best, **{k: round(v * 1e6, 1) for k, v in vars(parts).items()},
                                    "total": round(parts.total * 1e6, 1)}
                 if b == 1:
                     row["tp_b1_estimate"] = round(tensor_parallel_b1_estimate(m, hw, gpus_per_node), 1)
@@ -121,14 +122,14 @@ def markdown_table(rows: list[dict] | None = None) -> str:
 
 
 def markdown_layers(rows: list[dict] | None = None) -> str:
-    """Per MoE layer, the rdt transport's components (us) for every row that fits."""
+    """Per MoE layer, the fastest transport's components (us) for every row that fits."""
     rows = prediction_rows() if rows is None else rows
     parts = ("router_dense", "plan", "transport", "expert", "combine", "total")
-    lines = ["| model | GPUs | batch | " + " | ".join(p.replace("_", " ") for p in parts) + " |",
-             "|---" * (3 + len(parts)) + "|"]
+    lines = ["| model | GPUs | batch | fastest transport | " + " | ".join(p.replace("_", " ") for p in parts) + " |",
+             "|---" * (4 + len(parts)) + "|"]
     for r in rows:
         if "layer_us" in r:
-            lines.append(f"| {r['model']} | {r['hardware']} | {r['batch']} | "
+            lines.append(f"| {r['model']} | {r['hardware']} | {r['batch']} | {r['layer_us']['via']} | "
                          + " | ".join(f"{r['layer_us'][p]:,.0f}" for p in parts) + " |")
     return "\n".join(lines)
 
@@ -141,17 +142,21 @@ def markdown_targets() -> str:
 
 
 def what_if(context: int = CONTEXT) -> list[dict]:
-    """Single-stream tokens/s (rdt) without the router's decode graphs, as modelled (with them), and when the
-    biggest fixed costs left go: every launch (the expert side's too), the router's host planning (planning on the
-    device: infinite host speed), both. Where the targets would come from."""
+    """Single-stream tokens/s with the fastest transport there, without the router's decode graphs, as modelled
+    (with them), and when the biggest fixed costs left go: every launch (the expert side's too), the router's host
+    planning (planning on the device: infinite host speed), both. Where the targets would come from."""
     from dataclasses import replace
 
     out = []
-    tr = gpu_transports()["rdt"]
+    transports = gpu_transports()
     cases = [("Mixtral-8x7B, 8xH100", MODELS["mixtral-8x7b"], GPUS["H100"], 8),
              ("Qwen3-30B-A3B, 1xH200", MODELS["qwen3-30b-a3b"], GPUS["H200"], 1)]
     for label, m, hw, gpus in cases:
         layout, _ = node_layout(m, hw, gpus, 1, context)
+        name = max(transports, key=lambda t: predict_step(Profile(m, hw, transports[t], layout),
+                                                           StepShape(1, 1, context)).tokens_per_s)
+        tr = transports[name]
+        label = f"{label}, {name}"
         variants = {"eager (no CUDA graphs)": replace(hw, graph_launch_s=None), "as modelled": hw,
                     "no launch overhead": replace(hw, op_overhead_s=0.0, graph_launch_s=0.0),
                     "no host planning": replace(hw, host_speed=float("inf")),
@@ -166,7 +171,7 @@ def what_if(context: int = CONTEXT) -> list[dict]:
 def markdown_what_if() -> str:
     rows = what_if()
     keys = [k for k in rows[0] if k != "case"]
-    lines = ["| rdt, batch 1 | " + " | ".join(keys) + " |", "|---" * (1 + len(keys)) + "|"]
+    lines = ["| batch 1, fastest transport | " + " | ".join(keys) + " |", "|---" * (1 + len(keys)) + "|"]
     for r in rows:
         lines.append(f"| {r['case']} | " + " | ".join(f"{r[k]:,.1f}" for k in keys) + " |")
     return "\n".join(lines)

@@ -80,6 +80,7 @@ def run_dispatch_bench(params: DispatchParams = DispatchParams(), verbose: bool 
             result["noop_round_ms"] = _noop_round_ms(mesh)
             result["transport_round_ms"] = _transport_round_ms(mesh, hidden=model["hidden"])
             result["transport_round_vs_noop"] = round(result["transport_round_ms"] / result["noop_round_ms"], 3)
+            result["one_call_ms"] = _one_call_ms(mesh, hidden=model["hidden"])
             if params.workload in ("prefill", "both"):
                 say("prefill ...")
                 result["prefill"] = with_noop_floor(_bench_prefill(hf, mesh, params), result["noop_round_ms"])
@@ -186,6 +187,43 @@ def _transport_round_ms(mesh, rounds: int = 20, hidden: int = MIXTRAL["hidden"])
         if failed:
             raise RuntimeError(f"empty expert round failed: {failed[0]!r}")
     return median_ms(times)
+
+
+def _one_call_ms(mesh, rows: int = 8, calls: int = 60, hidden: int = MIXTRAL["hidden"]) -> dict:
+    """One call of `rows` rows to one expert actor, alone in flight: through the mesh's transport, and as a plain
+    Ray call carrying the same rows inline (ExpertActor.forward, the refs transport's call) -> median ms each and
+    the difference. The cost model's GPU profile of a transport Ray calls carry (rdt) adds this difference, which
+    is the transport's own per-call work, to a published classic Ray call (cluster/cost_profiles.py)."""
+    import ray
+
+    from ...experts.arrays import pack
+
+    transport = mesh.router.transport
+    name, shards = next(iter(mesh.router.spec.actor_shards.items()))
+    layer, expert = shards[0]
+    x = torch.randn(rows, hidden, dtype=mesh.model.dtype, generator=torch.Generator().manual_seed(2))
+    packed = pack(x)
+    handle = mesh.actors[name]
+
+    def through_transport():
+        (out,) = transport.gather_settled([transport.submit(name, layer, [expert], [rows], packed)], 30.0)
+        if isinstance(out, BaseException):
+            raise RuntimeError(f"one-call probe failed: {out!r}")
+
+    def plain_ray_call():
+        ray.get(handle.forward.remote(layer, [expert], [rows], packed), timeout=30)
+
+    times: dict[str, list[float]] = {"transport": [], "ray_call_inline": []}
+    for i in range(calls + 5):  # 5 warm-up calls each, then alternating so drift hits both alike
+        for key, fn in (("transport", through_transport), ("ray_call_inline", plain_ray_call)):
+            started = time.perf_counter()
+            fn()
+            if i >= 5:
+                times[key].append(time.perf_counter() - started)
+    out = {key: median_ms(v) for key, v in times.items()}
+    out["rows"] = rows
+    out["extra_ms"] = round(out["transport"] - out["ray_call_inline"], 3)
+    return out
 
 
 def _compute_cpu_s(mesh) -> float:
