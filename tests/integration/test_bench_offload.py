@@ -76,3 +76,7 @@ def test_dispatch_bench_counts_the_routers_device_reads_per_moe_layer():
         assert reads[phase]["waits_per_moe_layer"] == 1.0, reads[phase]
         assert reads[phase]["reads_per_moe_layer"] == 1.0, reads[phase]["sites"]
     assert result["decode"]["max_abs_logit_diff"] <= 1e-4
+    # One call through the transport against a plain Ray call with the same rows (the cost model's rdt input).
+    one = result["one_call_ms"]
+    assert one["transport"] > 0 and one["ray_call_inline"] > 0 and one["rows"] == 8
+    assert one["extra_ms"] == round(one["transport"] - one["ray_call_inline"], 3)
