@@ -10,8 +10,8 @@ Memory registered once per process, never per call. NIXL reads out of and into r
 registered for one call and deregistered after it costs a registration each time and, worse, bumps this process's
 NIXL metadata version, so every peer disconnects from it and reloads its metadata before its next read (Ray 2.60
 `nixl_tensor_transport.py`: `remove_remote_agent` on a version change). So:
-- what a process *sends*: the router's rows go through a send slab it carves itself (`SendSlab`: the router knows when
-  a call is over and gives the range back then); an actor's outputs go through Ray's NIXL memory pool
+- what a process *sends*: the router's rows go through a send slab it carves itself (`slab("send", device)`: the
+  router knows when a call is over and gives the range back then); an actor's outputs go through Ray's NIXL memory pool
   (`register_nixl_memory_pool`: Ray frees a put's range when its ref goes out of scope, which only Ray knows);
 - what a process *reads* lands in a receive slab (`rdt_read`, `rdt_reading`).
 A tensor that does not fit takes the old way: registered for its own put or read, deregistered after.

@@ -123,6 +123,24 @@ def test_rdt_puts_and_reads_memory_registered_once(routers):
         assert counters == {"slab_misses": 0, "pool_misses": 0, "retired_reads": 0} and version == 0, name
 
 
+def test_rdt_rows_and_outputs_too_big_for_the_slabs_take_the_per_call_way(routers, monkeypatch):
+    """The router's send and read slabs full (here: 64 bytes): the rows are registered for their own put and the
+    output read into a fresh buffer, and the call gives the same output as through the slabs."""
+    from expertmesh.experts import rdt_box
+
+    transport: RdtTransport = routers["rdt"].transport
+    name = "expert-e0-r0"
+    rows = pack(torch.randn(5, transport_hidden(routers), generator=torch.Generator().manual_seed(3)))
+    (want,) = transport.gather_settled([transport.submit(name, 0, [0], [5], rows)], timeout=60)
+    tiny = {role: rdt_box.RegisteredSlab(64, torch.device("cpu")) for role in ("send", "read")}
+    monkeypatch.setattr(rdt_box, "slab", lambda role, device: tiny[role])
+    before = dict(rdt_box.stats)
+    (got,) = transport.gather_settled([transport.submit(name, 0, [0], [5], rows)], timeout=60)
+    assert torch.equal(got, want)
+    assert rdt_box.stats["slab_misses"] == before["slab_misses"] + 2  # the rows' put and the output's read
+    assert all(s.ranges.taken == 0 for s in tiny.values())
+
+
 def test_expert_grpc_servers_listen_on_the_node_ip_and_want_the_cluster_secret(routers):
     """Issue 18 item 13: each actor's gRPC server listens on its node's cluster IP, not every interface, and a
     caller without the cluster secret (kept in Ray's GCS) is refused with UNAUTHENTICATED. The router's transport
