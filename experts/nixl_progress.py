@@ -14,6 +14,10 @@ a delay of 0 with PROGRESS_WAIT_US. Processes that never make an agent are unaff
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger(__name__)
+
 PROGRESS_WAIT_US = 1000  # poll() takes milliseconds: NIXL rounds this up to 1 ms
 
 
@@ -24,7 +28,11 @@ def quiet_nixl_progress_thread() -> bool:
         import nixl._api as api
     except ImportError:
         return False
-    config = api.nixlBind.nixlAgentConfig
+    config = getattr(getattr(api, "nixlBind", None), "nixlAgentConfig", None)
+    if config is None:  # another NIXL whose Python is laid out differently: leave it as it is, and say so
+        log.warning("NIXL's agent config is not where nixl 1.5 keeps it: its progress thread may spin while idle "
+                    "(experts/nixl_progress.py)")
+        return True
     if getattr(config, "expertmesh_quiet", False):
         return True
 
