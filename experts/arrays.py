@@ -45,7 +45,7 @@ def torch_dtype_of(name: str) -> torch.dtype:
 
 def bits_dtype(name: str) -> np.dtype:
     """The numpy integer type that carries a `name` tensor's bytes."""
-    return _NP_BITS[torch.empty(0, dtype=torch_dtype_of(name)).element_size()]
+    return _NP_BITS[torch_dtype_of(name).itemsize]  # no tensor built: this runs for every call a router sends
 
 
 def pack(tensor: torch.Tensor) -> HostTensor:
