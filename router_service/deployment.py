@@ -44,7 +44,7 @@ from .errors import RequestError, check_token_ids
 from .event_batches import batched_events
 from .expert_pool import connect_actors
 from .grammar_mask import grammar_tokenizer
-from .prefetch import prefetch_note
+from .prefetch import prefetch_gauge, prefetch_note
 from .proto_mapping import ApiError
 from .router import Router
 from .startup import start_mesh
@@ -419,7 +419,9 @@ class RouterDeployment:
 
     def _batcher_gauges(self) -> dict:
         s = self.batcher.stats()
-        return {"expertmesh_queue_depth": s["waiting"], "expertmesh_active_sequences": s["active"],
+        hints = prefetch_gauge(self.router.backend.prefetcher)
+        return {**({} if hints is None else {"expertmesh_prefetch_hints": hints}),
+                "expertmesh_queue_depth": s["waiting"], "expertmesh_active_sequences": s["active"],
                 "expertmesh_kv_cache_sequences": s["live_caches"],
                 "expertmesh_kv_cache_bytes": self.batcher.kv_cache_bytes(),
                 "expertmesh_kv_blocks_free": s.get("kv_blocks_free", 0),

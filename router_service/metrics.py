@@ -95,6 +95,9 @@ METRIC_SPECS: dict[str, MetricSpec] = {s.name: s for s in [
     MetricSpec("expertmesh_kv_blocks_cached", "gauge", "Paged KV cache blocks a prefix lookup can find (held or free)"),
     MetricSpec("expertmesh_prefix_cache_hit_rate", "gauge", "Share of admitted prompt tokens served from the prefix "
                "cache since start"),
+    MetricSpec("expertmesh_prefetch_hints", "gauge", "Gate prefetch hints: 1 sent, 0 withheld by the prefetch "
+               "governor (its last measurement found decode steps faster without them), -1 measuring before its "
+               "first verdict; absent with prefetch off"),
     MetricSpec("expertmesh_expert_shards_per_request", "gauge", "Distinct (layer, expert) shards the steps called, "
                "over finished requests, since start (expert loads per request)"),
     MetricSpec("expertmesh_load_std", "gauge", "Std-dev of shard load across a layer's experts (window)", ("layer",)),

@@ -131,3 +131,16 @@ def prefetch_note(prefetcher: NextLayerPredictor | None) -> str:
              f", held {governor.hold} steps ({governor.held} done)")
     return (f"{prefetcher.mode}, {state}: {last['on_s_per_row'] * 1e3:.1f} ms per sequence-row with them, "
             f"{last['off_s_per_row'] * 1e3:.1f} without{again}")
+
+
+def prefetch_gauge(prefetcher: NextLayerPredictor | None) -> float | None:
+    """The `expertmesh_prefetch_hints` gauge: 1 while gate hints are sent (no governor, or its verdict is on), 0
+    while the governor withholds them, -1 while it measures before its first verdict; None when prefetch is off."""
+    if prefetcher is None:
+        return None
+    governor = prefetcher.governor
+    if governor is None:
+        return 1.0
+    if not governor.verdicts:
+        return -1.0
+    return 1.0 if governor.verdict else 0.0

@@ -204,3 +204,17 @@ def test_router_stats_and_status_say_whether_hints_are_on_and_why():
     note = prefetch_note(p)
     assert note == "history, hints off: 7.5 ms per sequence-row with them, 5.0 without, held 10 steps (0 done)", note
     assert prefetch_line(admin_pb2.RouterStats(prefetch=note)) == f"prefetch: {note}"
+
+
+def test_the_prefetch_hints_gauge_follows_the_governors_verdict():
+    from expertmesh.router_service.prefetch import prefetch_gauge
+
+    assert prefetch_gauge(None) is None  # prefetch off: no series
+    assert prefetch_gauge(NextLayerPredictor("history", [0, 1])) == 1.0  # no governor: hints always go
+    gov = PrefetchGovernor(SETTINGS)
+    p = NextLayerPredictor("history", [0, 1], governor=gov)
+    assert prefetch_gauge(p) == -1.0  # measuring, no verdict yet
+    run(gov, MEASURE, lambda on, i: 0.030 if on else 0.020)
+    assert prefetch_gauge(p) == 0.0  # faster without: withheld
+    run(gov, SETTINGS.hold_steps + MEASURE, lambda on, i: 0.020 if on else 0.030)
+    assert prefetch_gauge(p) == 1.0  # measured again, faster with: sent
