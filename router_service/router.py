@@ -88,7 +88,7 @@ class Router:
         self.config = config
         settings = config.router
         self.transport_name = resolve_transport(settings.transport, config.ray.address)
-        self.transport = make_transport(self.transport_name, dict(actors))
+        self.transport = make_transport(self.transport_name, dict(actors), device=self.device)
         self.backend = RemoteExperts(RoutingTable.from_actor_shards(spec.actor_shards), self.transport,
                                      config.failover, reviver=NameReviver(self.transport, spec.names.namespace))
         # Node loss from Ray's node table (router_service/node_watch.py): replicas on a dead node are dead at once

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ray
+import torch
 
 from .base import Transport, check_transport
 from .compiled import CompiledGraphTransport
@@ -12,10 +13,12 @@ from .refs import RayRefTransport
 from .socket import SocketTransport
 
 
-def make_transport(name: str, actors: dict[str, ray.actor.ActorHandle], build_timeout_s: float = 120.0) -> Transport:
+def make_transport(name: str, actors: dict[str, ray.actor.ActorHandle], build_timeout_s: float = 120.0,
+                   device: torch.device | None = None) -> Transport:
     """A transport over `actors` (kept by reference: NameReviver swaps restored replicas into it), warmed up so the
     first step runs at steady-state speed (a compiled graph that is not up within build_timeout_s keeps building
-    in the background while plain Ray calls serve)."""
+    in the background while plain Ray calls serve). device: the router's (rdt warms up the memory its rows and
+    outputs will use there)."""
     check_transport(name)
     if name == "grpc":
         transport = GrpcTransport(actors)
@@ -31,7 +34,7 @@ def make_transport(name: str, actors: dict[str, ray.actor.ActorHandle], build_ti
         return transport
     if name == "rdt":
         transport = RdtTransport(actors)  # refuses, naming the field, where NIXL is not installed
-        transport.warm_up(build_timeout_s)
+        transport.warm_up(build_timeout_s, device)
         return transport
     return RayRefTransport(actors)
 

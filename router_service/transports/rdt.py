@@ -82,16 +82,18 @@ class RdtTransport:
         self.actors = actors  # NameReviver swaps restored replicas in here
         self.failed_reads = 0  # outputs that could not be read (their actor died after computing them)
 
-    def warm_up(self, timeout: float = WARMUP_TIMEOUT_S) -> None:
+    def warm_up(self, timeout: float = WARMUP_TIMEOUT_S, device: torch.device | None = None) -> None:
         """Start NIXL's agent and register the slabs here and in every actor (seconds each under load), reading once
-        each way, so the first step runs at steady-state speed. An actor that fails here fails its first real call
-        the same way."""
-        probe, give_back = rdt_box_rows(torch.zeros(1, 1))
+        each way, so the first step runs at steady-state speed. device: the router's; a GPU router's probe goes
+        from and back to its GPU, so the device slabs it will use are registered before any actor reads from them.
+        An actor that fails here fails its first real call the same way."""
+        on = device if device is not None and device.type != "cpu" else HOST
+        probe, give_back = rdt_box_rows(torch.zeros(1, 1, device=on))
         names = list(self.actors)
         calls = [self.actors[n].rdt_echo.remote(probe) for n in names]
         deadline = time.monotonic() + timeout
         for name, call in zip(names, calls):
-            result = self._read(RdtCall(name, call), deadline)
+            result = self._read(RdtCall(name, call, device=on), deadline)
             if isinstance(result, BaseException):
                 log.warning("rdt warm-up of %s failed: %s: %s", name, type(result).__name__, result)
         give_back()
