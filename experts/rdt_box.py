@@ -99,6 +99,7 @@ class RegisteredSlab:
 _slabs: dict[tuple[str, str], RegisteredSlab] = {}  # (role, device) -> this process's slab
 _slabs_lock = threading.Lock()
 _pool_device: list[torch.device] = []  # the device of this process's Ray NIXL pool, once registered
+_stream_told: list[torch.device] = []  # Ray was told this process's CUDA stream (set_nixl_cuda_stream)
 stats = {"slab_misses": 0, "pool_misses": 0, "retired_reads": 0}  # took the per-call registration path; failed reads
 
 
@@ -162,8 +163,6 @@ def rdt_read(boxes: list[RdtBox | torch.Tensor], device: torch.device | str,
     """The tensors the boxes hold, read at once onto `device` through the receive slab and copied out of it (the
     slab's ranges are free again on return). Empty tensors came as themselves. Raises what the read raised; the
     ranges of a failed read are retired (a late transfer may still land in them)."""
-    from ray.experimental import set_target_device_for_ref, set_target_for_ref
-
     device = torch.device(device)
     read_slab = slab("read", device)
     landed: list[tuple[int, torch.Tensor] | None] = []
@@ -171,15 +170,7 @@ def rdt_read(boxes: list[RdtBox | torch.Tensor], device: torch.device | str,
     for box in boxes:
         if isinstance(box, torch.Tensor):
             continue
-        taken = read_slab.take(box.nbytes)
-        if taken is None:
-            stats["slab_misses"] += 1
-            set_target_device_for_ref(box.ref, device.type)
-            landed.append(None)
-        else:
-            view = box.view_in(taken[1])
-            set_target_for_ref(box.ref, [view])
-            landed.append((taken[0], view))  # keeps the view alive: Ray holds only a weak reference to it
+        landed.append(_aim(box, read_slab, device))  # keeps the view alive: Ray holds only a weak reference to it
         refs.append(box.ref)
     try:
         values = ray.get(refs, timeout=timeout) if refs else []
@@ -207,19 +198,13 @@ def rdt_reading(box: RdtBox | torch.Tensor, device: torch.device | str,
     if isinstance(box, torch.Tensor):
         yield box
         return
-    from ray.experimental import set_target_device_for_ref, set_target_for_ref
-
     device = torch.device(device)
     read_slab = slab("read", device)
-    taken = read_slab.take(box.nbytes)
-    if taken is None:
-        stats["slab_misses"] += 1
-        set_target_device_for_ref(box.ref, device.type)
+    spot = _aim(box, read_slab, device)
+    if spot is None:
         yield ray.get(box.ref, timeout=timeout)
         return
-    offset, flat = taken
-    view = box.view_in(flat)
-    set_target_for_ref(box.ref, [view])
+    offset, _view = spot  # the view stays referenced until the read is done: Ray holds only a weak reference
     try:
         value = ray.get(box.ref, timeout=timeout)
     except BaseException:
@@ -234,6 +219,21 @@ def rdt_reading(box: RdtBox | torch.Tensor, device: torch.device | str,
         read_slab.give_back(offset)
 
 
+def _aim(box: RdtBox, read_slab: RegisteredSlab, device: torch.device) -> tuple[int, torch.Tensor] | None:
+    """Point `box`'s read at a free range of the read slab -> (offset, the tensor's view there); when none is free,
+    at a fresh buffer on `device` (the per-call registration way) -> None."""
+    from ray.experimental import set_target_device_for_ref, set_target_for_ref
+
+    taken = read_slab.take(box.nbytes)
+    if taken is None:
+        stats["slab_misses"] += 1
+        set_target_device_for_ref(box.ref, device.type)
+        return None
+    view = box.view_in(taken[1])
+    set_target_for_ref(box.ref, [view])
+    return taken[0], view
+
+
 def _stream_waits_only(device: torch.device) -> None:
     """Ray waits for a CUDA tensor before it registers or pools it: for the whole device unless told a stream
     (`set_nixl_cuda_stream`). Tell it this process's current stream, where the router's and actors' kernels run."""
@@ -243,9 +243,6 @@ def _stream_waits_only(device: torch.device) -> None:
 
     set_nixl_cuda_stream(torch.cuda.current_stream(device))
     _stream_told.append(device)
-
-
-_stream_told: list[torch.device] = []
 
 
 def _ensure_pool(device: torch.device) -> None:

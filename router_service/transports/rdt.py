@@ -41,13 +41,13 @@ import ray
 import torch
 
 from ...experts.arrays import HostTensor, to_tensor
+from ...experts.device_rule import HOST
 from ...experts.rdt_box import rdt_box_rows, rdt_read
 from .grpc import liveness_error
 
 log = logging.getLogger(__name__)
 
 WARMUP_TIMEOUT_S = 120.0
-HOST = torch.device("cpu")
 NIXL_MISSING = ("transport: 'rdt' moves tensors with NIXL (Ray Direct Transport's one-sided transport), which is not "
                 "installed here: pip install 'expertmesh[rdt]' (or nixl) on the router's and every expert node")
 
